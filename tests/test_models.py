@@ -1,0 +1,109 @@
+import hashlib
+import os
+import time
+
+import pytest
+import torch
+
+from pace_hf import models
+
+
+def _greedy(model, tok, text, max_new_tokens=8):
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_smollm2_loads_and_generates():
+    t0 = time.perf_counter()
+    model, tok = models.load_model("smollm2-135m")
+    print(f"smollm2-135m load: {time.perf_counter() - t0:.1f}s")
+    assert not model.training
+    assert model.dtype == torch.bfloat16
+    text = _greedy(model, tok, "Say hello.", max_new_tokens=5)
+    assert isinstance(text, str) and text.strip()
+
+
+def _fake_spec(tmp_path, payloads, expected):
+    src = tmp_path / "src"
+    src.mkdir()
+    parts = []
+    for i, data in enumerate(payloads):
+        (src / f"part{i:02d}.bin").write_bytes(data)
+        parts.append(models.WheelPart(f"fake-part{i}==0", f"fake_part{i}", f"part{i:02d}.bin"))
+    spec = models.SplitGGUF(
+        filename="fake.gguf", size=len(expected), sha256=hashlib.sha256(expected).hexdigest(), parts=tuple(parts)
+    )
+    return spec, src
+
+
+@pytest.fixture
+def fake_parts(monkeypatch, tmp_path):
+    def install(payloads, expected):
+        spec, src = _fake_spec(tmp_path, payloads, expected)
+        monkeypatch.setitem(models.MODELS, "fake-model", spec)
+        monkeypatch.setattr(models, "_locate_part", lambda part: src / part.relpath)
+
+        def no_pip(reqs):  # pragma: no cover - must never run in these tests
+            raise AssertionError(f"pip called for {reqs}")
+
+        monkeypatch.setattr(models, "_pip_install", no_pip)
+        return spec
+
+    return install
+
+
+def test_reassembly_ok(fake_parts, tmp_path):
+    fake_parts([b"GGUF" + b"a" * 100, b"b" * 50, b"c"], b"GGUF" + b"a" * 100 + b"b" * 50 + b"c")
+    cache = tmp_path / "cache"
+    d, f = models.resolve_gguf("fake-model", cache_dir=cache)
+    assert (cache / f).read_bytes() == b"GGUF" + b"a" * 100 + b"b" * 50 + b"c"
+    assert d == str(cache)
+    # A second call reuses the verified file.
+    assert models.resolve_gguf("fake-model", cache_dir=cache) == (d, f)
+
+
+def test_hash_mismatch_raises_and_leaves_no_file(fake_parts, tmp_path):
+    # Same size, one byte different: only the sha256 catches it.
+    fake_parts([b"GGUF" + b"a" * 100, b"X" * 50], b"GGUF" + b"a" * 100 + b"b" * 50)
+    cache = tmp_path / "cache"
+    with pytest.raises(models.GGUFIntegrityError, match="sha256"):
+        models.resolve_gguf("fake-model", cache_dir=cache)
+    assert list(cache.iterdir()) == []
+
+
+def test_size_mismatch_raises(fake_parts, tmp_path):
+    fake_parts([b"GGUF", b"short"], b"GGUF" + b"longer-than-that")
+    with pytest.raises(models.GGUFIntegrityError, match="bytes"):
+        models.resolve_gguf("fake-model", cache_dir=tmp_path / "c")
+    assert list((tmp_path / "c").iterdir()) == []
+
+
+def test_damaged_cached_file_is_rebuilt(fake_parts, tmp_path):
+    expected = b"GGUF" + b"z" * 64
+    fake_parts([expected[:10], expected[10:]], expected)
+    cache = tmp_path / "cache"
+    d, f = models.resolve_gguf("fake-model", cache_dir=cache)
+    (cache / f).write_bytes(b"GGUF" + b"y" * 64)  # same size, wrong content, stamp now stale
+    models.resolve_gguf("fake-model", cache_dir=cache)
+    assert (cache / f).read_bytes() == expected
+
+
+def test_cache_dir_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("PACE_HF_CACHE", str(tmp_path))
+    assert models.cache_root() == tmp_path
+    assert models.cache_root(tmp_path / "x") == tmp_path / "x"
+
+
+@pytest.mark.slow
+def test_qwen_default_loads_and_answers():
+    t0 = time.perf_counter()
+    model, tok = models.load_model()
+    print(f"qwen2.5-coder-0.5b load: {time.perf_counter() - t0:.1f}s")
+    assert model.config.model_type == "qwen2"
+    assert model.config.num_hidden_layers == 24
+    text = _greedy(model, tok, "What is 2 + 3? Answer with the number only.", max_new_tokens=6)
+    assert "5" in text
