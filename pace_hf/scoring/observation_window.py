@@ -1,0 +1,27 @@
+"""SnapKV: score tokens by the attention of the last ``window`` queries of each forward, pooled.
+
+The scores are recomputed at every forward from the observation window (not accumulated), and
+max-pooled over neighbouring tokens so that a kept token keeps its immediate context.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ObservationWindow:
+    window: int = 32
+    kernel: int = 7
+    needs_attention: bool = True
+
+    def query_window(self, q_len: int) -> int | None:
+        return min(self.window, q_len)
+
+    def update(self, old: torch.Tensor, fresh: torch.Tensor, n_new: int) -> torch.Tensor:
+        if self.kernel <= 1:
+            return fresh
+        flat = fresh.reshape(-1, 1, fresh.shape[-1])
+        pooled = F.max_pool1d(flat, self.kernel, stride=1, padding=self.kernel // 2)
+        return pooled.reshape(fresh.shape)
