@@ -1,0 +1,576 @@
+"""Child side of :mod:`pace_hf.sandbox`: confine this process, run the program, report plain data.
+
+Started by ``pace_hf.sandbox`` as ``python -I -S -B _sandbox_child.py JOB_FD REPORT_FD``. It uses
+the standard library only: the isolated interpreter sees neither site-packages nor ``pace_hf``.
+
+Order matters. Everything the harness needs is imported and bound to closure variables first,
+then the OS-level confinement (namespaces, mounts, rlimits, uid drop), then the audit hook, and
+only then the untrusted program. The program can rebind module globals and builtins, so the code
+that runs after it only uses names captured before it. None of this stops determined in-process
+code from forging a report line; it does not need to, because the parent decides pass/fail
+against expected values this process never sees.
+"""
+
+import builtins
+import decimal
+import json
+import os
+import resource
+import sys
+import _thread
+
+try:  # pre-imported so `import subprocess`/`asyncio` work; fork_exec itself is stubbed below
+    import _posixsubprocess
+except ImportError:  # pragma: no cover - always present on Linux
+    _posixsubprocess = None
+
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 1, 2, 4, 32
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
+
+MAX_VALUE_CHARS = 1_000_000  # JSON size of one returned value
+MAX_EXC_CHARS = 65_536  # JSON size of an exception's args (and, separately, its attributes)
+MAX_DEPTH = 100
+MAX_NODES = 200_000
+MAX_WRITE_OPENS = 64  # files opened for writing per run: with RLIMIT_FSIZE this bounds disk use
+
+# Events that are always refused. Process creation is refused unless the limits allow processes.
+_DENIED_EVENTS = frozenset({
+    "os.kill", "os.killpg", "signal.pthread_kill",
+    "os.link", "os.symlink", "os.setxattr", "os.removexattr", "os.chflags", "os.lchflags",
+    "resource.setrlimit", "resource.prlimit",
+    "sys.addaudithook", "sys.settrace", "sys.setprofile", "sys._current_frames",
+    "sys._current_exceptions", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+    "cpython.PyInterpreterState_New", "setopencode",
+    "sqlite3.enable_load_extension", "sqlite3.load_extension",
+    "os.add_dll_directory", "os.startfile", "webbrowser.open", "ensurepip.bootstrap",
+})
+_DENIED_PREFIXES = ("ctypes.", "_winapi.", "winreg.", "msvcrt.", "syslog.")
+_PROCESS_EVENTS = frozenset({
+    "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
+    "subprocess.Popen", "pty.spawn", "_posixsubprocess.fork_exec",
+})
+# Modules whose import is refused: C-level escape hatches (foreign calls, subinterpreters without
+# our hook, unaudited file/shm creation) and re-imports of os/posix, which would hand out fresh
+# copies of functions the bootstrap stubbed.
+_BLOCKED_IMPORTS = frozenset({
+    "ctypes", "_ctypes", "_xxsubinterpreters", "_xxinterpchannels", "_xxinterpqueues",
+    "_posixsubprocess", "_posixshmem", "_multiprocessing", "_gdbm", "_dbm", "_tkinter",
+    "readline", "_curses", "_curses_panel", "posix", "os",
+})
+_BLOCKED_IMPORT_PREFIXES = ("_test", "_xx")
+# Events the hook sees most often; answered first so the hook stays cheap.
+_FAST_ALLOW = frozenset({
+    "object.__getattr__", "object.__setattr__", "object.__delattr__", "sys._getframe",
+    "exec", "compile", "builtins.id", "marshal.loads", "code.__new__", "function.__new__",
+})
+
+
+def main():
+    job_fd, report_fd = int(sys.argv[1]), int(sys.argv[2])
+    with open(job_fd, "rb") as f:
+        job = json.loads(f.read())
+    report = _make_reporter(report_fd, job["nonce"])
+    calls = job["calls"]
+    try:
+        layers, read_roots = _confine(job)
+        to_plain, describe_exception, type_name = _make_converter()
+        state = [-1]  # index of the call being evaluated (-1: the program itself); read by the hook
+        _install_audit_hook(job["work"], read_roots, job["limits"]["max_processes"] > 0, report, state)
+    except BaseException as e:  # noqa: BLE001 - the parent must get a line per call whatever happened
+        detail = "sandbox setup failed: %s: %s" % (type(e).__name__, str(e)[:300])
+        for i in range(len(calls)):
+            report({"i": i, "status": "error", "detail": detail})
+        os._exit(0)
+    report({"setup": layers})
+    _run_untrusted(job["program"], calls, report, state, to_plain, describe_exception, type_name)
+
+
+def _run_untrusted(program, calls, report, state, to_plain, describe_exception, type_name):
+    """Exec the program as module ``solution``, then evaluate each call; one report per call."""
+    # Captured before the program runs: it may rebind any of these names in builtins.
+    _compile, _exec, _eval, _len, _range, _str = compile, exec, eval, len, range, str
+    _Exception, _BaseException = Exception, BaseException
+    _MemoryError, _RecursionError = MemoryError, RecursionError
+    _exit, _modules, _type = os._exit, sys.modules, type
+
+    def short(e):
+        try:
+            text = _str(e)
+        except _BaseException:  # noqa: BLE001 - hostile __str__
+            text = "?"
+        return type_name(_type(e)) + (": " + text[:300] if text else "")
+
+    module = type(sys)("solution")  # not "__main__": demo blocks must not run
+    _modules["solution"] = module  # dataclasses and typing look their module up here
+    namespace = module.__dict__
+    try:
+        _exec(_compile(program, "<solution>", "exec"), namespace)
+    except _BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, ... included
+        detail = "program failed: " + short(e)
+        for i in _range(_len(calls)):
+            report({"i": i, "status": "error", "detail": detail})
+        _exit(0)
+    report({"ready": True})
+
+    for i in _range(_len(calls)):
+        state[0] = i
+        try:
+            code = _compile(calls[i], "<call %d>" % i, "eval")
+        except _BaseException as e:  # noqa: BLE001
+            report({"i": i, "status": "error", "detail": "call does not compile: " + short(e)})
+            continue
+        message = None
+        try:
+            value = _eval(code, namespace)
+        except _MemoryError:
+            message = {"status": "error", "detail": "memory limit exceeded (MemoryError)"}
+        except _RecursionError:
+            message = {"status": "error", "detail": "recursion limit exceeded (RecursionError)"}
+        except _Exception as e:
+            message = {"status": "raised"}
+            message.update(describe_exception(e))
+        except _BaseException as e:  # noqa: BLE001 - not an Exception: never a valid "raised"
+            message = {"status": "error", "detail": "call raised " + short(e)}
+        if message is None:
+            try:
+                message = {"status": "ok", "value": to_plain(value, MAX_VALUE_CHARS)}
+            except _BaseException as e:  # noqa: BLE001 - NotPlain, or MemoryError while copying
+                message = {"status": "error", "detail": "result is not plain data: " + _str(e)[:300]}
+            value = None
+        message["i"] = i
+        if not report(message):
+            report({"i": i, "status": "error", "detail": "result could not be reported"})
+    _exit(0)  # do not wait for threads the program left running, do not run its atexit hooks
+
+
+def _make_reporter(fd, nonce):
+    """Return ``report(dict) -> bool`` that writes one JSON line to the report pipe.
+
+    A lock keeps lines from interleaving when the audit hook reports from another thread."""
+    encode = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode
+    write, lock, _memoryview, _Exception = os.write, _thread.allocate_lock(), memoryview, Exception
+
+    def report(message):
+        message["n"] = nonce
+        try:
+            view = _memoryview((encode(message) + "\n").encode("ascii"))
+        except _Exception:  # noqa: BLE001
+            return False
+        if not lock.acquire(True, 5.0):
+            return False
+        try:
+            while view:
+                view = view[write(fd, view):]
+        except OSError:
+            return False
+        finally:
+            lock.release()
+        return True
+
+    return report
+
+
+def _make_converter():
+    """Return ``(to_plain, describe_exception, type_name)``.
+
+    ``to_plain`` checks exact types (``type(x) is int``), so no program code runs while a value is
+    copied, and subclasses with a forged ``__eq__`` cannot pass for plain data."""
+    _type, _str, _len, _list, _tuple, _dict = type, str, len, list, tuple, dict
+    _bool, _int, _float, _Decimal = bool, int, float, decimal.Decimal
+    _Exception, _BaseException = Exception, BaseException
+    type_name = type.__dict__["__name__"].__get__  # the real name, even under a metaclass property
+    exc_args = BaseException.__dict__["args"].__get__  # the real args, even if `args` is overridden
+    exc_dict = BaseException.__dict__["__dict__"].__get__
+    encode = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode
+
+    class NotPlain(Exception):
+        pass
+
+    def to_plain(x, max_chars):
+        budget = [MAX_NODES, max_chars]
+
+        def walk(x, depth):
+            t = _type(x)
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise NotPlain("more than %d elements" % MAX_NODES)
+            if x is None or t is _bool or t is _float:
+                return x
+            if t is _int:
+                budget[1] -= x.bit_length() // 3  # decimal digits, roughly: refuse before str()
+            elif t is _str:
+                budget[1] -= _len(x)
+            elif t is _Decimal:
+                x = {"__decimal__": _str(x)}
+            elif depth >= MAX_DEPTH:
+                raise NotPlain("nested deeper than %d" % MAX_DEPTH)
+            elif t is _list or t is _tuple:
+                x = [walk(v, depth + 1) for v in x]
+            elif t is _dict:
+                out = {}
+                for k, v in x.items():
+                    if _type(k) is not _str:
+                        raise NotPlain("dict key of type %r" % type_name(_type(k))[:100])
+                    budget[1] -= _len(k)
+                    out[k] = walk(v, depth + 1)
+                if _len(out) == 1 and "__decimal__" in out:
+                    raise NotPlain("a dict with the reserved key '__decimal__'")
+                x = out
+            else:
+                raise NotPlain("value of type %r" % type_name(t)[:100])
+            if budget[1] < 0:
+                raise NotPlain("larger than %d characters" % max_chars)
+            return x
+
+        plain = walk(x, 0)
+        try:
+            size = _len(encode(plain))
+        except _Exception as e:  # noqa: BLE001 - e.g. an int too long for str()
+            raise NotPlain("cannot be encoded (%s)" % type_name(_type(e)))
+        if size > max_chars:
+            raise NotPlain("larger than %d characters of JSON" % max_chars)
+        return plain
+
+    def describe_exception(e):
+        """Type name, args and plain instance attributes; anything not plain becomes None/dropped."""
+        args = []
+        try:
+            for a in _tuple(exc_args(e))[:64]:
+                try:
+                    args.append(to_plain(a, MAX_EXC_CHARS))
+                except _BaseException:  # noqa: BLE001
+                    args.append(None)
+            to_plain(args, MAX_EXC_CHARS)
+        except _BaseException:  # noqa: BLE001
+            args = None
+        attrs = {}
+        try:
+            d = exc_dict(e)
+            if _type(d) is _dict:
+                for k, v in _list(d.items())[:64]:
+                    if _type(k) is _str and not k.startswith("__"):
+                        try:
+                            attrs[k] = to_plain(v, MAX_EXC_CHARS)
+                        except _BaseException:  # noqa: BLE001
+                            pass
+            to_plain(attrs, MAX_EXC_CHARS)
+        except _BaseException:  # noqa: BLE001
+            attrs = {}
+        return {"exc_type": type_name(_type(e))[:200], "exc_args": args, "exc_attrs": attrs}
+
+    return to_plain, describe_exception, type_name
+
+
+def _confine(job):
+    """OS-level confinement, each layer best effort. Returns ``(active layer names, read roots)``.
+
+    As root: new network and mount namespaces, a size-capped tmpfs as the working directory, the
+    standard library bind-mounted where an unprivileged uid can read it, then a drop to a fresh
+    uid (so RLIMIT_NPROC counts, signals to the host fail, and files are protected by the kernel).
+    Resource limits are set before the uid drop, so their hard values cannot be raised again."""
+    limits, work, lib, uid = job["limits"], job["work"], job["lib"], job["uid"]
+    layers = []
+    script_dir = os.path.dirname(os.path.abspath(__file__))
+    stdlib = [p for p in sys.path if p != script_dir and os.path.exists(p)]
+    read_roots = list(stdlib) + ["/usr/share/zoneinfo"]
+    libc = _load_libc()
+    mounted_stdlib = False
+    if libc is not None:
+        if libc.unshare(_CLONE_NEWNET | _CLONE_NEWNS) == 0:
+            layers += ["netns", "mountns"]
+            if _mount_tmpfs_and_stdlib(libc, work, lib, uid, limits, stdlib, layers, read_roots):
+                mounted_stdlib = True
+        elif libc.unshare(_CLONE_NEWNET) == 0:
+            layers.append("netns")
+        elif libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0:
+            layers.append("netns (user namespace)")
+
+    _set_rlimits(limits, uid is not None)
+    layers.append("rlimits")
+
+    if uid is not None and (mounted_stdlib or all(_readable_by_others(p) for p in stdlib)):
+        try:
+            if "tmpfs" not in layers:
+                os.chown(work, uid, uid)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            layers.append("uid %d" % uid)
+        except OSError:
+            pass
+    if libc is not None:
+        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # keeps /proc/self/fd readable after the uid drop
+        libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # set after the uid drop, which clears it
+        if os.getppid() != job["parent_pid"]:
+            os._exit(1)
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]  # a later `import ctypes` then meets the audit hook
+    if _posixsubprocess is not None:
+        _posixsubprocess.fork_exec = _make_fork_exec_stub(_posixsubprocess.fork_exec)
+    os.chdir(work)
+    return layers, read_roots
+
+
+def _load_libc():
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                               ctypes.c_ulong, ctypes.c_char_p]
+        libc.unshare.argtypes = [ctypes.c_int]
+        libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4  # variadic: pass full words
+        return libc
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+def _mount_tmpfs_and_stdlib(libc, work, lib, uid, limits, stdlib, layers, read_roots):
+    """Inside the new mount namespace: tmpfs over ``work`` and the stdlib under ``lib``.
+
+    Nothing is mounted unless propagation to the host was switched off first."""
+    def mount(src, target, fstype, flags, data=None):
+        enc = lambda s: None if s is None else s.encode()  # noqa: E731
+        if libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)) != 0:
+            raise OSError("mount %s failed" % target)
+
+    try:
+        mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+    except OSError:
+        return False
+    owner = "" if uid is None else ",uid=%d,gid=%d" % (uid, uid)
+    try:
+        mount("pace-sandbox", work, "tmpfs", _MS_NOSUID | _MS_NODEV,
+              "size=%dm,mode=0700%s" % (limits["max_disk_mb"], owner))
+        layers.append("tmpfs")
+    except OSError:
+        pass
+    if uid is None or all(_readable_by_others(p) for p in stdlib):
+        return False
+    try:
+        mount("pace-sandbox-lib", lib, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,mode=0755")
+        moved = {}
+        for k, src in enumerate(stdlib):
+            target = "%s/%d" % (lib, k)
+            if os.path.isdir(src):
+                os.mkdir(target)
+            else:
+                open(target, "wb").close()
+            mount(src, target, None, _MS_BIND)
+            try:
+                mount(None, target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+            except OSError:
+                pass
+            moved[src] = target
+    except OSError:
+        return False
+
+    def rehome(path):
+        for src, target in moved.items():
+            if path == src or path.startswith(src + "/"):
+                return target + path[len(src):]
+        return path
+
+    sys.path[:] = [rehome(p) for p in sys.path if p in moved]
+    sys.path_importer_cache.clear()
+    for module in list(sys.modules.values()):
+        search = getattr(module, "__path__", None)
+        if type(search) is list:
+            search[:] = [rehome(p) for p in search]
+    read_roots[:0] = list(moved.values())
+    layers.append("stdlib bind mounts")
+    return True
+
+
+def _readable_by_others(path):
+    """Whether a process with an unrelated uid can reach and read ``path``."""
+    try:
+        st = os.stat(path)
+        if os.path.isdir(path) and st.st_mode & 0o005 != 0o005:
+            return False
+        if not os.path.isdir(path) and not st.st_mode & 0o004:
+            return False
+        parent = os.path.dirname(path)
+        while parent and parent != "/":
+            if not os.stat(parent).st_mode & 0o001:
+                return False
+            parent = os.path.dirname(parent)
+        return True
+    except OSError:
+        return False
+
+
+def _set_rlimits(limits, own_uid):
+    mb = 1024 * 1024
+
+    def cap(which, value):
+        try:
+            resource.setrlimit(which, (value, value))
+        except (ValueError, OSError):
+            soft, hard = resource.getrlimit(which)  # cannot lower the hard limit: lower the soft one
+            resource.setrlimit(which, (min(value, hard) if hard >= 0 else value, hard))
+
+    cap(resource.RLIMIT_AS, limits["memory_mb"] * mb)
+    cap(resource.RLIMIT_FSIZE, limits["max_file_mb"] * mb)
+    cap(resource.RLIMIT_CORE, 0)
+    cap(resource.RLIMIT_NOFILE, 64)
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
+    if own_uid:  # counts threads too, and only for this fresh uid
+        cap(resource.RLIMIT_NPROC, 1 + limits["max_threads"] + limits["max_processes"])
+
+
+def _make_fork_exec_stub(original):
+    """`subprocess` calls this C function directly; route it through the audit hook."""
+    audit = sys.audit
+
+    def fork_exec(*args):
+        audit("_posixsubprocess.fork_exec")
+        return original(*args)
+
+    return fork_exec
+
+
+def _install_audit_hook(work, read_roots, allow_processes, report, state):
+    """Refuse network, process creation, signals, foreign calls and file changes outside ``work``.
+
+    Reads are allowed inside ``work`` and the standard library only. The hook cannot be removed
+    once added. Each refusal raises PermissionError in the program and is also reported to the
+    parent (once per call), which then scores that call as an error even if the program caught
+    the exception."""
+    _type, _str, _bytes, _int, _len = type, str, bytes, int, len
+    _PermissionError, _Exception = PermissionError, Exception
+    getcwd, readlink = os.getcwd, os.readlink
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    default_dir_fds = (None, -1, -100)  # -100: AT_FDCWD
+    denied_events, denied_prefixes = _DENIED_EVENTS, _DENIED_PREFIXES
+    process_events, fast_allow = _PROCESS_EVENTS, _FAST_ALLOW
+    blocked_imports, blocked_import_prefixes = _BLOCKED_IMPORTS, _BLOCKED_IMPORT_PREFIXES
+    work = _normalize(work)
+    work_roots = (work,)
+    read_roots = tuple(_normalize(r) for r in read_roots) + work_roots
+    # event -> position of its dir_fd argument (shutil.* are checked through the os.* they call)
+    mutating = {"os.remove": -1, "os.rmdir": -1, "os.mkdir": -1, "os.chmod": -1, "os.chown": -1,
+                "os.utime": -1, "os.truncate": None}
+    writes, last_reported = [0], [None]
+
+    def deny(event):
+        if last_reported[0] != state[0]:
+            last_reported[0] = state[0]
+            report({"violation": event[:100], "i": state[0]})
+        raise _PermissionError("sandbox: %s is not allowed" % event[:100])
+
+    def fd_path(fd):
+        if _type(fd) is not _int:
+            return None
+        try:
+            return readlink("/proc/self/fd/%d" % fd)
+        except _Exception:  # noqa: BLE001
+            return None
+
+    def resolve(path, dir_fd=None):
+        """Absolute, lexically normalised path; no symlink lookup (none can be made in work)."""
+        t = _type(path)
+        if t is _int:
+            path = fd_path(path)  # fd-based operation: the file the fd refers to
+        elif t is _bytes:
+            path = path.decode("utf-8", "surrogateescape")
+        elif t is not _str:
+            return None
+        if path is None or "\0" in path:
+            return None
+        if not path.startswith("/"):
+            base = getcwd() if dir_fd in default_dir_fds else fd_path(dir_fd)
+            if base is None:
+                return None
+            path = base + "/" + path
+        parts = []
+        for part in path.split("/"):
+            if part == "..":
+                if parts:
+                    parts.pop()
+            elif part and part != ".":
+                parts.append(part)
+        return "/" + "/".join(parts)
+
+    def under(path, roots, dir_fd=None):
+        try:
+            p = resolve(path, dir_fd)
+        except _Exception:  # noqa: BLE001
+            return False
+        if p is None:
+            return False
+        for root in roots:
+            if p == root or p.startswith(root + "/"):
+                return True
+        return False
+
+    def check_open(event, path, mode, flags):
+        if _type(path) is _int and mode is not None:
+            return  # wrapping a descriptor that was opened (and checked) before
+        writing = _type(flags) is not _int or flags & write_flags
+        if mode is None:  # os.open: dir_fd is not in the event, so no ".." and only inside work
+            text = path.decode("utf-8", "surrogateescape") if _type(path) is _bytes else path
+            if _type(text) is not _str or ".." in text.split("/") or not under(text, work_roots):
+                deny(event + " (os.open outside the working directory)")
+        elif writing and not under(path, work_roots):
+            deny(event + " for writing outside the working directory")
+        elif not writing and not under(path, read_roots):
+            deny(event + " outside the working directory and the standard library")
+        if writing:
+            writes[0] += 1
+            if writes[0] > MAX_WRITE_OPENS:
+                deny(event + " (more than %d files opened for writing)" % MAX_WRITE_OPENS)
+
+    def hook(event, args):
+        if event in fast_allow:
+            return
+        if event == "open":
+            check_open(event, args[0], args[1], args[2])
+        elif event == "import":
+            name = args[0]
+            top = name.partition(".")[0] if _type(name) is _str else ""
+            if top in blocked_imports or top.startswith(blocked_import_prefixes):
+                deny("import " + top)
+        elif event in ("os.listdir", "os.scandir"):
+            if args[0] is not None and _type(args[0]) is not _int and not under(args[0], read_roots):
+                deny(event + " outside the working directory and the standard library")
+        elif event in mutating:
+            pos = mutating[event]
+            if not under(args[0], work_roots, None if pos is None else args[pos]):
+                deny(event + " outside the working directory")
+        elif event == "os.rename":
+            if not (under(args[0], work_roots, args[2]) and under(args[1], work_roots, args[3])):
+                deny(event + " outside the working directory")
+        elif event == "os.chdir":
+            if not under(args[0], work_roots):
+                deny(event + " outside the working directory")
+        elif event.startswith("socket."):
+            if not (event == "socket.__new__" and _len(args) > 1 and args[1] == 1):
+                deny(event)  # only AF_UNIX socket pairs (asyncio's self-pipe) may be created
+        elif event == "sqlite3.connect":
+            db = args[0]
+            if db not in (":memory:", "", b":memory:", b"") and not under(db, work_roots):
+                deny(event + " outside the working directory")
+        elif event in denied_events or event.startswith(denied_prefixes):
+            deny(event)
+        elif event in process_events and not allow_processes:
+            deny(event)
+
+    sys.addaudithook(hook)
+
+
+def _normalize(path):
+    parts = []
+    for part in os.path.abspath(path).split("/"):
+        if part == "..":
+            if parts:
+                parts.pop()
+        elif part and part != ".":
+            parts.append(part)
+    return "/" + "/".join(parts)
+
+
+if __name__ == "__main__":
+    main()
