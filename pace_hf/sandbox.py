@@ -172,7 +172,7 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
             "uid": uid, "parent_pid": os.getpid(),
             "limits": {k: v for k, v in asdict(limits).items() if k != "timeout_s"},
         }
-        with tempfile.TemporaryFile() as job_file, tempfile.TemporaryFile() as stderr_file:
+        with tempfile.TemporaryFile() as job_file:
             job_file.write(json.dumps(job).encode())
             job_file.flush()
             job_file.seek(0)
@@ -181,20 +181,22 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-B", _CHILD, str(job_file.fileno()), str(write_fd)],
                 cwd=work, env=_child_env(work), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=stderr_file,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 pass_fds=(job_file.fileno(), write_fd), start_new_session=True,
             )
-            os.close(write_fd)
-            write_fd = -1
-            collector = _Collector(len(calls), nonce)
-            eof = _read_reports(read_fd, collector, deadline)
-            ended = _child_end(proc, deadline) if eof and not collector.finished() else None
-            _kill(proc, uid)
-            results = collector.results(ended, limits.timeout_s, _tail(stderr_file))
-            return results, collector.layers
+        os.close(write_fd)
+        write_fd = -1
+        collector, stderr = _Collector(len(calls), nonce), _Tail(proc.stderr)
+        eof = _read_reports(read_fd, stderr, collector, deadline)
+        ended = _child_end(proc, stderr, deadline) if eof and not collector.finished() else None
+        _kill(proc, uid)
+        stderr.drain()
+        return collector.results(ended, limits.timeout_s, stderr.last_line()), collector.layers
     finally:
-        if proc is not None and proc.returncode is None:
-            _kill(proc, uid)
+        if proc is not None:
+            if proc.returncode is None:
+                _kill(proc, uid)
+            proc.stderr.close()
         for fd in (read_fd, write_fd):
             if fd >= 0:
                 os.close(fd)
@@ -296,17 +298,20 @@ class _Collector:
         return out
 
 
-def _read_reports(fd: int, collector: _Collector, deadline: float) -> bool:
+def _read_reports(fd: int, stderr: "_Tail", collector: _Collector, deadline: float) -> bool:
     """Feed complete lines to the collector until it is finished, the pipe closes (returns True)
-    or the deadline passes (returns False). Overlong lines are dropped, not buffered."""
+    or the deadline passes (returns False). Overlong lines are dropped, not buffered. The child's
+    stderr is read alongside so that a flood cannot block it; only its tail is kept."""
     buf = bytearray()
     skipping = False
     while not collector.finished():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if not ready:
+        ready, _, _ = select.select([fd] + stderr.fds(), [], [], remaining)
+        if stderr.fd in ready:
+            stderr.read()
+        if fd not in ready:
             continue
         chunk = os.read(fd, 1 << 16)
         if not chunk:
@@ -330,13 +335,51 @@ def _read_reports(fd: int, collector: _Collector, deadline: float) -> bool:
     return True
 
 
-def _child_end(proc: subprocess.Popen, deadline: float) -> str | None:
+class _Tail:
+    """The last few KB of a pipe, read without ever blocking."""
+
+    def __init__(self, file, keep: int = 2000) -> None:
+        self.fd, self.keep, self.data, self.open = file.fileno(), keep, b"", True
+        os.set_blocking(self.fd, False)
+
+    def fds(self) -> list[int]:
+        return [self.fd] if self.open else []
+
+    def read(self) -> int:
+        """Read what is available; returns the number of bytes read (0 at EOF or when empty)."""
+        try:
+            chunk = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.open = False
+        self.data = (self.data + chunk)[-self.keep:]
+        return len(chunk)
+
+    def drain(self) -> None:
+        """After the child is dead: whatever is still buffered (bounded by the pipe size)."""
+        for _ in range(64):
+            if not self.open or not self.read():
+                return
+
+    def last_line(self) -> str:
+        lines = self.data.decode("utf-8", "replace").strip().splitlines()
+        return lines[-1][:200] if lines else ""
+
+
+def _child_end(proc: subprocess.Popen, stderr: _Tail, deadline: float) -> str | None:
     """After the report pipe closed: how the child ended, or None if it is still running at the
-    deadline (it closed the pipe but kept going: those calls time out)."""
-    try:
-        code = proc.wait(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
-    except subprocess.TimeoutExpired:
-        return None
+    deadline (it closed the pipe but kept going: those calls time out). Keeps reading stderr so
+    a child blocked on a full stderr pipe can still exit."""
+    while (code := proc.poll()) is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        ready, _, _ = select.select(stderr.fds(), [], [], min(remaining, 0.05))
+        if ready:
+            stderr.read()
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
         hint = {"SIGKILL": " (memory or CPU limit?)", "SIGXCPU": " (CPU time limit)",
@@ -379,18 +422,6 @@ def _kill_uid(uid: int) -> bool:
         except (OSError, ValueError):
             continue
     return found
-
-
-def _tail(file) -> str:
-    """Last line of what the child wrote to stderr (for "child exited" details)."""
-    try:
-        file.seek(0, os.SEEK_END)
-        size = file.tell()
-        file.seek(max(0, size - 2000))
-        lines = file.read().decode("utf-8", "replace").strip().splitlines()
-        return lines[-1][:200] if lines else ""
-    except OSError:
-        return ""
 
 
 def _remove_base(base: str, work: str, lib: str) -> None:
