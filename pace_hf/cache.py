@@ -107,7 +107,8 @@ class EvictingLayer(DynamicLayer):
         self.values = self.values.gather(2, gather.expand(-1, -1, -1, self.values.shape[-1]))
         self.logical = self.logical.gather(1, index)
         self.physical = self.physical.gather(1, index)
-        self.scores = self.scores.gather(1, index)
+        if self.scores.numel():  # policies that score from positions keep no scores
+            self.scores = self.scores.gather(1, index)
         if self.keep_reference:
             self.ref_keys = self.ref_keys.gather(2, gather)
             self.ref_pos = self.ref_pos.gather(1, index)
@@ -321,7 +322,9 @@ def _pre_forward(module, args, kwargs):
         tokens = args[0]
     batch, q_len = tokens.shape[0], tokens.shape[1]
     if batch != 1:
-        raise NotImplementedError(f"pace_hf caches hold one sequence; got batch size {batch}")
+        raise NotImplementedError(
+            f"pace_hf caches hold one sequence (batch size 1, num_beams=1); got batch size {batch}"
+        )
     start = cache.begin_forward(q_len)
     kwargs["position_ids"] = torch.arange(start, start + q_len, device=tokens.device)[None]
     attention.ACTIVE_CACHE.set(cache)
