@@ -283,40 +283,103 @@ def _is_packaged(name: str) -> bool:
 # ---------------------------------------------------------------------------- loading
 
 
+def _gguf_identity(directory: str, filename: str, name: str) -> dict:
+    spec = MODELS[_ALIASES.get(name.lower(), name.lower())]
+    size = (Path(directory) / filename).stat().st_size
+    ident = {"model": name, "filename": filename, "size": size}
+    if isinstance(spec, SplitGGUF):
+        ident["sha256"] = spec.sha256
+    else:
+        ident["requirement"] = spec.part.requirement
+    return ident
+
+
+def _load_gguf(directory: str, filename: str, dtype: torch.dtype, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_kwargs = {"gguf_file": filename, "dtype": dtype}
+    try:
+        from transformers import GgufConfig
+
+        model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older transformers always dequantize GGUF files
+        pass
+    model_kwargs.update(kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(directory, **model_kwargs)
+    return model, tokenizer
+
+
+def _load_packaged(name: str, dtype: torch.dtype, cache_dir, use_dense_cache: bool, **kwargs):
+    """Load a packaged GGUF model. Converting GGUF to dense tensors (and the GGUF vocabulary
+    to a fast tokenizer) takes 30-90 s on this project's CPUs, so the converted model and
+    tokenizer are saved once as safetensors next to the reassembled GGUF and reloaded from
+    there (well under a second): the weights are the same tensors, bit for bit. The copy is
+    keyed on the GGUF's identity, the dtype and the transformers version."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, filename = resolve_gguf(name, cache_dir)
+    if not use_dense_cache:
+        return _load_gguf(directory, filename, dtype, **kwargs)
+    ident = _gguf_identity(directory, filename, name)
+    ident.update(dtype=str(dtype).removeprefix("torch."), transformers=transformers.__version__)
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    dense = cache_root(cache_dir) / f"{Path(filename).stem}.{ident['dtype']}.{key}"
+    stamp = dense / "pace_hf_source.json"
+    if stamp.is_file():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(dense)
+            model = AutoModelForCausalLM.from_pretrained(dense, dtype=dtype, **kwargs)
+            return model, tokenizer
+        except Exception:  # a damaged copy: rebuild it below
+            import shutil
+
+            shutil.rmtree(dense, ignore_errors=True)
+    model, tokenizer = _load_gguf(directory, filename, dtype, **kwargs)
+    try:
+        import shutil
+
+        dense.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=dense.name + ".", suffix=".partial", dir=dense.parent))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "pace_hf_source.json").write_text(json.dumps(ident, indent=1, sort_keys=True))
+            os.replace(tmp, dense)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    except OSError:  # another process won the race, or the cache is read-only: fine
+        pass
+    return model, tokenizer
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.bfloat16,
     cache_dir: str | os.PathLike | None = None,
+    use_dense_cache: bool = True,
     **kwargs,
 ):
     """Load ``(model, tokenizer)``, in eval mode, with the default attention (SDPA).
 
     ``name_or_path`` is a packaged model name (``"qwen2.5-coder-0.5b"``,
     ``"smollm2-135m"``), or else a local directory or Hub id for ``from_pretrained``.
-    GGUF files are dequantized to ``dtype`` at load time. Extra ``kwargs`` go to the
-    model's ``from_pretrained``.
+    GGUF files are dequantized to ``dtype`` at load time
+    (``GgufConfig(dequantize=True)``); with ``use_dense_cache`` the result is also saved
+    as safetensors in the cache directory and later loads read that copy. Extra
+    ``kwargs`` go to the model's ``from_pretrained``.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if _is_packaged(name_or_path):
-        directory, filename = resolve_gguf(name_or_path, cache_dir)
-        model_kwargs = {"gguf_file": filename, "dtype": dtype}
-        try:
-            from transformers import GgufConfig
-
-            model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
-        except ImportError:  # older transformers always dequantize GGUF files
-            pass
-        model_kwargs.update(kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-        model = AutoModelForCausalLM.from_pretrained(directory, **model_kwargs)
+        model, tokenizer = _load_packaged(name_or_path, dtype, cache_dir, use_dense_cache, **kwargs)
     else:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs)
     model.eval()
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
-        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 

@@ -17,14 +17,33 @@ def _greedy(model, tok, text, max_new_tokens=8):
     return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def test_smollm2_loads_and_generates():
+@pytest.fixture(scope="module")
+def smollm2():
     t0 = time.perf_counter()
     model, tok = models.load_model("smollm2-135m")
     print(f"smollm2-135m load: {time.perf_counter() - t0:.1f}s")
+    return model, tok
+
+
+def test_smollm2_loads_and_generates(smollm2):
+    model, tok = smollm2
     assert not model.training
     assert model.dtype == torch.bfloat16
     text = _greedy(model, tok, "Say hello.", max_new_tokens=5)
     assert isinstance(text, str) and text.strip()
+
+
+def test_dense_cache_matches_gguf(smollm2):
+    """The safetensors copy in the cache holds the same weights as a fresh GGUF load."""
+    model, tok = smollm2
+    ref, ref_tok = models.load_model("smollm2-135m", use_dense_cache=False)
+    ids = torch.tensor([tok.encode("def fee_for(order): return 1")])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    text = "class Order:\n    order_id: int  # <|im_end|>"
+    assert tok.encode(text) == ref_tok.encode(text)
+    assert tok.chat_template == ref_tok.chat_template
+    assert tok.eos_token == ref_tok.eos_token
 
 
 def _fake_spec(tmp_path, payloads, expected):
