@@ -27,7 +27,27 @@ except ImportError:  # pragma: no cover - always present on Linux
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 1, 2, 4, 32
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
+
+# seccomp (x86_64 only: syscall numbers differ per architecture). Refused with EPERM whatever
+# the audit hook does: signals to other processes (incl. pidfd ones, which Python does not audit),
+# new processes, network sockets, namespace/mount changes, links and device nodes, and kernel
+# interfaces a program has no business with.
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_X86_64_DENY = {
+    "pidfd_open": 434, "pidfd_send_signal": 424, "pidfd_getfd": 438, "tkill": 200,
+    "connect": 42, "bind": 49, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
+    "mount": 165, "umount2": 166, "unshare": 272, "setns": 308, "pivot_root": 155, "chroot": 161,
+    "mknod": 133, "mknodat": 259, "symlink": 88, "symlinkat": 266, "link": 86, "linkat": 265,
+    "open_by_handle_at": 304, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "keyctl": 250,
+    "add_key": 248, "request_key": 249, "kexec_load": 246, "init_module": 175, "finit_module": 313,
+    "delete_module": 176, "reboot": 169, "swapon": 167, "swapoff": 168, "acct": 163,
+    "iopl": 172, "ioperm": 173, "fsopen": 430, "fsmount": 432, "move_mount": 429, "open_tree": 428,
+}
+_X86_64_PROCESS = {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322}
+_X86_64_CLONE, _X86_64_CLONE3, _X86_64_KILL, _X86_64_TGKILL = 56, 435, 62, 234
+_X86_64_SOCKET, _X86_64_SOCKETPAIR = 41, 53
 
 MAX_VALUE_CHARS = 1_000_000  # JSON size of one returned value
 MAX_EXC_CHARS = 65_536  # JSON size of an exception's args (and, separately, its attributes)
@@ -306,6 +326,8 @@ def _confine(job):
         libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # set after the uid drop, which clears it
         if os.getppid() != job["parent_pid"]:
             os._exit(1)
+        if _install_seccomp(libc, limits["max_processes"] > 0):
+            layers.append("seccomp")
     for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
         del sys.modules[name]  # a later `import ctypes` then meets the audit hook
     if _posixsubprocess is not None:
@@ -325,6 +347,51 @@ def _load_libc():
         return libc
     except (ImportError, OSError, AttributeError):
         return None
+
+
+def _install_seccomp(libc, allow_processes):
+    """Kernel-enforced refusals (see ``_X86_64_DENY``); returns whether the filter is active.
+
+    Threads stay possible: clone is allowed with CLONE_THREAD only, and clone3 (whose flags a
+    filter cannot read) answers ENOSYS so that glibc falls back to clone. kill/tgkill may only
+    target this process, sockets may only be AF_UNIX stream ones (asyncio's self-pipe)."""
+    import ctypes
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        return False
+    LD, JEQ, JGE, JSET, AND, RET = 0x20, 0x15, 0x35, 0x45, 0x54, 0x06
+    ALLOW, KILL = 0x7FFF0000, 0x80000000
+    EPERM, ENOSYS = 0x00050000 | 1, 0x00050000 | 38
+    NR, ARCH, ARG0, ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data (little endian)
+    me = os.getpid()
+    prog = [(LD, 0, 0, ARCH), (JEQ, 1, 0, _AUDIT_ARCH_X86_64), (RET, 0, 0, KILL),
+            (LD, 0, 0, NR), (JGE, 0, 1, 0x40000000), (RET, 0, 0, EPERM)]  # no x32 ABI
+    deny = dict(_X86_64_DENY)
+    if not allow_processes:
+        deny.update(_X86_64_PROCESS)
+    for nr in deny.values():
+        prog += [(JEQ, 0, 1, nr), (RET, 0, 0, EPERM)]
+    prog += [(JEQ, 0, 1, _X86_64_CLONE3), (RET, 0, 0, ENOSYS)]
+    if not allow_processes:  # clone without CLONE_THREAD is a new process
+        prog += [(JEQ, 0, 4, _X86_64_CLONE), (LD, 0, 0, ARG0), (JSET, 0, 1, 0x00010000),
+                 (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+    for nr in (_X86_64_KILL, _X86_64_TGKILL):  # first argument: the target pid / tgid
+        prog += [(JEQ, 0, 4, nr), (LD, 0, 0, ARG0), (JEQ, 0, 1, me),
+                 (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+    for nr in (_X86_64_SOCKET, _X86_64_SOCKETPAIR):  # AF_UNIX (1), SOCK_STREAM (1)
+        prog += [(JEQ, 0, 7, nr), (LD, 0, 0, ARG0), (JEQ, 0, 4, 1), (LD, 0, 0, ARG1),
+                 (AND, 0, 0, 0xF), (JEQ, 0, 1, 1), (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+    prog.append((RET, 0, 0, ALLOW))
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8),
+                    ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
+    fprog = SockFprog(len(prog), filters)
+    return libc.prctl(_PR_SET_SECCOMP, 2, ctypes.addressof(fprog), 0, 0) == 0
 
 
 def _mount_tmpfs_and_stdlib(libc, work, lib, uid, limits, stdlib, layers, read_roots):
