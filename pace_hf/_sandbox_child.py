@@ -293,7 +293,8 @@ def _confine(job):
     limits, work, lib, uid = job["limits"], job["work"], job["lib"], job["uid"]
     layers = []
     script_dir = os.path.dirname(os.path.abspath(__file__))
-    stdlib = [p for p in sys.path if p != script_dir and os.path.exists(p)]
+    sys.path[:] = [p for p in sys.path if p != script_dir]  # Python 3.10: -I does not imply -P
+    stdlib = [p for p in sys.path if os.path.exists(p)]
     read_roots = list(stdlib) + ["/usr/share/zoneinfo"]
     libc = _load_libc()
     mounted_stdlib = False

@@ -165,6 +165,55 @@ def test_program_that_does_not_load_makes_every_call_an_error():
     assert passes(results[1], 1)
 
 
+def test_common_stdlib_usage_is_not_mistaken_for_an_escape():
+    results = run("""
+        import asyncio, concurrent.futures, datetime, json, os, pathlib, shutil, sqlite3, tempfile
+        import zoneinfo
+        def files():
+            with tempfile.TemporaryDirectory() as d:
+                os.makedirs(os.path.join(d, "x"))
+                with open(os.path.join(d, "x", "a.json"), "w") as f:
+                    json.dump({"a": 1}, f)
+                os.rename(os.path.join(d, "x", "a.json"), os.path.join(d, "b.json"))
+                with open(os.path.join(d, "b.json")) as f:
+                    first = json.load(f)
+            p = pathlib.Path("data") / "f.txt"
+            p.parent.mkdir()
+            p.write_text("hi")
+            second = p.read_text()
+            shutil.rmtree("data")
+            return [first, second]
+        def threads():
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                return list(pool.map(lambda x: x * x, range(5)))
+        def db():
+            con = sqlite3.connect(":memory:")
+            return con.execute("select 6 * 7").fetchone()[0]
+        async def later():
+            await asyncio.sleep(0.01)
+            return "async"
+        def zone():
+            return str(datetime.datetime(2024, 1, 1, tzinfo=zoneinfo.ZoneInfo("UTC")))
+        """, ["files()", "threads()", "db()", "asyncio.run(later())", "zone()"])
+    expected = [[{"a": 1}, "hi"], [0, 1, 4, 9, 16], 42, "async", "2024-01-01 00:00:00+00:00"]
+    assert [r.status for r in results] == ["ok"] * 5, results
+    assert all(passes(r, e) for r, e in zip(results, expected))
+
+
+def test_a_refusal_swallowed_at_import_time_fails_every_call():
+    results = run("""
+        import socket
+        try:
+            socket.create_connection(("127.0.0.1", 9), timeout=0.1)
+        except Exception:
+            pass
+        def answer():
+            return 42
+        """, ["answer()", "answer()"])
+    assert [r.status for r in results] == ["error", "error"]
+    assert "blocked operation: socket." in results[0].detail
+
+
 def test_limits_are_validated_and_os_layers_reported():
     with pytest.raises(ValueError):
         SandboxLimits(timeout_s=0)
