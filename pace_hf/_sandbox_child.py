@@ -72,12 +72,12 @@ _PROCESS_EVENTS = frozenset({
     "subprocess.Popen", "pty.spawn", "_posixsubprocess.fork_exec",
 })
 # Modules whose import is refused: C-level escape hatches (foreign calls, subinterpreters without
-# our hook, unaudited file/shm creation) and re-imports of os/posix, which would hand out fresh
-# copies of functions the bootstrap stubbed.
+# our hook, unaudited file/shm creation), and a re-import of _posixsubprocess, which would hand
+# out an unstubbed fork_exec.
 _BLOCKED_IMPORTS = frozenset({
     "ctypes", "_ctypes", "_xxsubinterpreters", "_xxinterpchannels", "_xxinterpqueues",
     "_posixsubprocess", "_posixshmem", "_multiprocessing", "_gdbm", "_dbm", "_tkinter",
-    "readline", "_curses", "_curses_panel", "posix", "os",
+    "readline", "_curses", "_curses_panel",
 })
 _BLOCKED_IMPORT_PREFIXES = ("_test", "_xx")
 # Events the hook sees most often; answered first so the hook stays cheap.

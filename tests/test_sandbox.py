@@ -496,8 +496,8 @@ def test_ctypes_and_other_c_escape_hatches_are_refused(host):
             interpreters.run_string(interpreters.create(), "import os; os.system('touch {target}')")
             return 42
         def via_reimport():
-            del sys.modules["posix"]
-            import posix
+            del sys.modules["_posixsubprocess"]
+            import _posixsubprocess  # a fresh copy would have an unstubbed fork_exec
             return 42
         def via_trace():
             sys.settrace(lambda *a: None); return 42
