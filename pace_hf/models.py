@@ -47,6 +47,7 @@ __all__ = [
     "cache_root",
     "resolve_gguf",
     "load_model",
+    "load_tokenizer",
 ]
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -353,6 +354,46 @@ def _load_packaged(name: str, dtype: torch.dtype, cache_dir, use_dense_cache: bo
     except OSError:  # another process won the race, or the cache is read-only: fine
         pass
     return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None):
+    """Load only the tokenizer of a model (packaged name, local directory or Hub id).
+
+    For packaged models the tokenizer converted from the GGUF vocabulary is cached as a
+    ``tokenizer.json`` directory next to the GGUF, so later loads take about a second."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+    from transformers import AutoTokenizer
+
+    if not _is_packaged(name_or_path):
+        return AutoTokenizer.from_pretrained(name_or_path)
+    directory, filename = resolve_gguf(name_or_path, cache_dir)
+    ident = _gguf_identity(directory, filename, name_or_path)
+    ident.update(transformers=transformers.__version__, what="tokenizer")
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    tdir = cache_root(cache_dir) / f"{Path(filename).stem}.tokenizer.{key}"
+    if (tdir / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(tdir)
+        except Exception:
+            import shutil
+
+            shutil.rmtree(tdir, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    try:
+        import shutil
+
+        tdir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=tdir.name + ".", suffix=".partial", dir=tdir.parent))
+        try:
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, tdir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    except OSError:
+        pass
+    return tokenizer
 
 
 def load_model(

@@ -1,0 +1,270 @@
+"""pace_coding: hidden-test and fact-recall scoring of the PACE benchmark's coding probes."""
+
+import json
+import math
+import re
+from decimal import Decimal, InvalidOperation
+
+import datasets
+import evaluate
+
+from pace_hf.sandbox import SandboxLimits, decode_value, run_calls
+
+_CITATION = """\
+@misc{pace_hf,
+  title = {pace_hf: foresight retention and bounded rotary positions for long agent sessions},
+  note = {PACE benchmark scoring},
+}
+"""
+
+_DESCRIPTION = """\
+Scores answers to the PACE benchmark's coding probes (write `fee_for`, write `settle`, write the
+module). The code of each answer (its fenced ```python blocks, concatenated; the raw text when it has
+none) runs in pace_hf's sandbox against the probe's hidden checks; the parent process compares the
+returned plain data with the expected values, which never reach the child. A separate recall score
+counts the session facts (names, values, rounding mode, quantum, status values, error code) that the
+answer states. Given a reference arm's answers to the same probes, it also reports a paired comparison:
+probes where this arm passed more / fewer / as many checks, and a two-sided exact sign test.
+
+Executing model-generated code requires the opt-in environment variable PACE_ALLOW_CODE_EVAL=1.
+"""
+
+_KWARGS_DESCRIPTION = """
+Args:
+    predictions: list of str, the model's answer to each probe.
+    references: list of str, each the probe's grading record as JSON:
+        {"probe": name, "step": int, "checks": [{"name", "expr", "expected", "fact"}], "recall": [str]}
+        (the `reference` field of a probe in pace_hf.bench.load_sessions rows).
+    baseline_predictions: optional list of str, a reference arm's answers to the same probes, for
+        the paired comparison.
+    timeout_s: optional float, wall-clock limit per answer (default 10 s).
+Returns:
+    checks_passed, checks_total, check_pass_rate: hidden checks over all answers.
+    probes_passed, probes_total, probe_pass_rate: answers that passed every check.
+    recall_hits, recall_total, recall: facts stated in the answers.
+    per_fact: {fact: {"passed", "total"}} for the checks that control each fact.
+    details: one record per answer (checks with status and outcome, recall hits and misses).
+    paired (with baseline_predictions): better, worse, tied, p_value; and baseline: the reference
+        arm's own totals.
+Examples:
+    >>> import evaluate, pace_hf.metrics
+    >>> metric = evaluate.load(pace_hf.metrics.PACE_CODING)
+    >>> metric.compute(predictions=[answer], references=[probe["reference"]])  # doctest: +SKIP
+"""
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
+_NUMERIC_FACT = re.compile(r"^\d+(?:\.\d+)?$")
+_PY_TAGS = {"python", "py", "python3", "py3"}
+
+
+def extract_code(text):
+    """The code of an answer: its ```python (or ```py) blocks joined by blank lines; else
+    its untagged ``` blocks; else the raw text. An unclosed last fence runs to the end
+    (a truncated answer)."""
+    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(text)]
+    tagged = [code for tag, code in blocks if tag in _PY_TAGS]
+    if tagged:
+        return "\n\n".join(tagged)
+    untagged = [code for tag, code in blocks if not tag]
+    if untagged:
+        return "\n\n".join(untagged)
+    return text
+
+
+def recall_hits(answer, facts):
+    """For each fact string, whether the answer states it.
+
+    Numbers ("0.05", "1.25") match any number literal of equal value in the answer
+    ("0.050" matches "0.05"; "0.5" does not). Everything else (names, status values,
+    rounding modes, codes) is matched case-sensitively as a whole token: not preceded or
+    followed by a letter, digit or underscore ("state" does not match "statement")."""
+    numbers = None
+    hits = []
+    for fact in facts:
+        if _NUMERIC_FACT.match(fact):
+            if numbers is None:
+                numbers = {Decimal(n) for n in _NUMBER.findall(answer)}
+            hits.append(Decimal(fact) in numbers)
+        else:
+            pattern = r"(?<![A-Za-z0-9_])" + re.escape(fact) + r"(?![A-Za-z0-9_])"
+            hits.append(re.search(pattern, answer) is not None)
+    return hits
+
+
+def values_equal(expected, got):
+    """Compare decoded plain data. A Decimal expected value equals any number of the same
+    value (Decimal, int, or a float whose shortest repr has that value); bools only equal
+    bools; lists and dicts compare element by element; other values by type and ==."""
+    if isinstance(expected, Decimal):
+        if type(got) is Decimal:
+            return got == expected
+        if type(got) in (int, float):
+            try:
+                return Decimal(repr(got)) == expected
+            except InvalidOperation:
+                return False
+        return False
+    if type(expected) is bool or type(got) is bool:
+        return type(expected) is type(got) and expected == got
+    if isinstance(expected, list):
+        return isinstance(got, list) and len(got) == len(expected) and all(
+            values_equal(e, g) for e, g in zip(expected, got))
+    if isinstance(expected, dict):
+        return isinstance(got, dict) and set(got) == set(expected) and all(
+            values_equal(v, got[k]) for k, v in expected.items())
+    if type(expected) in (int, float) and type(got) in (int, float):
+        return expected == got
+    return type(expected) is type(got) and expected == got
+
+
+def _is_raise_spec(expected):
+    return isinstance(expected, dict) and "raises" in expected
+
+
+def check_passed(expected, result):
+    """Whether a CallResult meets a check's expected outcome (see pace_hf.bench.sessions)."""
+    if _is_raise_spec(expected):
+        if result.status != "raised":
+            return False
+        if expected.get("raises") is not None and result.exc_type != expected["raises"]:
+            return False
+        args = [decode_value(a) for a in (result.exc_args or [])]
+        if "args" in expected and not values_equal(decode_value(expected["args"]), args):
+            return False
+        if "code" in expected:
+            values = args + [decode_value(v) for v in (result.exc_attrs or {}).values()]
+            if not any(type(v) is str and v == expected["code"] for v in values):
+                return False
+        return True
+    return result.status == "ok" and values_equal(decode_value(expected), decode_value(result.value))
+
+
+def _short(result):
+    if result.status == "ok":
+        text = json.dumps(result.value)
+    elif result.status == "raised":
+        text = f"{result.exc_type}{tuple(result.exc_args or [])}"
+    else:
+        text = result.detail or ""
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def score_answer(answer, reference, limits=None):
+    """Score one answer against one grading record (a JSON string or dict)."""
+    ref = json.loads(reference) if isinstance(reference, str) else reference
+    checks, recall = ref.get("checks", []), ref.get("recall", [])
+    code = extract_code(answer or "")
+    if code.strip() and checks:
+        results = run_calls(code, [c["expr"] for c in checks], limits or SandboxLimits())
+    else:
+        results = [None] * len(checks)
+    rows = []
+    for c, r in zip(checks, results):
+        if r is None:
+            rows.append({"name": c["name"], "fact": c.get("fact"), "passed": False, "status": "no_code",
+                         "got": ""})
+        else:
+            rows.append({"name": c["name"], "fact": c.get("fact"), "passed": check_passed(c["expected"], r),
+                         "status": r.status, "got": _short(r)})
+    hits = recall_hits(answer or "", recall)
+    n_passed = sum(r["passed"] for r in rows)
+    return {
+        "probe": ref.get("probe"),
+        "step": ref.get("step"),
+        "checks": rows,
+        "checks_passed": n_passed,
+        "checks_total": len(rows),
+        "passed": bool(rows) and n_passed == len(rows),
+        "recall_hits": sum(hits),
+        "recall_total": len(hits),
+        "recall_missing": [f for f, h in zip(recall, hits) if not h],
+    }
+
+
+def sign_test(better, worse):
+    """Two-sided exact sign test (binomial, p = 1/2) on the untied pairs; 1.0 when none."""
+    n = better + worse
+    if n == 0:
+        return 1.0
+    k = min(better, worse)
+    tail = sum(math.comb(n, i) for i in range(k + 1))
+    return min(1.0, 2 * tail / 2**n)
+
+
+def _totals(details):
+    checks_passed = sum(d["checks_passed"] for d in details)
+    checks_total = sum(d["checks_total"] for d in details)
+    probes_passed = sum(d["passed"] for d in details)
+    recall_hits_ = sum(d["recall_hits"] for d in details)
+    recall_total = sum(d["recall_total"] for d in details)
+    per_fact = {}
+    for d in details:
+        for c in d["checks"]:
+            if c["fact"]:
+                pf = per_fact.setdefault(c["fact"], {"passed": 0, "total": 0})
+                pf["passed"] += int(c["passed"])
+                pf["total"] += 1
+    return {
+        "checks_passed": checks_passed,
+        "checks_total": checks_total,
+        "check_pass_rate": checks_passed / checks_total if checks_total else 0.0,
+        "probes_passed": probes_passed,
+        "probes_total": len(details),
+        "probe_pass_rate": probes_passed / len(details) if details else 0.0,
+        "recall_hits": recall_hits_,
+        "recall_total": recall_total,
+        "recall": recall_hits_ / recall_total if recall_total else 0.0,
+        "per_fact": per_fact,
+    }
+
+
+def paired_comparison(details, baseline_details):
+    """Per probe, compare checks passed by this arm and by the reference arm."""
+    better = worse = tied = 0
+    for a, b in zip(details, baseline_details):
+        if a["checks_passed"] > b["checks_passed"]:
+            better += 1
+        elif a["checks_passed"] < b["checks_passed"]:
+            worse += 1
+        else:
+            tied += 1
+    return {"better": better, "worse": worse, "tied": tied, "p_value": sign_test(better, worse)}
+
+
+def score(predictions, references, baseline_predictions=None, limits=None):
+    """The metric's computation, usable without ``evaluate``."""
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
+    details = [score_answer(p, r, limits) for p, r in zip(predictions, references)]
+    out = _totals(details)
+    out["details"] = details
+    if baseline_predictions is not None:
+        if len(baseline_predictions) != len(references):
+            raise ValueError(f"{len(baseline_predictions)} baseline predictions for {len(references)} references")
+        base = [score_answer(p, r, limits) for p, r in zip(baseline_predictions, references)]
+        out["paired"] = paired_comparison(details, base)
+        out["baseline"] = {k: v for k, v in _totals(base).items() if k != "per_fact"}
+    return out
+
+
+@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
+class PaceCoding(evaluate.Metric):
+    """Hidden checks and fact recall for the PACE benchmark's coding probes."""
+
+    def _info(self):
+        return evaluate.MetricInfo(
+            module_type="metric",
+            description=_DESCRIPTION,
+            citation=_CITATION,
+            inputs_description=_KWARGS_DESCRIPTION,
+            features=datasets.Features({
+                "predictions": datasets.Value("string"),
+                "references": datasets.Value("string"),
+            }),
+            reference_urls=[],
+        )
+
+    def _compute(self, predictions, references, baseline_predictions=None, timeout_s=None):
+        limits = SandboxLimits(timeout_s=float(timeout_s)) if timeout_s else None
+        return score(predictions, references, baseline_predictions=baseline_predictions, limits=limits)

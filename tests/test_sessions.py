@@ -1,0 +1,177 @@
+import json
+
+import pytest
+
+from pace_hf.bench import answer_suffix_ids, build_session, load_sessions, to_parquet
+from pace_hf.bench import sessions as S
+from pace_hf.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("smollm2-135m")
+
+
+def _ids(x):
+    return x["input_ids"] if hasattr(x, "keys") else list(x)
+
+
+def test_deterministic_and_seeds_differ(tok):
+    a = build_session(tok, seed=7, total_tokens=3000)
+    b = build_session(tok, seed=7, total_tokens=3000)
+    c = build_session(tok, seed=8, total_tokens=3000)
+    assert a == b
+    assert a["context_ids"] != c["context_ids"]
+    assert [f["value"] for f in a["facts"]] != [f["value"] for f in c["facts"]]
+
+
+def test_spans_point_at_the_facts(tok):
+    for seed in range(6):
+        row = build_session(tok, seed=seed, total_tokens=2500, distance=800)
+        assert {f["name"] for f in row["facts"]} == set(S.FACT_NAMES)
+        for f in row["facts"]:
+            text = tok.decode(row["context_ids"][f["start"]:f["end"]])
+            assert f["value"] in text, (f, text)
+            assert len(text) <= len(f["value"]) + 4  # tight: the value plus a leading space/quote
+            # the fact's span lies inside the user turn of its definition step
+            turn = next(t for t in row["turns"] if t["step"] == f["step"] and t["role"] == "user")
+            assert turn["kind"] == "definition" and turn["start"] <= f["start"] < f["end"] <= turn["end"]
+
+
+def test_ids_equal_the_chat_template(tok):
+    row, messages = build_session(tok, seed=3, total_tokens=4000, distance=1500, return_messages=True)
+    assert _ids(tok.apply_chat_template(messages, tokenize=True)) == row["context_ids"]
+    convo = list(messages)
+    ids = list(row["context_ids"])
+    for probe in row["probes"]:
+        convo.append({"role": "user", "content": probe["prompt"]})
+        full = _ids(tok.apply_chat_template(convo, tokenize=True, add_generation_prompt=True))
+        ids += probe["prompt_ids"]
+        assert full == ids
+        answer = "```python\nx = 1\n```"
+        convo.append({"role": "assistant", "content": answer})
+        ids += tok(answer, add_special_tokens=False)["input_ids"] + row["turn_end_ids"]
+        assert _ids(tok.apply_chat_template(convo, tokenize=True)) == ids
+    assert row["turn_end_ids"] == answer_suffix_ids(tok)
+    assert tok.decode(row["turn_end_ids"]) == "<|im_end|>\n"
+
+
+def test_steps_turns_and_blueprint(tok):
+    row = build_session(tok, seed=1, total_tokens=6000, distance=2000)
+    users = [t for t in row["turns"] if t["role"] == "user"]
+    assert [t["step"] for t in users] == list(range(len(users)))
+    kinds = [t["kind"] for t in users]
+    assert kinds.count("definition") == 3 and kinds[0] == "filler" and kinds[-1] == "filler"
+    assert [p["step"] for p in row["probes"]] == [len(users), len(users) + 1, len(users) + 2]
+    assert [p["name"] for p in row["probes"]] == ["fee_for", "settle", "module"]
+    fee, settle, module = (p["step"] for p in row["probes"])
+    bp = row["blueprint"]
+    assert [b["readers"] for b in bp] == [[settle, module], [fee, settle, module], [fee, settle, module]]
+    assert bp[0]["start"] == row["definitions_start"] and bp[-1]["end"] == row["definitions_end"]
+    for f in row["facts"]:
+        assert any(b["start"] <= f["start"] and f["end"] <= b["end"] for b in bp)
+    # turns tile the context
+    pos = 0
+    for t in row["turns"]:
+        assert t["start"] == pos
+        pos = t["end"]
+    assert pos == row["context_len"] == len(row["context_ids"])
+    for p in row["probes"]:
+        ref = json.loads(p["reference"])
+        assert ref["probe"] == p["name"] and ref["checks"] == json.loads(p["checks"])
+        assert ref["recall"] == p["recall"]
+
+
+@pytest.mark.parametrize("total,distance", [(8192, None), (8192, 2000), (6000, 500), (12000, 6000)])
+def test_total_and_distance_honoured(tok, total, distance):
+    row = build_session(tok, seed=2, total_tokens=total, distance=distance)
+    assert abs(row["context_len"] - total) <= 64
+    if distance is None:
+        assert row["definitions_start"] == row["turns"][0]["end"]  # right after the system prompt
+        assert row["distance"] == row["context_len"] - row["definitions_end"]
+    else:
+        assert abs(row["distance"] - distance) <= 64
+    assert row["distance"] == row["context_len"] - row["definitions_end"]
+    users = [t for t in row["turns"] if t["role"] == "user" and t["kind"] == "filler"]
+    assert all(t["end"] - t["start"] <= 2000 for t in users)
+
+
+def test_filler_modes(tok):
+    non = build_session(tok, seed=4, total_tokens=20000, filler_mode="non-repeating")
+    rep = build_session(tok, seed=4, total_tokens=20000, filler_mode="repeating")
+    assert len(set(non["filler_files"])) == len(non["filler_files"])
+    assert len(set(rep["filler_files"])) <= S.REPEATING_SET_SIZE < len(rep["filler_files"])
+    assert non["context_ids"] != rep["context_ids"]
+    with pytest.raises(ValueError):
+        build_session(tok, filler_mode="sometimes")
+
+
+def test_filler_is_stdlib_source(tok):
+    import sysconfig
+    from pathlib import Path
+
+    row, messages = build_session(tok, seed=5, total_tokens=5000, return_messages=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for rel in row["filler_files"]:
+        assert (stdlib / rel).is_file()
+    filler = [m for m in messages if m["role"] == "user" and m["content"].startswith("Here is the next file")]
+    assert filler
+    first = filler[0]["content"]
+    code = first.split("```python\n", 1)[1].rsplit("```", 1)[0]
+    assert code in (stdlib / row["filler_files"][0]).read_text()
+
+
+def test_fingerprint_changes_with_every_knob(tok):
+    base = dict(n_sessions=3, total_tokens=8192, distance=None, seed=0, filler_mode="non-repeating",
+                chunk_tokens=2000)
+    fp = S.session_fingerprint(tok, **base)
+    assert fp == S.session_fingerprint(tok, **base)
+    changes = dict(n_sessions=4, total_tokens=8000, distance=1000, seed=1, filler_mode="repeating",
+                   chunk_tokens=1000)
+    seen = {fp}
+    for k, v in changes.items():
+        other = S.session_fingerprint(tok, **dict(base, **{k: v}))
+        assert other not in seen, k
+        seen.add(other)
+
+
+def test_fingerprint_changes_with_tokenizer_and_version(tok, monkeypatch):
+    fp = S.session_fingerprint(tok)
+    monkeypatch.setattr(S, "GENERATOR_VERSION", "test-bump")
+    assert S.session_fingerprint(tok) != fp
+    monkeypatch.undo()
+    monkeypatch.setattr(S, "tokenizer_identity", lambda t: "another tokenizer")
+    assert S.session_fingerprint(tok) != fp
+    monkeypatch.undo()
+    monkeypatch.setattr(S, "filler_identity", lambda: "another python")
+    assert S.session_fingerprint(tok) != fp
+
+
+def test_load_sessions_dataset_and_parquet(tok, tmp_path):
+    ds = load_sessions(tok, n_sessions=2, total_tokens=2500, seed=11, cache_dir=str(tmp_path / "cache"))
+    assert len(ds) == 2
+    assert ds._fingerprint == S.session_fingerprint(tok, n_sessions=2, total_tokens=2500, seed=11)
+    row = ds[0]
+    assert row == build_session(tok, seed=11, total_tokens=2500, session_index=0)
+    assert ds[1]["context_ids"] != row["context_ids"]
+    # cached: a second call reads the same data back
+    again = load_sessions(tok, n_sessions=2, total_tokens=2500, seed=11, cache_dir=str(tmp_path / "cache"))
+    assert again[0] == row
+    path = to_parquet(ds, tmp_path / "s.parquet")
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    assert table.num_rows == 2 and "context_ids" in table.column_names and "probes" in table.column_names
+
+
+def test_checks_are_well_formed(tok):
+    row = build_session(tok, seed=0, total_tokens=1200)
+    facts_with_checks = set()
+    for p in row["probes"]:
+        for c in json.loads(p["checks"]):
+            assert set(c) == {"name", "expr", "expected", "fact"}
+            compile(c["expr"], "<check>", "eval")
+            json.dumps(c["expected"])
+            if c["fact"]:
+                facts_with_checks.add(c["fact"])
+    assert facts_with_checks == set(S.FACT_NAMES)
