@@ -1,0 +1,262 @@
+"""The benchmark runner: play sessions through ``model.generate`` with each arm's cache.
+
+Per probe it records the answer, the hidden-check results, recall, the residency of the tokens the
+probe needs and the rotary gap, read from the cache's ledger when the probe starts. It writes JSONL,
+a Markdown table shaped like the paper's Table 2 and PNG plots of accuracy against definition
+distance and against rotary gap (the paper's Figures 1 and 3).
+
+    PACE_ALLOW_CODE_EVAL=1 pace-bench --arms h2o,pace --sessions 3 --tokens 49152 --out runs/48k
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pace_hf import Blueprint, H2OCache, PACECache, SnapKVCache, StreamingLLMCache
+
+ARMS = ("full", "h2o", "snapkv", "streaming", "positions_only", "retention_only", "pace")
+
+
+@dataclass(frozen=True)
+class ArmSettings:
+    budget: int = 2048
+    limit: int = 8192
+
+
+def make_cache(arm: str, model, blueprint: Blueprint, s: ArmSettings):
+    """The cache of one arm; every evicting arm shares budget, sinks, recent and schedule."""
+    from transformers import DynamicCache
+
+    if arm == "full":
+        return DynamicCache(config=model.config)
+    if arm == "h2o":
+        return H2OCache(model, budget=s.budget)
+    if arm == "snapkv":
+        return SnapKVCache(model, budget=s.budget)
+    if arm == "streaming":
+        return StreamingLLMCache(model, budget=s.budget)
+    flags = {"positions_only": (False, True), "retention_only": (True, False), "pace": (True, True)}
+    if arm not in flags:
+        raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    foresight, bounded = flags[arm]
+    return PACECache(blueprint, model=model, budget=s.budget, limit=s.limit, foresight=foresight, bounded=bounded)
+
+
+def preferred_dtype() -> torch.dtype:
+    """bf16 where the CPU computes it natively (avx512_bf16/AMX) or on CUDA; fp32 otherwise, where
+    bf16 matmuls are emulated and several times slower."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+def needed_positions(row, probe) -> torch.Tensor:
+    """Logical positions of the spans this probe reads (from the session's oracle blueprint)."""
+    spans = [torch.arange(b["start"], b["end"]) for b in row["blueprint"] if probe["step"] in b["readers"]]
+    return torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
+
+
+def ledger_at_probe(cache, needed: torch.Tensor) -> dict:
+    """Residency of the needed tokens (mean over layers and KV heads) and the rotary gap between the
+    probe's first query and the farthest resident needed token (max over layers and heads)."""
+    if not hasattr(cache, "ledger"):  # the full arm: everything resident at its logical position
+        seen = cache.get_seq_length()
+        return {"residency": 1.0, "rotary_gap": int(seen - needed.min()) if needed.numel() else 0}
+    query = cache.next_physical if cache.bounded else cache.get_seq_length()
+    fractions, gap = [], 0
+    for i in range(len(cache.layers)):
+        logical, physical = cache.ledger(i)
+        hit = torch.isin(logical.cpu(), needed)
+        fractions.append(hit.float().sum(-1) / max(1, needed.numel()))
+        if hit.any():
+            gap = max(gap, int(query - physical.cpu()[hit].min()))
+    return {"residency": float(torch.cat(fractions).mean()), "rotary_gap": gap}
+
+
+def generate_answer(model, ids: list[int], cache, max_new_tokens: int, stop_ids: list[int], chunk: int) -> list[int]:
+    """Greedy answer to the conversation ``ids``; ``cache`` holds a prefix of it. No trailing EOS."""
+    input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids, past_key_values=cache, attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+            eos_token_id=stop_ids, pad_token_id=stop_ids[0], prefill_chunk_size=chunk,
+        )
+    new = out[0, len(ids):].tolist()
+    while new and new[-1] in stop_ids:
+        new.pop()
+    return new
+
+
+def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric, chunk: int, stop_ids,
+                 max_new_tokens: int | None = None) -> list[dict]:
+    """Prefill the session, then answer its probes in order, appending each answer (agent style)."""
+    blueprint = Blueprint.from_dicts(row["blueprint"])
+    cache = make_cache(arm, model, blueprint, settings)
+    ids = list(row["context_ids"])
+    records = []
+    for probe in row["probes"]:
+        ids += probe["prompt_ids"]
+        if hasattr(cache, "step"):
+            cache.step = probe["step"]
+        start = time.perf_counter()
+        probe_state = {}
+
+        def at_first_query(module, args, kwargs, _state=probe_state):
+            if not _state and kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] == 1:
+                _state.update(ledger_at_probe(cache, needed_positions(row, probe)))
+
+        hook = model.get_decoder().register_forward_pre_hook(at_first_query, with_kwargs=True)
+        try:
+            budget = min(probe["max_new_tokens"], max_new_tokens or probe["max_new_tokens"])
+            answer = generate_answer(model, ids, cache, budget, stop_ids, chunk)
+        finally:
+            hook.remove()
+        seconds = time.perf_counter() - start
+        ids += answer + list(row["turn_end_ids"])
+        text = tokenizer.decode(answer, skip_special_tokens=True)
+        score = metric.compute(predictions=[text], references=[probe["reference"]])["details"][0]
+        records.append({
+            "arm": arm, "session_id": row["session_id"], "probe": probe["name"], "step": probe["step"],
+            "distance": row["distance"], "context_len": row["context_len"], "answer": text,
+            "checks_passed": score["checks_passed"], "checks_total": score["checks_total"],
+            "recall_hits": score["recall_hits"], "recall_total": score["recall_total"],
+            "checks": score["checks"], "seconds": round(seconds, 1), **probe_state,
+        })
+    return records
+
+
+def summarize(records: list[dict], reference_arm: str | None) -> str:
+    """A Markdown table in the shape of the paper's Table 2."""
+    from pace_hf.metrics.pace_coding.pace_coding import sign_test
+
+    arms = list(dict.fromkeys(r["arm"] for r in records))
+    by_arm = {a: [r for r in records if r["arm"] == a] for a in arms}
+    key = lambda r: (r["session_id"], r["probe"])  # noqa: E731
+    lines = ["| arm | checks | full probes | recall | residency | mean rotary gap | vs " + (reference_arm or "-") + " (better/worse/tied, p) |",
+             "|---|---|---|---|---|---|---|"]
+    for arm, rs in by_arm.items():
+        passed, total = sum(r["checks_passed"] for r in rs), sum(r["checks_total"] for r in rs)
+        full = sum(r["checks_passed"] == r["checks_total"] for r in rs)
+        recall = sum(r["recall_hits"] for r in rs) / max(1, sum(r["recall_total"] for r in rs))
+        residency = sum(r.get("residency", 1.0) for r in rs) / len(rs)
+        gap = sum(r.get("rotary_gap", 0) for r in rs) / len(rs)
+        paired = "-"
+        if reference_arm in by_arm and arm != reference_arm:
+            ref = {key(r): r["checks_passed"] for r in by_arm[reference_arm]}
+            diffs = [r["checks_passed"] - ref[key(r)] for r in rs if key(r) in ref]
+            better, worse = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+            paired = f"{better}/{worse}/{len(diffs) - better - worse}, p={sign_test(better, worse):.3g}"
+        lines.append(f"| {arm} | {passed}/{total} ({100 * passed / max(1, total):.0f}%) | {full}/{len(rs)} | "
+                     f"{100 * recall:.0f}% | {residency:.3f} | {gap:,.0f} | {paired} |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], out_dir: Path) -> list[Path]:
+    """Accuracy against definition distance and against rotary gap, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for field, label, name in (("distance", "definition distance (tokens)", "accuracy_vs_distance.png"),
+                               ("rotary_gap", "rotary gap at the probe (tokens)", "accuracy_vs_gap.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for arm in dict.fromkeys(r["arm"] for r in records):
+            rs = sorted((r for r in records if r["arm"] == arm), key=lambda r: r.get(field, 0))
+            xs = [r.get(field, 0) for r in rs]
+            ys = [r["checks_passed"] / max(1, r["checks_total"]) for r in rs]
+            ax.plot(xs, ys, marker="o", linestyle="-" if field == "distance" else "none", label=arm)
+        ax.set_xlabel(label)
+        ax.set_ylabel("checks passed (fraction)")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pace-bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--arms", default="h2o,pace", help=f"comma-separated, from {', '.join(ARMS)}")
+    ap.add_argument("--sessions", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=8192, help="context tokens before the first probe")
+    ap.add_argument("--distance", type=int, nargs="*", default=[None], help="definition distances to sweep")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--filler-mode", default="non-repeating")
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--limit", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=4096, help="prefill_chunk_size")
+    ap.add_argument("--reference-arm", default="h2o")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="cap the per-probe answer length")
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    ap.add_argument("--out", default="runs/bench")
+    args = ap.parse_args(argv)
+
+    from pace_hf.sandbox import require_opt_in
+
+    require_opt_in()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
+    import evaluate
+    from tqdm.auto import tqdm
+
+    from pace_hf.bench import load_sessions
+    from pace_hf.metrics import PACE_CODING
+    from pace_hf.models import load_model
+
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    for arm in arms:
+        if arm not in ARMS:
+            raise SystemExit(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, tokenizer = load_model(args.model, dtype=dtype)
+    metric = evaluate.load(PACE_CODING)
+    stop_ids = [i for i in {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+                if isinstance(i, int) and i >= 0]
+    settings = ArmSettings(budget=args.budget, limit=args.limit)
+    rows = []
+    for distance in args.distance:
+        rows += list(load_sessions(tokenizer, n_sessions=args.sessions, total_tokens=args.tokens,
+                                   distance=distance, seed=args.seed, filler_mode=args.filler_mode))
+    records = []
+    with open(out_dir / "probes.jsonl", "w") as log:
+        for arm in arms:
+            for row in tqdm(rows, desc=arm, unit="session"):
+                for record in play_session(model, tokenizer, row, arm, settings, metric, args.chunk, stop_ids,
+                                           args.max_new_tokens):
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                    records.append(record)
+    table = summarize(records, args.reference_arm)
+    header = (f"model {args.model} ({dtype}), {len(rows)} sessions x {len(rows[0]['probes'])} probes, "
+              f"~{args.tokens:,} context tokens, B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}\n\n")
+    (out_dir / "table.md").write_text(header + table + "\n")
+    plots = plot(records, out_dir)
+    print(header + table)
+    print("\nplots: " + ", ".join(str(p) for p in plots))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
