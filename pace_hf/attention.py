@@ -37,23 +37,27 @@ def attention_column_sums(
     hkv, kv_len = key.shape[1], key.shape[2]
     group = hq // hkv
     first = 0 if last_queries is None else q_len - last_queries
-    k = key.float()
-    out = torch.zeros(b, hkv, kv_len, dtype=torch.float32, device=key.device)
+    key_t = key.float().transpose(-1, -2)  # [b, kv_heads, d, kv]
+    out = torch.zeros(b, hkv, 1, kv_len, dtype=torch.float32, device=key.device)
     rows = max(1, _BLOCK_ELEMS // max(1, hq * kv_len))
     for start in range(first, q_len, rows):
         stop = min(q_len, start + rows)
-        q = query[:, :, start:stop].float().reshape(b, hkv, group, stop - start, d)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scaling
+        n = stop - start
+        # the query heads of one KV head share its keys: one matmul per KV head, no repeat_kv
+        q = (query[:, :, start:stop].float() * scaling).reshape(b, hkv, group * n, d)
+        logits = torch.matmul(q, key_t)  # [b, kv_heads, group * n, kv]
+        grouped = logits.view(b, hkv, group, n, kv_len)
         if attention_mask is None:
             q_pos = torch.arange(start, stop, device=key.device)[:, None] + (kv_len - q_len)
-            allowed = torch.arange(kv_len, device=key.device)[None, :] <= q_pos
-            logits = logits.masked_fill(~allowed, float("-inf"))
+            grouped.masked_fill_(torch.arange(kv_len, device=key.device)[None, :] > q_pos, float("-inf"))
         else:
-            m = attention_mask[:, :, start:stop, :kv_len].unsqueeze(2)  # [b, 1, 1, q, kv]
-            logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
-        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
-        out += probs.sum(dim=3).mean(dim=2)
-    return out
+            m = attention_mask[:, :, start:stop, :kv_len].unsqueeze(2)  # [b, 1, 1, n, kv]
+            grouped.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else grouped.add_(m.float())
+        # softmax in place; the row normalisation is folded into the column sum (one mat-vec)
+        torch.exp(logits.sub_(logits.amax(dim=-1, keepdim=True)), out=logits)
+        inv_row_sums = logits.sum(dim=-1, keepdim=True).reciprocal_().nan_to_num_(0.0, posinf=0.0)
+        out += torch.matmul(inv_row_sums.transpose(-1, -2), logits)
+    return out[:, :, 0] / group
 
 
 def pace_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -70,7 +70,8 @@ def test_positions_stay_bounded_during_a_long_generate():
     limit, budget, chunk = 96, 40, 32
     cache = PACECache(Blueprint([Span(5, 15, [1])]), model=model, budget=budget, limit=limit, recent=16)
     seen_positions, resident = [], []
-    h1 = model.model.rotary_emb.register_forward_pre_hook(lambda m, args: seen_positions.append(args[1].max().item()))
+    h1 = model.model.rotary_emb.register_forward_pre_hook(
+        lambda m, args, kwargs: seen_positions.append(int(kwargs.get("position_ids", args[-1]).max())), with_kwargs=True)
     h2 = model.model.layers[-1].register_forward_hook(lambda m, a, o: resident.append(cache.layers[0].stored))
     model.generate(prompt(3 * limit, seed=2), max_new_tokens=limit, min_new_tokens=limit, do_sample=False,
                    past_key_values=cache, prefill_chunk_size=chunk)

@@ -26,7 +26,8 @@ def test_smollm2_generates_under_a_bounded_pace_cache(smollm):
     cache = PACECache(Blueprint([Span(0, 12, readers=[1])]), model=model, budget=512, limit=1024)
     cache.step = 1
     positions = []
-    hook = model.model.rotary_emb.register_forward_pre_hook(lambda m, args: positions.append(int(args[1].max())))
+    hook = model.model.rotary_emb.register_forward_pre_hook(
+        lambda m, args, kwargs: positions.append(int(kwargs.get("position_ids", args[-1]).max())), with_kwargs=True)
     try:
         out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, past_key_values=cache, prefill_chunk_size=512)
     finally:
