@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="override the per-probe budget")
     ap.add_argument("--prefill-chunk-size", type=int, default=2048)
     ap.add_argument("--out", default=None, help="append one JSON line per probe here")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                    help="auto: bfloat16 where the CPU has native bf16 kernels (AVX512/AMX), else float32")
+    ap.add_argument("--show", action="store_true", help="print each answer")
     args = ap.parse_args(argv)
 
     if os.environ.get("PACE_ALLOW_CODE_EVAL") != "1":
@@ -69,11 +72,13 @@ def main(argv=None) -> int:
 
     from pace_hf.bench import load_sessions
     from pace_hf.metrics import PACE_CODING
-    from pace_hf.models import load_model
+    from pace_hf.models import load_model, preferred_dtype
 
+    dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    model, tok = load_model(args.model)
-    print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s", flush=True)
+    model, tok = load_model(args.model, dtype=dtype)
+    print(f"model {args.model} ({dtype}) loaded in {time.perf_counter() - t0:.1f}s; "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
     sessions = load_sessions(tok, n_sessions=args.sessions, total_tokens=args.tokens, distance=args.distance,
                              seed=args.seed, filler_mode=args.filler_mode, keep_in_memory=True)
     metric = evaluate.load(PACE_CODING)
@@ -101,6 +106,8 @@ def main(argv=None) -> int:
                   f"{dt:6.1f}s checks {d['checks_passed']}/{d['checks_total']} "
                   f"recall {d['recall_hits']}/{d['recall_total']}" + (f"  FAILED {failed}" if failed else ""),
                   flush=True)
+            if args.show:
+                print(text, flush=True)
             predictions.append(text)
             references.append(probe["reference"])
             if out_f:

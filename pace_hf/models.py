@@ -48,6 +48,7 @@ __all__ = [
     "resolve_gguf",
     "load_model",
     "load_tokenizer",
+    "preferred_dtype",
 ]
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -354,6 +355,22 @@ def _load_packaged(name: str, dtype: torch.dtype, cache_dir, use_dense_cache: bo
     except OSError:  # another process won the race, or the cache is read-only: fine
         pass
     return model, tokenizer
+
+
+def preferred_dtype(device: str = "cpu") -> torch.dtype:
+    """``bfloat16`` where it is fast, else ``float32``.
+
+    On a CPU without native bf16 matrix kernels (torch reports its capability as
+    ``AVX2``, or lower), bf16 matmuls are emulated and run about 20x slower than fp32;
+    with ``AVX512`` (avx512_bf16) or ``AMX`` bf16 is about 2.4x faster than fp32 for these
+    models. On CUDA devices it is always bfloat16."""
+    if device != "cpu":
+        return torch.bfloat16
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        return torch.float32
+    return torch.bfloat16 if cap.upper().startswith(("AVX512", "AMX")) else torch.float32
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None):

@@ -73,7 +73,7 @@ __all__ = [
     "to_parquet",
 ]
 
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "3"  # bump whenever the generated content changes
 
 SYSTEM_PROMPT = (
     "You are a careful Python coding assistant in a long working session on one repository. "
@@ -166,48 +166,81 @@ def _code(lines: list) -> list:
     return ["```python\n", *lines, "```"]
 
 
-def definition_pieces(facts: dict[str, str]) -> list[list]:
-    """The three definition messages, as lists of pieces: a str, or ``(fact, text)`` for
-    the occurrence of a fact whose token span is recorded."""
+def _plain(pieces: list) -> str:
+    return "".join(p[1] if isinstance(p, tuple) else p for p in pieces)
+
+
+def code_pieces(facts: dict[str, str]) -> dict[str, list]:
+    """The module's code, in parts; each part a list of pieces (a str, or ``(fact, text)``
+    for the occurrence of a fact whose token span is recorded). The definitions show
+    these parts and the reference solutions reproduce them."""
     f = facts
     F = lambda name: (name, f[name])  # noqa: E731
-    step1 = [
-        f"Step 1 of the spec for `{MODULE}`: the data model. Each record is this dataclass:\n\n",
-        *_code([
-            "from dataclasses import dataclass\nfrom decimal import Decimal\n\n\n@dataclass\nclass ",
-            F("class_name"), ":\n    ",
+    status, amount = f["field_status"], f["field_amount"]
+    return {
+        "imports1": ["from dataclasses import dataclass\nfrom decimal import Decimal\n"],
+        "dataclass": [
+            "@dataclass\nclass ", F("class_name"), ":\n    ",
             F("field_id"), ": str\n    ",
             F("field_amount"), ": Decimal\n    ",
             F("field_status"), ": str\n",
-        ]),
+        ],
+        "fee_constants": [
+            'BASE_FEE = Decimal("', F("base_fee"), '")\n',
+            'FEE_RATE = Decimal("', F("fee_rate"), '")\n',
+        ],
+        "states": [
+            'STATUS_OPEN = "', F("status_open"), '"\n',
+            'STATUS_SETTLED = "', F("status_settled"), '"\n',
+            'SETTLE_ERROR_CODE = "', F("exception_code"), '"\n',
+        ],
+        "error": [
+            "class ", F("exception_name"), "(Exception):\n",
+            "    def __init__(self, code):\n        super().__init__(code)\n        self.code = code\n",
+        ],
+        "imports3": ["from decimal import ", F("rounding_mode"), "\n"],
+        "rule_constants": [
+            'FEE_QUANTUM = Decimal("', F("quantum"), '")\n',
+            f"FEE_ROUNDING = {f['rounding_mode']}\n",
+        ],
+        "fee_for": [
+            "def fee_for(amount):\n",
+            "    raw = BASE_FEE + amount * FEE_RATE\n",
+            '    return (raw / FEE_QUANTUM).quantize(Decimal("1"), rounding=FEE_ROUNDING) * FEE_QUANTUM\n',
+        ],
+        "settle": [
+            "def settle(record):\n",
+            f"    if record.{status} != STATUS_OPEN:\n",
+            f"        raise {f['exception_name']}(SETTLE_ERROR_CODE)\n",
+            f"    total = record.{amount} + fee_for(record.{amount})\n",
+            f"    record.{status} = STATUS_SETTLED\n",
+            "    return total\n",
+        ],
+    }
+
+
+def definition_pieces(facts: dict[str, str]) -> list[list]:
+    """The three definition messages, as lists of pieces (see :func:`code_pieces`)."""
+    f = facts
+    c = code_pieces(facts)
+    step1 = [
+        f"Step 1 of the spec for `{MODULE}`: the data model. Each record is this dataclass:\n\n",
+        *_code([*c["imports1"], "\n\n", *c["dataclass"]]),
         f"\n\n`{f['field_id']}` is the identifier, `{f['field_amount']}` is the amount (a Decimal) and "
         f"`{f['field_status']}` is the status. Use exactly these names.",
     ]
     step2 = [
-        f"Step 2 of the spec for `{MODULE}`: constants and the error type.\n\n",
-        *_code([
-            'BASE_FEE = Decimal("', F("base_fee"), '")\n',
-            'FEE_RATE = Decimal("', F("fee_rate"), '")\n\n',
-            'STATUS_OPEN = "', F("status_open"), '"\n',
-            'STATUS_SETTLED = "', F("status_settled"), '"\n\n',
-            'SETTLE_ERROR_CODE = "', F("exception_code"), '"\n\n\n',
-            "class ", F("exception_name"), "(Exception):\n",
-            "    def __init__(self, code):\n        super().__init__(code)\n        self.code = code\n",
-        ]),
-        f"\n\nA record can be settled only while its status is STATUS_OPEN; settling sets its status to "
-        f"STATUS_SETTLED. When settling is not allowed, raise `{f['exception_name']}(SETTLE_ERROR_CODE)`.",
+        f"Step 2 of the spec for `{MODULE}`: the fee constants, the status values, the error code and the "
+        "error class.\n\n",
+        *_code([*c["fee_constants"], *c["states"], "\n\n", *c["error"]]),
     ]
     step3 = [
-        f"Step 3 of the spec for `{MODULE}`: the fee rule. The fee for an amount is "
-        f"BASE_FEE + amount * FEE_RATE, rounded to a multiple of FEE_QUANTUM with the rounding mode "
-        f"FEE_ROUNDING:\n\n",
-        *_code([
-            "from decimal import ", F("rounding_mode"), "\n\n",
-            'FEE_QUANTUM = Decimal("', F("quantum"), '")\n',
-            f"FEE_ROUNDING = {f['rounding_mode']}\n\n\n",
-            "def round_fee(raw):\n",
-            '    return (raw / FEE_QUANTUM).quantize(Decimal("1"), rounding=FEE_ROUNDING) * FEE_QUANTUM\n',
-        ]),
+        f"Step 3 of the spec for `{MODULE}`: the fee rule and settlement. The fee for an amount is "
+        "BASE_FEE + amount * FEE_RATE, rounded to a multiple of FEE_QUANTUM with the rounding mode "
+        "FEE_ROUNDING. A record can be settled only while its status is STATUS_OPEN; settling sets its "
+        f"status to STATUS_SETTLED and returns the amount plus the fee; otherwise it raises "
+        f"`{f['exception_name']}(SETTLE_ERROR_CODE)`.\n\n",
+        *_code([*c["imports3"], "\n", *c["rule_constants"], "\n\n", *c["fee_for"], "\n\n", *c["settle"]]),
     ]
     return [step1, step2, step3]
 
@@ -215,25 +248,29 @@ def definition_pieces(facts: dict[str, str]) -> list[list]:
 # ------------------------------------------------------------------ probes / checks
 
 PROBES = ("fee_for", "settle", "module")
+_SKELETON_HEAD = 'from decimal import Decimal, ...  # and the rounding mode of step 3\n\n'
+_SKELETON_FEE = 'BASE_FEE = Decimal("...")\nFEE_RATE = Decimal("...")\n'
+_SKELETON_STATES = 'STATUS_OPEN = "..."\nSTATUS_SETTLED = "..."\nSETTLE_ERROR_CODE = "..."\n'
+_SKELETON_RULE = 'FEE_QUANTUM = Decimal("...")\nFEE_ROUNDING = ...\n'
+_SKELETON_ERROR = "\n\nclass ...(Exception):  # the error class of step 2\n    ...\n"
+_SKELETON_FEE_FOR = "\n\ndef fee_for(amount):\n    ...  # the fee rule of step 3\n"
+_SKELETON_SETTLE = "\n\ndef settle(record):\n    ...  # settlement, as in step 3\n"
+_SKELETON_CLASS = "\n\n@dataclass\nclass ...:  # the dataclass of step 1\n    ...\n"
+_PROBE_ASK = ("Fill in every `...` with the names, values and code from the spec above (steps 1-3) and "
+              "reply with the completed ```python block only, no explanation.\n\n```python\n")
 _PROBE_TEXT = {
     "fee_for": (
-        f"Write the function `fee_for(amount)` for `{MODULE}`: it returns the fee for `amount` (a Decimal), "
-        "computed with the fee rule of step 3 and the constants of step 2. Reply with one ```python block "
-        "that runs on its own (the imports, the constants it uses, `round_fee` and `fee_for`) and no "
-        "example usage."
+        f"Write `fee_for(amount)` for `{MODULE}`. " + _PROBE_ASK + _SKELETON_HEAD + _SKELETON_FEE
+        + _SKELETON_RULE + _SKELETON_FEE_FOR + "```"
     ),
     "settle": (
-        f"Write the function `settle(record)` for `{MODULE}`, where `record` is an instance of the "
-        "dataclass of step 1. If the record's status is not STATUS_OPEN, raise the error of step 2 with "
-        "SETTLE_ERROR_CODE. Otherwise set its status to STATUS_SETTLED and return its amount plus "
-        "`fee_for(amount)`. Use the field names of step 1. Reply with one ```python block that runs on its "
-        "own (the imports, the constants, the error class, `round_fee`, `fee_for` and `settle`) and no "
-        "example usage."
+        f"Write `settle(record)` for `{MODULE}`. " + _PROBE_ASK + _SKELETON_HEAD + _SKELETON_FEE
+        + _SKELETON_STATES + _SKELETON_RULE + _SKELETON_ERROR + _SKELETON_FEE_FOR + _SKELETON_SETTLE + "```"
     ),
     "module": (
-        f"Write the complete `{MODULE}` module: the dataclass of step 1, the constants and the error class "
-        "of step 2, the fee rule of step 3, `fee_for(amount)` and `settle(record)`. Reply with one "
-        "```python block and no example usage."
+        f"Write the complete `{MODULE}` module. " + _PROBE_ASK + "from dataclasses import dataclass\n"
+        + _SKELETON_HEAD.lstrip() + _SKELETON_CLASS.lstrip("\n").join(["", "\n\n"]) + _SKELETON_FEE
+        + _SKELETON_STATES + _SKELETON_RULE + _SKELETON_ERROR + _SKELETON_FEE_FOR + _SKELETON_SETTLE + "```"
     ),
 }
 # Facts whose values each probe's answer should state (recall).
@@ -376,49 +413,25 @@ def build_checks(facts: dict[str, str], rng: random.Random) -> dict[str, list[di
 
 def reference_solution(facts: dict[str, str] | dict, probe: str | int) -> str:
     """A correct answer to ``probe`` (a name in :data:`PROBES` or its index) for a
-    session's facts (a ``{name: value}`` dict, or a dataset row with a ``facts`` list)."""
+    session's facts (a ``{name: value}`` dict, or a dataset row with a ``facts`` list):
+    the parts of the definitions that the probe asks for, in a ```python block."""
     if "facts" in facts and isinstance(facts["facts"], list):
         facts = {x["name"]: x["value"] for x in facts["facts"]}
     if isinstance(probe, int):
         probe = PROBES[probe]
-    f = facts
-    imports = ("from dataclasses import dataclass\n" if probe == "module" else "") + (
-        f"from decimal import Decimal, {f['rounding_mode']}\n")
-    dataclass_src = (
-        f"\n\n@dataclass\nclass {f['class_name']}:\n    {f['field_id']}: str\n"
-        f"    {f['field_amount']}: Decimal\n    {f['field_status']}: str\n"
-    )
-    constants = (
-        f'\nBASE_FEE = Decimal("{f["base_fee"]}")\nFEE_RATE = Decimal("{f["fee_rate"]}")\n'
-        f'FEE_QUANTUM = Decimal("{f["quantum"]}")\nFEE_ROUNDING = {f["rounding_mode"]}\n'
-    )
-    states = (f'STATUS_OPEN = "{f["status_open"]}"\nSTATUS_SETTLED = "{f["status_settled"]}"\n'
-              f'SETTLE_ERROR_CODE = "{f["exception_code"]}"\n')
-    error = (f"\n\nclass {f['exception_name']}(Exception):\n    def __init__(self, code):\n"
-             "        super().__init__(code)\n        self.code = code\n")
-    fee_src = (
-        "\n\ndef round_fee(raw):\n"
-        '    return (raw / FEE_QUANTUM).quantize(Decimal("1"), rounding=FEE_ROUNDING) * FEE_QUANTUM\n'
-        "\n\ndef fee_for(amount):\n    return round_fee(BASE_FEE + amount * FEE_RATE)\n"
-    )
-    amount, status = f["field_amount"], f["field_status"]
-    settle_src = (
-        "\n\ndef settle(record):\n"
-        f"    if record.{status} != STATUS_OPEN:\n"
-        f"        raise {f['exception_name']}(SETTLE_ERROR_CODE)\n"
-        f"    total = record.{amount} + fee_for(record.{amount})\n"
-        f"    record.{status} = STATUS_SETTLED\n"
-        "    return total\n"
-    )
+    c = {k: _plain(v) for k, v in code_pieces(facts).items()}
+    imports = f"from decimal import Decimal, {facts['rounding_mode']}\n"
     if probe == "fee_for":
-        src = imports + constants + fee_src
+        parts = [imports, c["fee_constants"] + c["rule_constants"], c["fee_for"]]
     elif probe == "settle":
-        src = imports + constants + states + error + fee_src + settle_src
+        parts = [imports, c["fee_constants"] + c["states"], c["error"], c["rule_constants"], c["fee_for"],
+                 c["settle"]]
     elif probe == "module":
-        src = imports + dataclass_src + constants + states + error + fee_src + settle_src
+        parts = [c["imports1"] + c["imports3"], c["dataclass"], c["fee_constants"] + c["states"], c["error"],
+                 c["rule_constants"], c["fee_for"], c["settle"]]
     else:
         raise KeyError(f"unknown probe {probe!r}; probes: {PROBES}")
-    return f"```python\n{src}```"
+    return "```python\n" + "\n\n".join(parts) + "```"
 
 
 # ------------------------------------------------------------------- tokenization
