@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from pace_hf import Blueprint, H2OCache, PACECache, Span
-from pace_hf.models import load_model
+from pace_hf.models import load_model, preferred_dtype
 
 
 def stdlib_tokens(tokenizer, n: int) -> torch.Tensor:
@@ -33,16 +33,6 @@ def stdlib_tokens(tokenizer, n: int) -> torch.Tensor:
     return ids
 
 
-def fast_cpu_dtype() -> torch.dtype:
-    """bf16 only where the CPU has native bf16 (avx512_bf16/amx); on AVX2-only CPUs it is ~5x slower
-    than fp32 (measured on this project's machines)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return torch.bfloat16
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -54,7 +44,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
-    dtype = fast_cpu_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
     ids = stdlib_tokens(tokenizer, args.tokens)
     arms = {

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pace_hf import Blueprint, H2OCache, PACECache, SnapKVCache, StreamingLLMCache
+from pace_hf.models import preferred_dtype
 
 ARMS = ("full", "h2o", "snapkv", "streaming", "positions_only", "retention_only", "pace")
 
@@ -48,18 +49,6 @@ def make_cache(arm: str, model, blueprint: Blueprint, s: ArmSettings):
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
     foresight, bounded = flags[arm]
     return PACECache(blueprint, model=model, budget=s.budget, limit=s.limit, foresight=foresight, bounded=bounded)
-
-
-def preferred_dtype() -> torch.dtype:
-    """bf16 where the CPU computes it natively (avx512_bf16/AMX) or on CUDA; fp32 otherwise, where
-    bf16 matmuls are emulated and several times slower."""
-    if torch.cuda.is_available():
-        return torch.bfloat16
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return torch.float32
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
 def needed_positions(row, probe) -> torch.Tensor:
@@ -229,7 +218,8 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = preferred_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
     metric = evaluate.load(PACE_CODING)
     stop_ids = [i for i in {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
