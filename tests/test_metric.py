@@ -68,13 +68,13 @@ def test_mutations_by_hand(rows):
     fee_ref = probes["fee_for"]["reference"]
     good = reference_solution(row, "fee_for")
     other_mode = next(m for m in S.ROUNDING_MODES if m != f["rounding_mode"])
-    bad = good.replace(f"FEE_ROUNDING = {f['rounding_mode']}", f"FEE_ROUNDING = {other_mode}")
-    bad = bad.replace(f"from decimal import Decimal, {f['rounding_mode']}", f"from decimal import Decimal, {other_mode}")
+    bad = good.replace(f"rounding={f['rounding_mode']})", f"rounding={other_mode})")
+    assert bad != good
     out = M.score_answer(bad, fee_ref)
     assert not next(c for c in out["checks"] if c["name"] == "fee_rounding")["passed"]
     # quantize to the quantum's exponent instead of a multiple of it: fails when quantum != 0.01
-    naive = good.replace('(raw / FEE_QUANTUM).quantize(Decimal("1"), rounding=FEE_ROUNDING) * FEE_QUANTUM',
-                         "raw.quantize(FEE_QUANTUM, rounding=FEE_ROUNDING)")
+    naive = good.replace(f'(raw / quantum).quantize(Decimal("1"), rounding={f["rounding_mode"]}) * quantum',
+                         f"raw.quantize(quantum, rounding={f['rounding_mode']})")
     assert naive != good
     out = M.score_answer(naive, fee_ref)
     assert out["checks_passed"] < out["checks_total"] or f["quantum"] == "0.01"
@@ -135,6 +135,21 @@ def test_sign_test_and_paired_comparison():
     a = [{"checks_passed": n} for n in (3, 2, 5, 1, 4)]
     b = [{"checks_passed": n} for n in (1, 2, 4, 1, 5)]
     assert M.paired_comparison(a, b) == {"better": 2, "worse": 1, "tied": 2, "p_value": 1.0}
+
+
+def test_preamble_runs_before_the_answer(rows):
+    """The fee_for probe's file already holds steps 1 and 2: an answer with only step 3 passes,
+    an empty file does not, and a wrong constant in the answer overrides the preamble."""
+    row = rows[0]
+    f = _facts(row)
+    probe = row["probes"][0]
+    ref = json.loads(probe["reference"])
+    assert "BASE_FEE" in ref["preamble"] and "def fee_for" not in ref["preamble"]
+    assert M.score_answer(reference_solution(row, "fee_for"), ref)["checks_passed"] == 4
+    assert M.score_answer("```python\npass\n```", ref)["checks_passed"] == 0
+    wrong = reference_solution(row, "fee_for").replace("```python\n", '```python\nBASE_FEE = Decimal("9.75")\n')
+    assert M.score_answer(wrong, ref)["checks_passed"] < 4
+    assert json.loads(row["probes"][2]["reference"])["preamble"] == ""
 
 
 def test_paired_through_score(rows):

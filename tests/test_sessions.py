@@ -47,11 +47,19 @@ def test_ids_equal_the_chat_template(tok):
         convo.append({"role": "user", "content": probe["prompt"]})
         full = _ids(tok.apply_chat_template(convo, tokenize=True, add_generation_prompt=True))
         ids += probe["prompt_ids"]
-        assert full == ids
-        answer = "```python\nx = 1\n```"
-        convo.append({"role": "assistant", "content": answer})
+        prefix = probe["answer_prefix"]
+        if prefix:  # the start of the answer, given in the prompt
+            assert tok.decode(ids) == tok.decode(full) + prefix
+            cont = convo + [{"role": "assistant", "content": prefix}]
+            assert ids == _ids(tok.apply_chat_template(cont, tokenize=True, continue_final_message=True))
+        else:  # after an answer, compare text: generated ids need not be the canonical tokenization
+            assert tok.decode(ids) == tok.decode(full)
+        if probe is row["probes"][0]:
+            assert ids[:len(row["context_ids"])] == row["context_ids"]
+        answer = "    return raw\n```" if prefix else "```python\nx = 1\n```"
+        convo.append({"role": "assistant", "content": prefix + answer})
         ids += tok(answer, add_special_tokens=False)["input_ids"] + row["turn_end_ids"]
-        assert _ids(tok.apply_chat_template(convo, tokenize=True)) == ids
+        assert tok.decode(ids) == tok.decode(_ids(tok.apply_chat_template(convo, tokenize=True)))
     assert row["turn_end_ids"] == answer_suffix_ids(tok)
     assert tok.decode(row["turn_end_ids"]) == "<|im_end|>\n"
 
@@ -66,7 +74,7 @@ def test_steps_turns_and_blueprint(tok):
     assert [p["name"] for p in row["probes"]] == ["fee_for", "settle", "module"]
     fee, settle, module = (p["step"] for p in row["probes"])
     bp = row["blueprint"]
-    assert [b["readers"] for b in bp] == [[settle, module], [fee, settle, module], [fee, settle, module]]
+    assert [b["readers"] for b in bp] == [[settle, module], [settle, module], [fee, module]]
     assert bp[0]["start"] == row["definitions_start"] and bp[-1]["end"] == row["definitions_end"]
     for f in row["facts"]:
         assert any(b["start"] <= f["start"] and f["end"] <= b["end"] for b in bp)

@@ -6,12 +6,14 @@ system prompt is not a step). Its layout:
 ==========  ====================================================================
 part        content
 ==========  ====================================================================
-definitions three randomized steps of a spec for ``billing.py``: (1) a dataclass with
-            its field names, (2) fee constants, status values, an error code and an
-            exception class, (3) the fee rule: a rounding mode and a quantum
+definitions three randomized steps of a spec for ``billing.py``, each a short text and
+            a code block: (1) a dataclass with its field names, (2) fee constants,
+            status values, an error code, an exception class and ``settle``, (3) the
+            fee rule ``fee_for``: a rounding mode and a quantum
 filler      Python standard-library source (see :mod:`pace_hf.bench.filler`), about
             ``chunk_tokens`` tokens per user turn, each answered with a fixed ack
-probes      three user turns: write ``fee_for``, write ``settle``, write the module
+probes      three user turns: write ``fee_for`` (the file already holds steps 1-2),
+            write ``settle`` (it holds steps 1 and 3), write the complete module
 grading     hidden checks per probe (executed by the ``pace_coding`` metric), and the
             facts that each answer should recall
 ==========  ====================================================================
@@ -73,7 +75,7 @@ __all__ = [
     "to_parquet",
 ]
 
-GENERATOR_VERSION = "3"  # bump whenever the generated content changes
+GENERATOR_VERSION = "9"  # bump whenever the generated content changes
 
 SYSTEM_PROMPT = (
     "You are a careful Python coding assistant in a long working session on one repository. "
@@ -170,15 +172,20 @@ def _plain(pieces: list) -> str:
     return "".join(p[1] if isinstance(p, tuple) else p for p in pieces)
 
 
+ROUNDING_IMPORT = "from decimal import Decimal, " + ", ".join(sorted(ROUNDING_MODES)) + "\n"
+
+
 def code_pieces(facts: dict[str, str]) -> dict[str, list]:
     """The module's code, in parts; each part a list of pieces (a str, or ``(fact, text)``
     for the occurrence of a fact whose token span is recorded). The definitions show
-    these parts and the reference solutions reproduce them."""
+    these parts and the reference solutions reproduce them. The functions carry their
+    values inline, so that writing a function means recalling its facts."""
     f = facts
     F = lambda name: (name, f[name])  # noqa: E731
     status, amount = f["field_status"], f["field_amount"]
     return {
-        "imports1": ["from dataclasses import dataclass\nfrom decimal import Decimal\n"],
+        # Step 1 imports every rounding mode, so the import does not tell which one step 3 uses.
+        "imports": ["from dataclasses import dataclass\n", ROUNDING_IMPORT],
         "dataclass": [
             "@dataclass\nclass ", F("class_name"), ":\n    ",
             F("field_id"), ": str\n    ",
@@ -189,34 +196,39 @@ def code_pieces(facts: dict[str, str]) -> dict[str, list]:
             'BASE_FEE = Decimal("', F("base_fee"), '")\n',
             'FEE_RATE = Decimal("', F("fee_rate"), '")\n',
         ],
-        "states": [
-            'STATUS_OPEN = "', F("status_open"), '"\n',
-            'STATUS_SETTLED = "', F("status_settled"), '"\n',
-            'SETTLE_ERROR_CODE = "', F("exception_code"), '"\n',
-        ],
         "error": [
             "class ", F("exception_name"), "(Exception):\n",
             "    def __init__(self, code):\n        super().__init__(code)\n        self.code = code\n",
         ],
-        "imports3": ["from decimal import ", F("rounding_mode"), "\n"],
-        "rule_constants": [
-            'FEE_QUANTUM = Decimal("', F("quantum"), '")\n',
-            f"FEE_ROUNDING = {f['rounding_mode']}\n",
+        "settle": [
+            "def settle(record):\n",
+            f"    if record.{status} != \"", F("status_open"), "\":\n",
+            f"        raise {f['exception_name']}(\"", F("exception_code"), "\")\n",
+            f"    total = record.{amount} + fee_for(record.{amount})\n",
+            f"    record.{status} = \"", F("status_settled"), "\"\n",
+            "    return total\n",
         ],
         "fee_for": [
             "def fee_for(amount):\n",
             "    raw = BASE_FEE + amount * FEE_RATE\n",
-            '    return (raw / FEE_QUANTUM).quantize(Decimal("1"), rounding=FEE_ROUNDING) * FEE_QUANTUM\n',
-        ],
-        "settle": [
-            "def settle(record):\n",
-            f"    if record.{status} != STATUS_OPEN:\n",
-            f"        raise {f['exception_name']}(SETTLE_ERROR_CODE)\n",
-            f"    total = record.{amount} + fee_for(record.{amount})\n",
-            f"    record.{status} = STATUS_SETTLED\n",
-            "    return total\n",
+            '    quantum = Decimal("', F("quantum"), '")\n',
+            '    return (raw / quantum).quantize(Decimal("1"), rounding=', F("rounding_mode"), ") * quantum\n",
         ],
     }
+
+
+def _step_code(c: dict, step: int) -> list:
+    """The code block of a definition step, as pieces."""
+    if step == 1:
+        return [*c["imports"], "\n\n", *c["dataclass"]]
+    if step == 2:
+        return [*c["fee_constants"], "\n\n", *c["error"], "\n\n", *c["settle"]]
+    return [*c["fee_for"]]
+
+
+def step_code(facts: dict[str, str], step: int) -> str:
+    """The code block of definition step 1, 2 or 3, as plain text."""
+    return _plain(_step_code(code_pieces(facts), step))
 
 
 def definition_pieces(facts: dict[str, str]) -> list[list]:
@@ -224,23 +236,21 @@ def definition_pieces(facts: dict[str, str]) -> list[list]:
     f = facts
     c = code_pieces(facts)
     step1 = [
-        f"Step 1 of the spec for `{MODULE}`: the data model. Each record is this dataclass:\n\n",
-        *_code([*c["imports1"], "\n\n", *c["dataclass"]]),
+        f"Step 1 of the spec for `{MODULE}`: the imports and the data model. Each record is this dataclass:\n\n",
+        *_code(_step_code(c, 1)),
         f"\n\n`{f['field_id']}` is the identifier, `{f['field_amount']}` is the amount (a Decimal) and "
         f"`{f['field_status']}` is the status. Use exactly these names.",
     ]
     step2 = [
-        f"Step 2 of the spec for `{MODULE}`: the fee constants, the status values, the error code and the "
-        "error class.\n\n",
-        *_code([*c["fee_constants"], *c["states"], "\n\n", *c["error"]]),
+        f"Step 2 of the spec for `{MODULE}`: the fee constants, the error class and settlement. A record can "
+        "be settled only while it is open; settling marks it settled and returns its amount plus its fee; "
+        "otherwise it raises the error with its error code.\n\n",
+        *_code(_step_code(c, 2)),
     ]
     step3 = [
-        f"Step 3 of the spec for `{MODULE}`: the fee rule and settlement. The fee for an amount is "
-        "BASE_FEE + amount * FEE_RATE, rounded to a multiple of FEE_QUANTUM with the rounding mode "
-        "FEE_ROUNDING. A record can be settled only while its status is STATUS_OPEN; settling sets its "
-        f"status to STATUS_SETTLED and returns the amount plus the fee; otherwise it raises "
-        f"`{f['exception_name']}(SETTLE_ERROR_CODE)`.\n\n",
-        *_code([*c["imports3"], "\n", *c["rule_constants"], "\n\n", *c["fee_for"], "\n\n", *c["settle"]]),
+        f"Step 3 of the spec for `{MODULE}`: the fee rule. The fee for an amount is BASE_FEE + amount * "
+        "FEE_RATE, rounded to a multiple of the quantum with the rounding mode below.\n\n",
+        *_code(_step_code(c, 3)),
     ]
     return [step1, step2, step3]
 
@@ -248,41 +258,46 @@ def definition_pieces(facts: dict[str, str]) -> list[list]:
 # ------------------------------------------------------------------ probes / checks
 
 PROBES = ("fee_for", "settle", "module")
-_SKELETON_HEAD = 'from decimal import Decimal, ...  # and the rounding mode of step 3\n\n'
-_SKELETON_FEE = 'BASE_FEE = Decimal("...")\nFEE_RATE = Decimal("...")\n'
-_SKELETON_STATES = 'STATUS_OPEN = "..."\nSTATUS_SETTLED = "..."\nSETTLE_ERROR_CODE = "..."\n'
-_SKELETON_RULE = 'FEE_QUANTUM = Decimal("...")\nFEE_ROUNDING = ...\n'
-_SKELETON_ERROR = "\n\nclass ...(Exception):  # the error class of step 2\n    ...\n"
-_SKELETON_FEE_FOR = "\n\ndef fee_for(amount):\n    ...  # the fee rule of step 3\n"
-_SKELETON_SETTLE = "\n\ndef settle(record):\n    ...  # settlement, as in step 3\n"
-_SKELETON_CLASS = "\n\n@dataclass\nclass ...:  # the dataclass of step 1\n    ...\n"
-_PROBE_ASK = ("Fill in every `...` with the names, values and code from the spec above (steps 1-3) and "
-              "reply with the completed ```python block only, no explanation.\n\n```python\n")
+_COPY = "Reply with one ```python block only, no explanation."
 _PROBE_TEXT = {
     "fee_for": (
-        f"Write `fee_for(amount)` for `{MODULE}`. " + _PROBE_ASK + _SKELETON_HEAD + _SKELETON_FEE
-        + _SKELETON_RULE + _SKELETON_FEE_FOR + "```"
+        f"Back to `{MODULE}`. It already contains the code of steps 1 and 2. Now write the function "
+        "`fee_for(amount)` of step 3 (the fee rule), exactly as specified in step 3. " + _COPY
     ),
     "settle": (
-        f"Write `settle(record)` for `{MODULE}`. " + _PROBE_ASK + _SKELETON_HEAD + _SKELETON_FEE
-        + _SKELETON_STATES + _SKELETON_RULE + _SKELETON_ERROR + _SKELETON_FEE_FOR + _SKELETON_SETTLE + "```"
+        f"`{MODULE}` already contains the code of steps 1 and 3. Now write the code of step 2: the fee "
+        "constants, the error class and the function `settle(record)`, exactly as specified. " + _COPY
     ),
     "module": (
-        f"Write the complete `{MODULE}` module. " + _PROBE_ASK + "from dataclasses import dataclass\n"
-        + _SKELETON_HEAD.lstrip() + _SKELETON_CLASS.lstrip("\n").join(["", "\n\n"]) + _SKELETON_FEE
-        + _SKELETON_STATES + _SKELETON_RULE + _SKELETON_ERROR + _SKELETON_FEE_FOR + _SKELETON_SETTLE + "```"
+        f"Now write the complete `{MODULE}` module: the code of step 1, step 2 and step 3, in this order, "
+        "exactly as specified. " + _COPY
     ),
+}
+# The start of the assistant's answer, given as part of the prompt (it names no fact):
+# it anchors the small model on the right definition. The metric prepends it to the
+# generated text before scoring.
+ANSWER_PREFIX = {
+    "fee_for": "```python\ndef fee_for(amount):\n    raw = BASE_FEE + amount * FEE_RATE\n",
+    "settle": "",
+    "module": "",
+}
+# Code parts that the file already holds when a probe is asked: the metric runs them
+# before the answer (they never define what the probe asks for).
+PROBE_PREAMBLE = {
+    "fee_for": ("imports", "dataclass", "fee_constants", "error", "settle"),
+    "settle": ("imports", "dataclass", "fee_for"),
+    "module": (),
 }
 # Facts whose values each probe's answer should state (recall).
 _PROBE_RECALL = {
-    "fee_for": ["base_fee", "fee_rate", "quantum", "rounding_mode"],
+    "fee_for": ["quantum", "rounding_mode"],
     "settle": ["field_amount", "field_status", "base_fee", "fee_rate", "status_open", "status_settled",
-               "exception_name", "exception_code", "quantum", "rounding_mode"],
+               "exception_name", "exception_code"],
     "module": list(FACT_NAMES),
 }
 # Definition steps (1-3) that each probe reads: the oracle blueprint.
-PROBE_READS = {"fee_for": (2, 3), "settle": (1, 2, 3), "module": (1, 2, 3)}
-MAX_NEW_TOKENS = {"fee_for": 256, "settle": 320, "module": 448}
+PROBE_READS = {"fee_for": (3,), "settle": (1, 2), "module": (1, 2, 3)}
+MAX_NEW_TOKENS = {"fee_for": 128, "settle": 256, "module": 384}
 
 
 def _dec(x) -> dict:
@@ -336,8 +351,10 @@ def _pick_amounts(facts: dict[str, str], rng: random.Random) -> dict[str, Any]:
     q = Decimal(facts["quantum"])
     picks: dict[str, Decimal] = {}
     for scale in (100, 1000, 10_000):  # cents first; a finer grid when no exact half exists
-        for _ in range(50_000):
-            a = Decimal(rng.randint(10 * scale, 1000 * scale - 1)) / scale
+        lo, hi = 10 * scale, 1000 * scale
+        start = rng.randrange(lo, hi)
+        for i in range(hi - lo):  # every amount on this grid, from a random start
+            a = Decimal(lo + (start - lo + i) % (hi - lo)) / scale
             x = (Decimal(facts["base_fee"]) + a * Decimal(facts["fee_rate"])) / q
             whole = x.to_integral_value(rounding=ROUND_DOWN)
             frac = x - whole
@@ -368,9 +385,9 @@ def build_checks(facts: dict[str, str], rng: random.Random) -> dict[str, list[di
     rounding = am["rounding_mode"]
     fee_checks = [
         {"name": "fee_base", "expr": f"fee_for({_D(am['base_fee'])})",
-         "expected": _dec(fee(f, am["base_fee"])), "fact": "base_fee"},
+         "expected": _dec(fee(f, am["base_fee"])), "fact": None},
         {"name": "fee_rate", "expr": f"fee_for({_D(am['fee_rate'])})",
-         "expected": _dec(fee(f, am["fee_rate"])), "fact": "fee_rate"},
+         "expected": _dec(fee(f, am["fee_rate"])), "fact": None},
         {"name": "fee_quantum", "expr": f"fee_for({_D(am['quantum'])})",
          "expected": _dec(fee(f, am["quantum"])), "fact": "quantum"},
         {"name": "fee_rounding", "expr": fee_list(rounding),
@@ -398,8 +415,8 @@ def build_checks(facts: dict[str, str], rng: random.Random) -> dict[str, list[di
         {"name": "module_fields",
          "expr": f'[x.name for x in __import__("dataclasses").fields({f["class_name"]})]',
          "expected": [f["field_id"], f["field_amount"], f["field_status"]], "fact": "field_id"},
-        {"name": "module_constants", "expr": "[BASE_FEE, FEE_RATE, FEE_QUANTUM]",
-         "expected": [_dec(f["base_fee"]), _dec(f["fee_rate"]), _dec(f["quantum"])], "fact": "fee_rate"},
+        {"name": "module_base_fee", "expr": "BASE_FEE", "expected": _dec(f["base_fee"]), "fact": "base_fee"},
+        {"name": "module_fee_rate", "expr": "FEE_RATE", "expected": _dec(f["fee_rate"]), "fact": "fee_rate"},
         {"name": "module_settle",
          "expr": f"(lambda r: (settle(r), r.{st})[1])({_record_cls(f, m, f['status_open'])})",
          "expected": f["status_settled"], "fact": "field_status"},
@@ -420,15 +437,12 @@ def reference_solution(facts: dict[str, str] | dict, probe: str | int) -> str:
     if isinstance(probe, int):
         probe = PROBES[probe]
     c = {k: _plain(v) for k, v in code_pieces(facts).items()}
-    imports = f"from decimal import Decimal, {facts['rounding_mode']}\n"
     if probe == "fee_for":
-        parts = [imports, c["fee_constants"] + c["rule_constants"], c["fee_for"]]
+        parts = [c["fee_for"]]
     elif probe == "settle":
-        parts = [imports, c["fee_constants"] + c["states"], c["error"], c["rule_constants"], c["fee_for"],
-                 c["settle"]]
+        parts = [step_code(facts, 2)]
     elif probe == "module":
-        parts = [c["imports1"] + c["imports3"], c["dataclass"], c["fee_constants"] + c["states"], c["error"],
-                 c["rule_constants"], c["fee_for"], c["settle"]]
+        parts = [step_code(facts, k) for k in (1, 2, 3)]
     else:
         raise KeyError(f"unknown probe {probe!r}; probes: {PROBES}")
     return "```python\n" + "\n\n".join(parts) + "```"
@@ -668,13 +682,16 @@ def build_session(
     probes = []
     for k, name in enumerate(PROBES):
         text = _PROBE_TEXT[name]
-        prompt = blocks.user_block(text) + blocks.gen_header
+        prompt = blocks.user_block(text) + blocks.gen_header + ANSWER_PREFIX[name]
         recall = [facts[x] for x in _PROBE_RECALL[name]]
-        reference = {"probe": name, "step": step + k, "checks": checks[name], "recall": recall}
+        code = {k: _plain(v) for k, v in code_pieces(facts).items()}
+        preamble = "\n\n".join(code[part] for part in PROBE_PREAMBLE[name])
+        reference = {"probe": name, "step": step + k, "checks": checks[name], "recall": recall,
+                     "preamble": preamble, "answer_prefix": ANSWER_PREFIX[name]}
         probes.append({
             "name": name, "step": step + k, "prompt": text, "prompt_ids": blocks.encode(prompt),
             "checks": json.dumps(checks[name]), "recall": recall, "reference": json.dumps(reference),
-            "max_new_tokens": MAX_NEW_TOKENS[name],
+            "max_new_tokens": MAX_NEW_TOKENS[name], "answer_prefix": ANSWER_PREFIX[name],
         })
     probe_steps = {p["name"]: p["step"] for p in probes}
     blueprint = [
@@ -732,7 +749,7 @@ def _features():
             "name": Value("string"), "step": Value("int64"), "prompt": Value("string"),
             "prompt_ids": Sequence(Value("int32")), "checks": Value("string"),
             "recall": Sequence(Value("string")), "reference": Value("string"),
-            "max_new_tokens": Value("int64"),
+            "max_new_tokens": Value("int64"), "answer_prefix": Value("string"),
         }],
         "blueprint": [{**span, "readers": Sequence(Value("int64"))}],
         "filler_files": Sequence(Value("string")),

@@ -33,7 +33,10 @@ _KWARGS_DESCRIPTION = """
 Args:
     predictions: list of str, the model's answer to each probe.
     references: list of str, each the probe's grading record as JSON:
-        {"probe": name, "step": int, "checks": [{"name", "expr", "expected", "fact"}], "recall": [str]}
+        {"probe": name, "step": int, "checks": [{"name", "expr", "expected", "fact"}], "recall": [str],
+         "preamble": str (optional: code the file already holds; it runs before the answer's code),
+         "answer_prefix": str (optional: the start of the answer, given in the prompt; prepended to
+         the prediction unless it already starts with it)}
         (the `reference` field of a probe in pace_hf.bench.load_sessions rows).
     baseline_predictions: optional list of str, a reference arm's answers to the same probes, for
         the paired comparison.
@@ -154,9 +157,14 @@ def score_answer(answer, reference, limits=None):
     """Score one answer against one grading record (a JSON string or dict)."""
     ref = json.loads(reference) if isinstance(reference, str) else reference
     checks, recall = ref.get("checks", []), ref.get("recall", [])
+    prefix = ref.get("answer_prefix") or ""
+    if prefix and not (answer or "").startswith(prefix):
+        answer = prefix + (answer or "")  # the prompt ended with the start of the answer
     code = extract_code(answer or "")
+    preamble = ref.get("preamble") or ""
     if code.strip() and checks:
-        results = run_calls(code, [c["expr"] for c in checks], limits or SandboxLimits())
+        program = preamble + "\n\n" + code if preamble else code
+        results = run_calls(program, [c["expr"] for c in checks], limits or SandboxLimits())
     else:
         results = [None] * len(checks)
     rows = []
