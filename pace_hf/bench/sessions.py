@@ -75,7 +75,7 @@ __all__ = [
     "to_parquet",
 ]
 
-GENERATOR_VERSION = "9"  # bump whenever the generated content changes
+GENERATOR_VERSION = "10"  # bump whenever the generated content changes
 
 SYSTEM_PROMPT = (
     "You are a careful Python coding assistant in a long working session on one repository. "
@@ -222,7 +222,7 @@ def _step_code(c: dict, step: int) -> list:
     if step == 1:
         return [*c["imports"], "\n\n", *c["dataclass"]]
     if step == 2:
-        return [*c["fee_constants"], "\n\n", *c["error"], "\n\n", *c["settle"]]
+        return [*c["error"], "\n\n", *c["settle"], "\n\n", *c["fee_constants"]]
     return [*c["fee_for"]]
 
 
@@ -242,7 +242,7 @@ def definition_pieces(facts: dict[str, str]) -> list[list]:
         f"`{f['field_status']}` is the status. Use exactly these names.",
     ]
     step2 = [
-        f"Step 2 of the spec for `{MODULE}`: the fee constants, the error class and settlement. A record can "
+        f"Step 2 of the spec for `{MODULE}`: the error class, settlement and the fee constants. A record can "
         "be settled only while it is open; settling marks it settled and returns its amount plus its fee; "
         "otherwise it raises the error with its error code.\n\n",
         *_code(_step_code(c, 2)),
@@ -265,8 +265,8 @@ _PROBE_TEXT = {
         "`fee_for(amount)` of step 3 (the fee rule), exactly as specified in step 3. " + _COPY
     ),
     "settle": (
-        f"`{MODULE}` already contains the code of steps 1 and 3. Now write the code of step 2: the fee "
-        "constants, the error class and the function `settle(record)`, exactly as specified. " + _COPY
+        f"`{MODULE}` already contains the code of steps 1 and 3. Now write the code block of step 2, exactly "
+        "as specified: the error class, the function `settle(record)` and the fee constants. " + _COPY
     ),
     "module": (
         f"Now write the complete `{MODULE}` module: the code of step 1, step 2 and step 3, in this order, "
