@@ -139,16 +139,22 @@ def test_sign_test_and_paired_comparison():
 
 def test_preamble_runs_before_the_answer(rows):
     """The fee_for probe's file already holds steps 1 and 2: an answer with only step 3 passes,
-    an empty file does not, and a wrong constant in the answer overrides the preamble."""
+    an empty file does not."""
     row = rows[0]
     f = _facts(row)
     probe = row["probes"][0]
     ref = json.loads(probe["reference"])
-    assert "BASE_FEE" in ref["preamble"] and "def fee_for" not in ref["preamble"]
+    assert "def settle" in ref["preamble"] and "def fee_for" not in ref["preamble"]
     assert M.score_answer(reference_solution(row, "fee_for"), ref)["checks_passed"] == 4
     assert M.score_answer("```python\npass\n```", ref)["checks_passed"] == 0
-    wrong = reference_solution(row, "fee_for").replace("```python\n", '```python\nBASE_FEE = Decimal("9.75")\n')
-    assert M.score_answer(wrong, ref)["checks_passed"] < 4
+    # the settle probe's file holds fee_for: an answer with only the error class and settle passes
+    ref2 = json.loads(row["probes"][1]["reference"])
+    assert "def fee_for" in ref2["preamble"] and "def settle" not in ref2["preamble"]
+    assert M.score_answer(reference_solution(row, "settle"), ref2)["checks_passed"] == 5
+    # the answer prefix given in the prompt is prepended to the generated text
+    full = reference_solution(row, "fee_for")
+    assert full.startswith(ref["answer_prefix"])
+    assert M.score_answer(full[len(ref["answer_prefix"]):], ref)["checks_passed"] == 4
     assert json.loads(row["probes"][2]["reference"])["preamble"] == ""
 
 

@@ -8,8 +8,9 @@ part        content
 ==========  ====================================================================
 definitions three randomized steps of a spec for ``billing.py``, each a short text and
             a code block: (1) a dataclass with its field names, (2) fee constants,
-            status values, an error code, an exception class and ``settle``, (3) the
-            fee rule ``fee_for``: a rounding mode and a quantum
+            (2) status values, an error code, an exception class and ``settle``,
+            (3) the fee rule ``fee_for`` with its constants: base fee, rate, quantum
+            and rounding mode
 filler      Python standard-library source (see :mod:`pace_hf.bench.filler`), about
             ``chunk_tokens`` tokens per user turn, each answered with a fixed ack
 probes      three user turns: write ``fee_for`` (the file already holds steps 1-2),
@@ -75,7 +76,7 @@ __all__ = [
     "to_parquet",
 ]
 
-GENERATOR_VERSION = "10"  # bump whenever the generated content changes
+GENERATOR_VERSION = "11"  # bump whenever the generated content changes
 
 SYSTEM_PROMPT = (
     "You are a careful Python coding assistant in a long working session on one repository. "
@@ -110,7 +111,7 @@ _ROUNDING = {"ROUND_HALF_UP": ROUND_HALF_UP, "ROUND_HALF_EVEN": ROUND_HALF_EVEN,
 # fact name -> definition step (1, 2 or 3)
 FACT_STEPS = {
     "class_name": 1, "field_id": 1, "field_amount": 1, "field_status": 1,
-    "base_fee": 2, "fee_rate": 2, "status_open": 2, "status_settled": 2,
+    "base_fee": 3, "fee_rate": 3, "status_open": 2, "status_settled": 2,
     "exception_code": 2, "exception_name": 2,
     "quantum": 3, "rounding_mode": 3,
 }
@@ -192,10 +193,6 @@ def code_pieces(facts: dict[str, str]) -> dict[str, list]:
             F("field_amount"), ": Decimal\n    ",
             F("field_status"), ": str\n",
         ],
-        "fee_constants": [
-            'BASE_FEE = Decimal("', F("base_fee"), '")\n',
-            'FEE_RATE = Decimal("', F("fee_rate"), '")\n',
-        ],
         "error": [
             "class ", F("exception_name"), "(Exception):\n",
             "    def __init__(self, code):\n        super().__init__(code)\n        self.code = code\n",
@@ -210,8 +207,10 @@ def code_pieces(facts: dict[str, str]) -> dict[str, list]:
         ],
         "fee_for": [
             "def fee_for(amount):\n",
-            "    raw = BASE_FEE + amount * FEE_RATE\n",
+            '    base_fee = Decimal("', F("base_fee"), '")\n',
+            '    fee_rate = Decimal("', F("fee_rate"), '")\n',
             '    quantum = Decimal("', F("quantum"), '")\n',
+            "    raw = base_fee + amount * fee_rate\n",
             '    return (raw / quantum).quantize(Decimal("1"), rounding=', F("rounding_mode"), ") * quantum\n",
         ],
     }
@@ -222,7 +221,7 @@ def _step_code(c: dict, step: int) -> list:
     if step == 1:
         return [*c["imports"], "\n\n", *c["dataclass"]]
     if step == 2:
-        return [*c["error"], "\n\n", *c["settle"], "\n\n", *c["fee_constants"]]
+        return [*c["error"], "\n\n", *c["settle"]]
     return [*c["fee_for"]]
 
 
@@ -242,14 +241,15 @@ def definition_pieces(facts: dict[str, str]) -> list[list]:
         f"`{f['field_status']}` is the status. Use exactly these names.",
     ]
     step2 = [
-        f"Step 2 of the spec for `{MODULE}`: the error class, settlement and the fee constants. A record can "
+        f"Step 2 of the spec for `{MODULE}`: the error class and settlement. A record can "
         "be settled only while it is open; settling marks it settled and returns its amount plus its fee; "
         "otherwise it raises the error with its error code.\n\n",
         *_code(_step_code(c, 2)),
     ]
     step3 = [
-        f"Step 3 of the spec for `{MODULE}`: the fee rule. The fee for an amount is BASE_FEE + amount * "
-        "FEE_RATE, rounded to a multiple of the quantum with the rounding mode below.\n\n",
+        f"Step 3 of the spec for `{MODULE}`: the fee rule and its constants. The fee for an amount is the "
+        "base fee plus the amount times the fee rate, rounded to a multiple of the quantum with the rounding "
+        "mode below.\n\n",
         *_code(_step_code(c, 3)),
     ]
     return [step1, step2, step3]
@@ -265,8 +265,8 @@ _PROBE_TEXT = {
         "`fee_for(amount)` of step 3 (the fee rule), exactly as specified in step 3. " + _COPY
     ),
     "settle": (
-        f"`{MODULE}` already contains the code of steps 1 and 3. Now write the code block of step 2, exactly "
-        "as specified: the error class, the function `settle(record)` and the fee constants. " + _COPY
+        f"`{MODULE}` already contains the code of steps 1 and 3. Now write the error class and the function "
+        "`settle(record)` of step 2, exactly as specified. " + _COPY
     ),
     "module": (
         f"Now write the complete `{MODULE}` module: the code of step 1, step 2 and step 3, in this order, "
@@ -277,27 +277,27 @@ _PROBE_TEXT = {
 # it anchors the small model on the right definition. The metric prepends it to the
 # generated text before scoring.
 ANSWER_PREFIX = {
-    "fee_for": "```python\ndef fee_for(amount):\n    raw = BASE_FEE + amount * FEE_RATE\n",
+    "fee_for": '```python\ndef fee_for(amount):\n    base_fee = Decimal("',
     "settle": "",
     "module": "",
 }
 # Code parts that the file already holds when a probe is asked: the metric runs them
 # before the answer (they never define what the probe asks for).
 PROBE_PREAMBLE = {
-    "fee_for": ("imports", "dataclass", "fee_constants", "error", "settle"),
+    "fee_for": ("imports", "dataclass", "error", "settle"),
     "settle": ("imports", "dataclass", "fee_for"),
     "module": (),
 }
 # Facts whose values each probe's answer should state (recall).
 _PROBE_RECALL = {
-    "fee_for": ["quantum", "rounding_mode"],
-    "settle": ["field_amount", "field_status", "base_fee", "fee_rate", "status_open", "status_settled",
-               "exception_name", "exception_code"],
+    "fee_for": ["base_fee", "fee_rate", "quantum", "rounding_mode"],
+    "settle": ["field_amount", "field_status", "status_open", "status_settled", "exception_name",
+               "exception_code"],
     "module": list(FACT_NAMES),
 }
 # Definition steps (1-3) that each probe reads: the oracle blueprint.
 PROBE_READS = {"fee_for": (3,), "settle": (1, 2), "module": (1, 2, 3)}
-MAX_NEW_TOKENS = {"fee_for": 128, "settle": 256, "module": 384}
+MAX_NEW_TOKENS = {"fee_for": 128, "settle": 192, "module": 384}
 
 
 def _dec(x) -> dict:
@@ -385,9 +385,9 @@ def build_checks(facts: dict[str, str], rng: random.Random) -> dict[str, list[di
     rounding = am["rounding_mode"]
     fee_checks = [
         {"name": "fee_base", "expr": f"fee_for({_D(am['base_fee'])})",
-         "expected": _dec(fee(f, am["base_fee"])), "fact": None},
+         "expected": _dec(fee(f, am["base_fee"])), "fact": "base_fee"},
         {"name": "fee_rate", "expr": f"fee_for({_D(am['fee_rate'])})",
-         "expected": _dec(fee(f, am["fee_rate"])), "fact": None},
+         "expected": _dec(fee(f, am["fee_rate"])), "fact": "fee_rate"},
         {"name": "fee_quantum", "expr": f"fee_for({_D(am['quantum'])})",
          "expected": _dec(fee(f, am["quantum"])), "fact": "quantum"},
         {"name": "fee_rounding", "expr": fee_list(rounding),
@@ -415,8 +415,8 @@ def build_checks(facts: dict[str, str], rng: random.Random) -> dict[str, list[di
         {"name": "module_fields",
          "expr": f'[x.name for x in __import__("dataclasses").fields({f["class_name"]})]',
          "expected": [f["field_id"], f["field_amount"], f["field_status"]], "fact": "field_id"},
-        {"name": "module_base_fee", "expr": "BASE_FEE", "expected": _dec(f["base_fee"]), "fact": "base_fee"},
-        {"name": "module_fee_rate", "expr": "FEE_RATE", "expected": _dec(f["fee_rate"]), "fact": "fee_rate"},
+        {"name": "module_fee", "expr": f"[fee_for({_D(am['base_fee'])}), fee_for({_D(am['fee_rate'])})]",
+         "expected": [_dec(fee(f, am["base_fee"])), _dec(fee(f, am["fee_rate"]))], "fact": None},
         {"name": "module_settle",
          "expr": f"(lambda r: (settle(r), r.{st})[1])({_record_cls(f, m, f['status_open'])})",
          "expected": f["status_settled"], "fact": "field_status"},
@@ -440,7 +440,7 @@ def reference_solution(facts: dict[str, str] | dict, probe: str | int) -> str:
     if probe == "fee_for":
         parts = [c["fee_for"]]
     elif probe == "settle":
-        parts = [step_code(facts, 2)]
+        parts = [c["error"], c["settle"]]
     elif probe == "module":
         parts = [step_code(facts, k) for k in (1, 2, 3)]
     else:
