@@ -1,7 +1,7 @@
 """Calibrate the benchmark: the no-eviction control on short sessions.
 
 Plays N sessions through plain ``model.generate`` with the default DynamicCache (greedy,
-bf16): prefill the context, then for each probe append its prompt, generate the answer,
+bf16 where the CPU has native bf16 kernels, else fp32: see ``--dtype``): prefill the context, then for each probe append its prompt, generate the answer,
 append the answer and the end-of-turn ids, and go on to the next probe. Scores the
 answers with the ``pace_coding`` metric and prints the check pass rate. The acceptance
 bar: >= 90% of checks at <= 8K tokens on the default model.
