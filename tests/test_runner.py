@@ -7,7 +7,8 @@ import torch
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, EvictionCache, Span
-from pace_hf.bench.runner import ARMS, ArmSettings, ledger_at_probe, main, make_cache, summarize
+from pace_hf.bench.runner import (ARMS, ArmSettings, completed_records, ledger_at_probe, main, make_cache,
+                                  progress_line, summarize)
 
 
 def test_every_arm_builds_the_cache_it_names():
@@ -51,6 +52,24 @@ def test_summary_table_pairs_arms_against_the_reference():
     assert "| h2o | 5/8 (62%) | 1/2 |" in table
 
 
+def test_resume_keeps_only_complete_arm_session_pairs(tmp_path):
+    rec = lambda arm, sid, probe: {"arm": arm, "session_id": sid, "probe": probe}  # noqa: E731
+    lines = [rec("h2o", "a", "p1"), rec("h2o", "a", "p2"), rec("pace", "a", "p1")]  # pace/a was cut short
+    log = tmp_path / "probes.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert completed_records(log, probes_per_session=2) == lines[:2]
+    assert completed_records(tmp_path / "absent.jsonl", 2) == []
+
+
+def test_progress_line_names_the_failed_facts():
+    record = {"arm": "pace", "session_id": "s0-0", "probe": "settle", "checks_passed": 1, "checks_total": 2,
+              "recall_hits": 3, "recall_total": 6, "seconds": 12.0, "residency": 1.0, "rotary_gap": 4000,
+              "checks": [{"name": "c1", "fact": "exception_code", "passed": False}, {"name": "c2", "fact": None,
+                                                                                       "passed": True}]}
+    line = progress_line(record)
+    assert "checks 1/2" in line and "failed: exception_code" in line and "gap 4,000" in line
+
+
 @pytest.mark.slow
 def test_runner_plays_a_short_session_on_the_smoke_model(tmp_path, monkeypatch):
     monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
@@ -59,7 +78,7 @@ def test_runner_plays_a_short_session_on_the_smoke_model(tmp_path, monkeypatch):
                "--out", str(tmp_path)])
     assert rc == 0
     records = [json.loads(line) for line in (tmp_path / "probes.jsonl").read_text().splitlines()]
-    assert [r["arm"] for r in records] == ["h2o"] * 3 + ["pace"] * 3
+    assert sorted(r["arm"] for r in records) == ["h2o"] * 3 + ["pace"] * 3
     pace = [r for r in records if r["arm"] == "pace"]
     assert all(r["residency"] == 1.0 for r in pace)  # the oracle blueprint keeps the definitions
     assert all(r["rotary_gap"] < 1536 for r in pace)

@@ -127,6 +127,26 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
     return records
 
 
+def progress_line(r: dict) -> str:
+    """One line per scored probe, naming the facts of the checks that failed."""
+    failed = sorted({c.get("fact") or c["name"] for c in r["checks"] if not c["passed"]})
+    return (f"{r['arm']:>14} {r['session_id']} {r['probe']:<8} checks {r['checks_passed']}/{r['checks_total']} "
+            f"recall {r['recall_hits']}/{r['recall_total']} residency {r.get('residency', 1.0):.3f} "
+            f"gap {r.get('rotary_gap', 0):,} {r['seconds']:.0f}s" + (f"  failed: {', '.join(failed)}" if failed else ""))
+
+
+def completed_records(path: Path, probes_per_session: int) -> list[dict]:
+    """Records of the (arm, session) pairs that ``path`` holds in full (a run cut short loses only the
+    pair it was playing)."""
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    count: dict[tuple, int] = {}
+    for r in records:
+        count[r["arm"], r["session_id"]] = count.get((r["arm"], r["session_id"]), 0) + 1
+    return [r for r in records if count[r["arm"], r["session_id"]] == probes_per_session]
+
+
 def summarize(records: list[dict], reference_arm: str | None) -> str:
     """A Markdown table in the shape of the paper's Table 2."""
     from pace_hf.metrics.pace_coding.pace_coding import sign_test
@@ -197,6 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="cap the per-probe answer length")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the (arm, session) pairs already complete in OUT/probes.jsonl and run the rest")
     args = ap.parse_args(argv)
 
     from pace_hf.sandbox import require_opt_in
@@ -229,15 +251,23 @@ def main(argv=None) -> int:
     for distance in args.distance:
         rows += list(load_sessions(tokenizer, n_sessions=args.sessions, total_tokens=args.tokens,
                                    distance=distance, seed=args.seed, filler_mode=args.filler_mode))
-    records = []
-    with open(out_dir / "probes.jsonl", "w") as log:
-        for arm in arms:
-            for row in tqdm(rows, desc=arm, unit="session"):
-                for record in play_session(model, tokenizer, row, arm, settings, metric, args.chunk, stop_ids,
-                                           args.max_new_tokens):
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                    records.append(record)
+    log_path = out_dir / "probes.jsonl"
+    records = completed_records(log_path, {len(r["probes"]) for r in rows}.pop()) if args.resume else []
+    same_sessions = {(r["session_id"], r["context_len"]) for r in rows}
+    records = [r for r in records if (r["session_id"], r["context_len"]) in same_sessions]
+    done = {(r["arm"], r["session_id"]) for r in records}
+    with open(log_path, "w") as log:
+        for record in records:
+            log.write(json.dumps(record) + "\n")
+        # session-major, so that a run cut short still holds paired results
+        pairs = [(row, arm) for row in rows for arm in arms if (arm, row["session_id"]) not in done]
+        for row, arm in tqdm(pairs, desc="sessions x arms", unit="run"):
+            for record in play_session(model, tokenizer, row, arm, settings, metric, args.chunk, stop_ids,
+                                       args.max_new_tokens):
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                records.append(record)
+                tqdm.write(progress_line(record))
     table = summarize(records, args.reference_arm)
     header = (f"model {args.model} ({dtype}), {len(rows)} sessions x {len(rows[0]['probes'])} probes, "
               f"~{args.tokens:,} context tokens, B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}\n\n")

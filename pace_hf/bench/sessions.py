@@ -76,7 +76,7 @@ __all__ = [
     "to_parquet",
 ]
 
-GENERATOR_VERSION = "11"  # bump whenever the generated content changes
+GENERATOR_VERSION = "12"  # bump whenever the generated content changes
 
 SYSTEM_PROMPT = (
     "You are a careful Python coding assistant in a long working session on one repository. "
@@ -269,8 +269,8 @@ _PROBE_TEXT = {
         "`settle(record)` of step 2, exactly as specified. " + _COPY
     ),
     "module": (
-        f"Now write the complete `{MODULE}` module: the code of step 1, step 2 and step 3, in this order, "
-        "exactly as specified. " + _COPY
+        f"Now write the complete `{MODULE}` module, in this order: step 1 (the imports and the dataclass), "
+        "step 2 (the error class and `settle`) and step 3 (`fee_for`), exactly as specified. " + _COPY
     ),
 }
 # The start of the assistant's answer, given as part of the prompt (it names no fact):
