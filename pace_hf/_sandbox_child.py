@@ -509,7 +509,7 @@ def _install_audit_hook(work, read_roots, allow_processes, report, state):
     the exception."""
     _type, _str, _bytes, _int, _len = type, str, bytes, int, len
     _PermissionError, _Exception = PermissionError, Exception
-    getcwd, readlink = os.getcwd, os.readlink
+    getcwd, readlink, collapse = os.getcwd, os.readlink, _collapse
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     default_dir_fds = (None, -1, -100)  # -100: AT_FDCWD
     denied_events, denied_prefixes = _DENIED_EVENTS, _DENIED_PREFIXES
@@ -553,14 +553,7 @@ def _install_audit_hook(work, read_roots, allow_processes, report, state):
             if base is None:
                 return None
             path = base + "/" + path
-        parts = []
-        for part in path.split("/"):
-            if part == "..":
-                if parts:
-                    parts.pop()
-            elif part and part != ".":
-                parts.append(part)
-        return "/" + "/".join(parts)
+        return collapse(path)
 
     def under(path, roots, dir_fd=None):
         try:
@@ -630,8 +623,14 @@ def _install_audit_hook(work, read_roots, allow_processes, report, state):
 
 
 def _normalize(path):
+    return _collapse(os.path.abspath(path))
+
+
+def _collapse(path):
+    """Lexically normalise an absolute path ("..", ".", repeated "/"); pure string work, safe
+    inside the audit hook."""
     parts = []
-    for part in os.path.abspath(path).split("/"):
+    for part in path.split("/"):
         if part == "..":
             if parts:
                 parts.pop()

@@ -79,7 +79,7 @@ def generate_answer(model, ids: list[int], cache, max_new_tokens: int, stop_ids:
     input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
     with torch.no_grad():
         out = model.generate(
-            input_ids, past_key_values=cache, attention_mask=torch.ones_like(input_ids),
+            input_ids, cache=cache, attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
             eos_token_id=stop_ids, pad_token_id=stop_ids[0], prefill_chunk_size=chunk,
         )
