@@ -311,15 +311,19 @@ def _cache_from_kwargs(kwargs):
     return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
+def _query_tokens(args, kwargs) -> torch.Tensor:
+    """The decoder's input (ids or embeddings): ``[batch, q_len, ...]``."""
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    return args[0] if tokens is None and args else tokens
+
+
 def _pre_forward(module, args, kwargs):
     cache = _cache_from_kwargs(kwargs)
     if not isinstance(cache, EvictionCache):
         return None
-    tokens = kwargs.get("input_ids")
-    if tokens is None:
-        tokens = kwargs.get("inputs_embeds")
-    if tokens is None and args:
-        tokens = args[0]
+    tokens = _query_tokens(args, kwargs)
     batch, q_len = tokens.shape[0], tokens.shape[1]
     if batch != 1:
         raise NotImplementedError(
@@ -339,10 +343,7 @@ def _post_forward(module, args, kwargs, output):
     if output is None:  # the forward raised: undo its partial writes so nothing is lost
         cache.abort_forward()
         return None
-    tokens = kwargs.get("input_ids")
-    if tokens is None:
-        tokens = kwargs.get("inputs_embeds")
-    cache.end_forward(tokens.shape[1])
+    cache.end_forward(_query_tokens(args, kwargs).shape[1])
     return None
 
 
