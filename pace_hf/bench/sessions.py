@@ -7,7 +7,7 @@ system prompt is not a step). Its layout:
 part        content
 ==========  ====================================================================
 definitions three randomized steps of a spec for ``billing.py``, each a short text and
-            a code block: (1) a dataclass with its field names, (2) fee constants,
+            a code block: (1) the imports and a dataclass with its field names,
             (2) status values, an error code, an exception class and ``settle``,
             (3) the fee rule ``fee_for`` with its constants: base fee, rate, quantum
             and rounding mode
