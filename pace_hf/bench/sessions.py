@@ -46,7 +46,7 @@ evaluated in the namespace of the answer's code; ``expected`` is plain data (a
 equal to one of the exception's args or attribute values)}``; ``fact`` names the fact
 the check controls (each fact has at least one check that fails when only that fact is
 wrong), or null. ``reference`` is the JSON grading record that the metric takes:
-``{"probe", "step", "checks", "recall"}``.
+``{"probe", "step", "checks", "recall", "preamble", "answer_prefix"}``.
 """
 
 from __future__ import annotations
@@ -680,11 +680,11 @@ def build_session(
     add_filler(post)
 
     probes = []
+    code = {part: _plain(pieces) for part, pieces in code_pieces(facts).items()}
     for k, name in enumerate(PROBES):
         text = _PROBE_TEXT[name]
         prompt = blocks.user_block(text) + blocks.gen_header + ANSWER_PREFIX[name]
         recall = [facts[x] for x in _PROBE_RECALL[name]]
-        code = {k: _plain(v) for k, v in code_pieces(facts).items()}
         preamble = "\n\n".join(code[part] for part in PROBE_PREAMBLE[name])
         reference = {"probe": name, "step": step + k, "checks": checks[name], "recall": recall,
                      "preamble": preamble, "answer_prefix": ANSWER_PREFIX[name]}
