@@ -259,6 +259,7 @@ def main(argv=None) -> int:
     with open(log_path, "w") as log:
         for record in records:
             log.write(json.dumps(record) + "\n")
+        log.flush()  # the kept records are on disk before the first new pair starts
         # session-major, so that a run cut short still holds paired results
         pairs = [(row, arm) for row in rows for arm in arms if (arm, row["session_id"]) not in done]
         for row, arm in tqdm(pairs, desc="sessions x arms", unit="run"):
