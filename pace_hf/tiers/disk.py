@@ -1,0 +1,165 @@
+"""DiskTier: one file per entry under a root directory, written atomically.
+
+Atomic write: the entry goes to a temporary file in the *same* directory (``.tmp-*``), is fsynced, and
+replaces the final name with ``os.replace`` (atomic on POSIX), then the directory is fsynced. A reader
+therefore sees either the old entry or the new one, never a torn one; a crash leaves at most a stray
+``.tmp-*`` file, which readers ignore. (Whatever happens to the bytes later, the checksum in the entry
+catches it on read.)
+
+File names: strict escaping, not hashing, so ``delete_prefix`` (drop a session) can work from names alone
+and a directory listing stays readable. Every byte of the UTF-8 key outside ``[A-Za-z0-9_-]`` becomes
+``%XX`` -- ``/``, ``.``, ``~`` and ``%`` included -- so a key can never name a path outside the root
+("../x" becomes ``%2E%2E%2Fx``), a hidden file or a temporary file. Escaped names longer than 200 bytes
+are split into directory levels (``<200 bytes>~d/.../<rest>.kv``; ``~`` and ``.`` never occur in an
+escaped name, so a level can never collide with a file).
+
+Failures (disk full, read-only file system, permission denied, the root not being a directory) raise
+``OSError`` from ``put``; the store counts them and generation goes on. A missing file is a miss
+(``None``), not an error.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+import tempfile
+
+_SAFE = frozenset((string.ascii_letters + string.digits + "_-").encode())
+_SEGMENT = 200
+_DIR_SUFFIX = "~d"
+_FILE_SUFFIX = ".kv"
+_TMP_PREFIX = ".tmp-"
+
+
+def escape_key(key: str) -> str:
+    """The file-name-safe form of ``key`` (prefix preserving: escape(a + b) == escape(a) + escape(b))."""
+    if not isinstance(key, str):
+        raise TypeError("keys are str")
+    return "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in key.encode("utf-8"))
+
+
+def unescape_key(name: str) -> str:
+    out = bytearray()
+    i = 0
+    while i < len(name):
+        if name[i] == "%":
+            out.append(int(name[i + 1:i + 3], 16))
+            i += 3
+        else:
+            out.append(ord(name[i]))
+            i += 1
+    return out.decode("utf-8")
+
+
+class DiskTier:
+    """Entries as files under ``root`` (created on first write)."""
+
+    def __init__(self, root: str | os.PathLike, *, name: str = "disk", fsync: bool = True):
+        self.name = name
+        self.root = os.path.abspath(os.fspath(root))
+        self.fsync = fsync
+
+    def path_for(self, key: str) -> str:
+        esc = escape_key(key)
+        parts = [esc[i:i + _SEGMENT] for i in range(0, len(esc), _SEGMENT)] or [""]
+        dirs = [p + _DIR_SUFFIX for p in parts[:-1]]
+        return os.path.join(self.root, *dirs, parts[-1] + _FILE_SUFFIX)
+
+    def put(self, key: str, data) -> None:
+        path = self.path_for(key)
+        d = os.path.dirname(path)
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=d)
+        try:
+            mv = memoryview(data).cast("B")
+            done = 0
+            while done < len(mv):
+                done += os.write(fd, mv[done:])
+            if self.fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        if self.fsync:
+            try:
+                dfd = os.open(d, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            except OSError:  # some file systems refuse fsync on a directory; the data is already synced
+                pass
+
+    def get(self, key: str) -> bytearray | None:
+        try:
+            f = open(self.path_for(key), "rb", buffering=0)
+        except FileNotFoundError:
+            return None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            buf = bytearray(size)
+            mv = memoryview(buf)
+            got = 0
+            while got < size:
+                n = f.readinto(mv[got:])
+                if not n:
+                    break
+                got += n
+        return buf if got == size else buf[:got]
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self.path_for(key))
+        except FileNotFoundError:
+            pass
+
+    def _walk(self):
+        """(escaped key, path) of every entry file under the root."""
+        if not os.path.isdir(self.root):
+            return
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            rel = os.path.relpath(dirpath, self.root)
+            levels = [] if rel == "." else rel.split(os.sep)
+            if not all(p.endswith(_DIR_SUFFIX) for p in levels):
+                dirnames[:] = []
+                continue
+            dirnames[:] = [n for n in dirnames if n.endswith(_DIR_SUFFIX)]
+            stem = "".join(p[:-len(_DIR_SUFFIX)] for p in levels)
+            for fn in filenames:
+                if fn.endswith(_FILE_SUFFIX) and not fn.startswith(_TMP_PREFIX):
+                    yield stem + fn[:-len(_FILE_SUFFIX)], os.path.join(dirpath, fn)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        ep = escape_key(prefix)
+        return [unescape_key(k) for k, _ in self._walk() if k.startswith(ep)]
+
+    def delete_prefix(self, prefix: str) -> int:
+        ep = escape_key(prefix)
+        n = 0
+        for k, path in list(self._walk()):
+            if k.startswith(ep):
+                try:
+                    os.unlink(path)
+                    n += 1
+                except FileNotFoundError:
+                    pass
+        # drop the (now possibly empty) split-name levels, deepest first
+        if os.path.isdir(self.root):
+            for dirpath, _dirs, _files in sorted(os.walk(self.root), key=lambda w: -len(w[0])):
+                if dirpath != self.root and dirpath.endswith(_DIR_SUFFIX):
+                    try:
+                        os.rmdir(dirpath)
+                    except OSError:
+                        pass
+        return n
+
+    def close(self) -> None:
+        pass

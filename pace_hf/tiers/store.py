@@ -1,0 +1,580 @@
+"""TieredStore: verified entries over a stack of tiers, written in the background, read in order.
+
+Keys. Callers pass short keys ("L3/spill/17") and a session id; the store namespaces them as
+``pace:{quote(session_id)}:{key}`` (``full_key``) before any tier sees them, so sessions never collide and
+``delete_session`` drops one with a prefix delete. (``quote`` escapes ``:`` and ``%`` so the session id
+cannot leak into the key part.) Keys must not contain NUL (the Valkey tier names its chunks with it).
+
+Writes. ``put`` does no I/O and no encoding: it records the tensors as *pending* (``get`` serves them from
+there until they are written) and queues them for one background writer thread, which encodes the entry
+(checksum included) and writes it. With ``write_policy="through"`` (the default) the entry goes to every
+tier, top first: the host copy serves fast reads, the lower copies make ``flush()`` a durable save point
+(a session can resume in another process) and survive a failing tier. With ``"top"`` it goes to the
+first tier only and reaches the others by demotion (cheaper, not durable until pushed out).
+
+Backpressure, not dropping. The queue is bounded (``queue_size``). When it is full, ``put`` waits for
+room -- a stalled forward is visible in timings, silently lost KV is not -- but never longer than
+``timeout_s``: then the put is given up, counted in ``failures`` and logged (``strict=True`` raises
+``TierError``). A hung tier therefore costs at most one request timeout per request before it is marked
+unhealthy and skipped, so the queue drains and ``put`` stays non-blocking.
+
+Reads. ``get`` tries the pending writes, then each healthy tier in order. Every value is verified
+(``entry.decode``: format version, checksum, fingerprint, session, key, tensor bounds) on every read. A
+value that fails is a miss for that tier: counted in ``integrity_failures``, logged once per tier and kind
+(``logging.getLogger("pace_hf.tiers")``), and the next tier is tried; ``strict=True`` raises
+``IntegrityError`` instead. A hit below the top is promoted to the tiers above (the host synchronously,
+the others through the writer). ``get_many`` reads each tier once for all remaining keys: a Valkey
+pipeline, a thread pool for the disk.
+
+Demotion. Entries pushed out of a ``HostTier`` by its byte cap are written to the next tier(s) by the
+writer (and stay readable until they are), unless they are known to be there already ("clean"); only
+when there is no tier below are they dropped, counted as ``evicted``.
+
+Health. A tier that raises ``TierUnavailable`` (down, or no answer within the timeout) is marked
+unhealthy and skipped until a retry time: 1 s after the first failure, doubling up to 30 s. The first
+request after that time is the probe; if it succeeds, the tier is healthy again. Other errors (a disk
+that is full or read-only) are counted per request and do not disable reads.
+
+Errors of the writer thread surface in strict mode as a ``TierError`` from the next ``put`` or ``flush``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
+from urllib.parse import quote
+
+import torch
+
+from . import entry as _entry
+from .errors import IntegrityError, TierError, TierUnavailable
+from .host import HostTier
+
+log = logging.getLogger("pace_hf.tiers")
+
+KEY_PREFIX = "pace"
+_STORE_KEYS = ("puts", "gets", "pending", "failures")
+_TIER_COUNTERS = ("bytes_written", "bytes_read", "hits", "misses", "integrity_failures", "errors",
+                  "write_seconds", "read_seconds", "evicted", "demoted", "promoted", "skipped")
+
+
+def full_key(key: str, session_id: str) -> str:
+    """The key the tiers see: ``pace:{quote(session_id)}:{key}``."""
+    if not isinstance(key, str) or not isinstance(session_id, str):
+        raise TypeError("key and session_id are str")
+    if "\x00" in key or "\x00" in session_id:
+        raise ValueError("keys and session ids must not contain NUL")
+    return f"{KEY_PREFIX}:{quote(session_id, safe='')}:{key}"
+
+
+class _Write:
+    __slots__ = ("fk", "key", "tensors", "meta", "fingerprint", "session_id", "cancelled")
+
+    def __init__(self, fk, key, tensors, meta, fingerprint, session_id):
+        self.fk, self.key, self.tensors, self.meta = fk, key, tensors, meta
+        self.fingerprint, self.session_id = fingerprint, session_id
+        self.cancelled = False
+
+
+class _TierState:
+    def __init__(self, backoff_s: float):
+        self.stats: dict[str, float | int] = {k: (0.0 if k.endswith("seconds") else 0) for k in _TIER_COUNTERS}
+        self.healthy = True
+        self.retry_at = 0.0
+        self.backoff_s = backoff_s
+        self.last_error: str | None = None
+
+
+class TieredStore:
+    """Verified KV entries over ``tiers`` (top first). See the module docstring for the semantics."""
+
+    def __init__(self, tiers: Sequence[Any], *, timeout_s: float = 2.0, strict: bool = False,
+                 queue_size: int = 64, write_policy: str = "through", promote: bool = True,
+                 read_threads: int = 4, backoff_s: float = 1.0, max_backoff_s: float = 30.0):
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        if write_policy not in ("through", "top"):
+            raise ValueError("write_policy is 'through' or 'top'")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names} (pass name=...)")
+        if set(names) & set(_STORE_KEYS):
+            raise ValueError(f"tier names must not be one of {_STORE_KEYS}")
+        self.tiers = list(tiers)
+        self.timeout_s = float(timeout_s)
+        self.strict = strict
+        self.queue_size = max(1, int(queue_size))
+        self.write_policy = write_policy
+        self.promote = promote
+        self._backoff0, self._backoff_max = float(backoff_s), float(max_backoff_s)
+        for t in self.tiers:  # tiers with a request timeout take the store's unless given their own
+            if hasattr(t, "set_timeout") and not getattr(t, "_timeout_explicit", False):
+                t.set_timeout(self.timeout_s)
+        self._state = {t.name: _TierState(self._backoff0) for t in self.tiers}
+        self._counts = {"puts": 0, "gets": 0, "failures": 0}
+        self._lock = threading.Lock()  # stats, health, log-once set
+        self._logged: set[tuple[str, str]] = set()
+        self._cv = threading.Condition()  # queue, pending, demoting, inflight
+        self._puts: deque[_Write] = deque()
+        self._jobs: deque[tuple] = deque()
+        self._pending: dict[str, _Write] = {}
+        self._demoting: dict[str, Any] = {}
+        self._inflight = 0
+        self._closed = False
+        self._async_error: TierError | None = None
+        self._io_pool = ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="pace-tier-io")
+        self._prefetch_pool = ThreadPoolExecutor(2, thread_name_prefix="pace-tier-prefetch")
+        self._writer = threading.Thread(target=self._write_loop, name="pace-tier-writer", daemon=True)
+        self._writer.start()
+
+    # -- public API --------------------------------------------------------------------------------
+    full_key = staticmethod(full_key)
+
+    def put(self, key: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None = None, *,
+            fingerprint: str, session_id: str) -> None:
+        """Queue ``tensors`` + ``meta`` under ``key`` for the background writer (see module docstring)."""
+        self._raise_async()
+        fk = full_key(key, session_id)
+        tensors = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
+        item = _Write(fk, key, tensors, dict(meta or {}), fingerprint, session_id)
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            if self._closed:
+                raise TierError("the store is closed")
+            while len(self._puts) >= self.queue_size:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._cv.wait(left)
+            if len(self._puts) >= self.queue_size:
+                with self._lock:
+                    self._counts["failures"] += 1
+                self._log_once("store", "queue_full", "write queue full for %.1f s; dropped a put (%s)",
+                               self.timeout_s, fk)
+                if self.strict:
+                    raise TierError(f"write queue full for {self.timeout_s} s; put {fk!r} not stored")
+                return
+            self._pending[fk] = item
+            self._puts.append(item)
+            with self._lock:
+                self._counts["puts"] += 1
+            self._cv.notify_all()
+
+    def get(self, key: str, *, fingerprint: str, session_id: str) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """The verified ``(tensors, meta)`` under ``key``, or ``None`` (see module docstring)."""
+        return self.get_many([key], fingerprint=fingerprint, session_id=session_id)[0]
+
+    def get_many(self, keys: Sequence[str], *, fingerprint: str, session_id: str) -> list:
+        """``get`` for many keys; each tier is read once for all keys it still has to answer."""
+        fks = [full_key(k, session_id) for k in keys]
+        with self._lock:
+            self._counts["gets"] += len(fks)
+        out: list = [None] * len(fks)
+        todo = []
+        for i, fk in enumerate(fks):
+            with self._cv:
+                item = self._pending.get(fk)
+                dem = self._demoting.get(fk)
+            if item is not None:
+                if item.fingerprint == fingerprint:
+                    out[i] = (dict(item.tensors), dict(item.meta))
+                    continue
+                self._integrity("pending", IntegrityError("foreign", f"pending write of {fk!r} has "
+                                                                       "another fingerprint"))
+                continue
+            if dem is not None:
+                try:
+                    out[i] = _entry.decode(dem, key=fk, fingerprint=fingerprint, session_id=session_id)
+                    continue
+                except IntegrityError as e:
+                    self._integrity("host", e)
+            todo.append(i)
+        for ti, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            name = tier.name
+            if not self._usable(name):
+                self._add(name, "skipped", len(todo))
+                continue
+            t0 = time.perf_counter()
+            try:
+                datas = self._read_tier(tier, [fks[i] for i in todo])
+            except Exception as e:  # noqa: BLE001 - every backend failure is classified and counted
+                self._tier_failed(name, e, "read")
+                continue
+            self._tier_ok(name)
+            self._add(name, "read_seconds", time.perf_counter() - t0)
+            still = []
+            for i, data in zip(todo, datas):
+                if isinstance(data, Exception):
+                    self._tier_failed(name, data, "read")
+                    still.append(i)
+                    continue
+                if data is None:
+                    self._add(name, "misses", 1)
+                    still.append(i)
+                    continue
+                try:
+                    t1 = time.perf_counter()
+                    snapshot = bytes(data) if (self.promote and ti > 0 and not memoryview(data).readonly) else data
+                    out[i] = _entry.decode(data, key=fks[i], fingerprint=fingerprint, session_id=session_id)
+                    self._add(name, "read_seconds", time.perf_counter() - t1)
+                except IntegrityError as e:
+                    self._integrity(name, e)
+                    still.append(i)
+                    continue
+                self._add(name, "hits", 1)
+                self._add(name, "bytes_read", len(data))
+                if self.promote and ti > 0:
+                    self._promote(ti, fks[i], snapshot)
+            todo = still
+        return out
+
+    def prefetch(self, keys: Sequence[str], *, fingerprint: str, session_id: str) -> Future:
+        """Fetch ``keys`` in the background; the future's result is what ``get_many`` returns."""
+        return self._prefetch_pool.submit(self.get_many, list(keys), fingerprint=fingerprint,
+                                          session_id=session_id)
+
+    def delete(self, key: str, *, session_id: str | None = None) -> None:
+        """Delete one entry everywhere. With ``session_id``, ``key`` is a caller key of that session;
+        without it, ``key`` is a full key (``full_key(...)``)."""
+        fk = full_key(key, session_id) if session_id is not None else key
+        self._cancel(lambda k: k == fk)
+        for tier in self.tiers:
+            self._tier_call(tier, "delete", fk)
+
+    def delete_prefix(self, prefix: str, *, session_id: str | None = None) -> None:
+        """Delete every entry whose key starts with ``prefix`` (a caller-key prefix within ``session_id``
+        when given, else a full-key prefix)."""
+        fp = full_key(prefix, session_id) if session_id is not None else prefix
+        self._cancel(lambda k: k.startswith(fp))
+        for tier in self.tiers:
+            self._tier_call(tier, "delete_prefix", fp)
+
+    def delete_session(self, session_id: str) -> None:
+        """Drop every entry of ``session_id``."""
+        self.delete_prefix("", session_id=session_id)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every queued write (and demotion/promotion) is done. Raises TierError on timeout
+        (and, in strict mode, for a writer failure since the last check)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            while self._puts or self._jobs or self._inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TierError(f"flush: {len(self._puts) + len(self._jobs) + self._inflight} writes "
+                                    f"still queued after {timeout_s} s")
+                self._cv.wait(left)
+        self._raise_async()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush, stop the writer and close the tiers. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush(timeout_s)
+        except TierError:
+            if self.strict:
+                raise
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            self._writer.join(timeout=5)
+            self._prefetch_pool.shutdown(wait=True)
+            self._io_pool.shutdown(wait=True)
+            for t in self.tiers:
+                try:
+                    t.close()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def stats(self) -> dict:
+        """Per tier name: byte/hit/miss/error counters and seconds; plus puts, gets, pending, failures."""
+        with self._lock:
+            out: dict[str, Any] = {name: dict(st.stats, healthy=st.healthy) for name, st in self._state.items()}
+            out.update(self._counts)
+        with self._cv:
+            out["pending"] = len(self._pending)
+        return out
+
+    def healthy(self, tier_name: str) -> bool:
+        """Whether ``tier_name`` is in use now (False while it backs off after a failure)."""
+        with self._lock:
+            return self._state[tier_name].healthy
+
+    def tier_status(self) -> dict:
+        """Per tier: healthy, seconds until the next retry, current backoff, last error."""
+        now = time.monotonic()
+        with self._lock:
+            return {name: {"healthy": st.healthy, "retry_in_s": max(0.0, st.retry_at - now) if not st.healthy else 0.0,
+                           "backoff_s": st.backoff_s, "last_error": st.last_error}
+                    for name, st in self._state.items()}
+
+    # -- reading helpers ---------------------------------------------------------------------------
+    def _read_tier(self, tier, fks: list[str]) -> list:
+        """Raw values (or None, or a per-key exception) for ``fks`` from one tier."""
+        if len(fks) == 1:
+            return [tier.get(fks[0])]
+        if hasattr(tier, "get_many"):
+            return list(tier.get_many(fks))
+        if isinstance(tier, HostTier):
+            return [tier.get(k) for k in fks]
+
+        def one(k):
+            try:
+                return tier.get(k)
+            except Exception as e:  # noqa: BLE001
+                return e
+        return list(self._io_pool.map(one, fks))
+
+    def _promote(self, ti: int, fk: str, data) -> None:
+        uppers = []
+        for j in range(ti):
+            t = self.tiers[j]
+            if not self._usable(t.name):
+                continue
+            if isinstance(t, HostTier):
+                pushed = t.put(fk, data, clean=True)
+                self._add(t.name, "promoted", 1)
+                self._queue_demotions(j, [p for p in pushed if p[0] != fk])
+            else:
+                uppers.append(j)
+        if uppers:
+            with self._cv:
+                self._jobs.append(("promote", fk, data, uppers))
+                self._cv.notify_all()
+
+    # -- writer --------------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._puts and not self._jobs and not self._closed:
+                    self._cv.wait()
+                if self._jobs:
+                    job = self._jobs.popleft()
+                elif self._puts:
+                    job = self._puts.popleft()
+                else:
+                    return  # closed and drained
+                self._inflight += 1
+                self._cv.notify_all()  # room in the queue
+            try:
+                if isinstance(job, _Write):
+                    self._do_write(job)
+                elif job[0] == "demote":
+                    self._do_demote(*job[1:])
+                elif job[0] == "promote":
+                    self._do_promote(*job[1:])
+            except Exception as e:  # noqa: BLE001 - the writer must survive anything
+                log.exception("pace_hf.tiers writer: unexpected error")
+                self._async_fail(TierError(f"writer: {e!r}"))
+            finally:
+                with self._cv:
+                    self._inflight -= 1
+                    self._cv.notify_all()
+
+    def _do_write(self, item: _Write) -> None:
+        try:
+            if item.cancelled:
+                return
+            try:
+                data = _entry.encode(item.tensors, item.meta, key=item.fk, fingerprint=item.fingerprint,
+                                     session_id=item.session_id)
+            except Exception as e:  # noqa: BLE001 - bad tensors/meta: the put fails, the store lives
+                with self._lock:
+                    self._counts["failures"] += 1
+                self._log_once("store", "encode", "cannot encode %s: %r", item.fk, e)
+                self._async_fail(TierError(f"cannot encode {item.fk!r}: {e!r}"))
+                return
+            targets = range(len(self.tiers)) if self.write_policy == "through" else range(1)
+            wrote_host, wrote_below = None, False
+            for j in targets:
+                if item.cancelled:
+                    break
+                if self._write_to(j, item.fk, data, own=True):
+                    if isinstance(self.tiers[j], HostTier) and wrote_host is None:
+                        wrote_host = j
+                    else:
+                        wrote_below = True
+            if wrote_host is not None and wrote_below:
+                self.tiers[wrote_host].mark_clean(item.fk, data)
+            if self.write_policy == "through" and wrote_host is None and not wrote_below and not item.cancelled:
+                with self._lock:
+                    self._counts["failures"] += 1
+                self._log_once("store", "lost", "%s could not be written to any tier", item.fk)
+                self._async_fail(TierError(f"{item.fk!r} could not be written to any tier"))
+            if item.cancelled:
+                for tier in self.tiers:
+                    self._tier_call(tier, "delete", item.fk)
+        finally:
+            with self._cv:
+                if self._pending.get(item.fk) is item:
+                    del self._pending[item.fk]
+                self._cv.notify_all()
+
+    def _write_to(self, j: int, fk: str, data, *, own: bool = False) -> bool:
+        """Write ``data`` to tier ``j``; demote what a host tier pushes out. True if written."""
+        tier = self.tiers[j]
+        name = tier.name
+        if not self._usable(name):
+            self._add(name, "skipped", 1)
+            if own and self.write_policy == "top":
+                return self._write_below(j, fk, data)
+            return False
+        t0 = time.perf_counter()
+        try:
+            pushed = tier.put(fk, data, clean=False) if isinstance(tier, HostTier) else tier.put(fk, data)
+        except Exception as e:  # noqa: BLE001
+            self._tier_failed(name, e, "write")
+            if own and self.write_policy == "top":
+                return self._write_below(j, fk, data)
+            return False
+        self._tier_ok(name)
+        self._add(name, "write_seconds", time.perf_counter() - t0)
+        if isinstance(tier, HostTier):
+            mine = [p for p in pushed if p[0] == fk]
+            others = [p for p in pushed if p[0] != fk]
+            self._queue_demotions(j, others)
+            if mine:  # larger than the whole cap: not kept here
+                if self.write_policy == "top":
+                    return self._write_below(j, fk, data)
+                return False
+        self._add(name, "bytes_written", len(data))
+        return True
+
+    def _write_below(self, j: int, fk: str, data) -> bool:
+        for k in range(j + 1, len(self.tiers)):
+            if self._write_to(k, fk, data):
+                return True
+        with self._lock:
+            self._counts["failures"] += 1
+        self._async_fail(TierError(f"{fk!r} could not be written to any tier"))
+        return False
+
+    def _queue_demotions(self, j: int, pushed: list) -> None:
+        name = self.tiers[j].name
+        for k, d, clean in pushed:
+            if clean:
+                continue  # already stored below
+            if j + 1 >= len(self.tiers):
+                self._add(name, "evicted", 1)
+                continue
+            self._add(name, "demoted", 1)
+            with self._cv:
+                self._demoting[k] = d
+                self._jobs.append(("demote", k, d, j))
+                self._cv.notify_all()
+
+    def _do_demote(self, fk: str, data, j: int) -> None:
+        try:
+            for k in range(j + 1, len(self.tiers)):
+                if self._write_to(k, fk, data):
+                    return
+            self._add(self.tiers[j].name, "evicted", 1)
+            with self._lock:
+                self._counts["failures"] += 1
+            self._log_once(self.tiers[j].name, "demote", "could not demote %s: no tier below took it", fk)
+        finally:
+            with self._cv:
+                if self._demoting.get(fk) is data:
+                    del self._demoting[fk]
+
+    def _do_promote(self, fk: str, data, uppers: list[int]) -> None:
+        for j in uppers:
+            if self._write_to(j, fk, data):
+                self._add(self.tiers[j].name, "promoted", 1)
+
+    def _cancel(self, match) -> None:
+        with self._cv:
+            for fk in [k for k in self._pending if match(k)]:
+                self._pending.pop(fk).cancelled = True
+            for fk in [k for k in self._demoting if match(k)]:
+                del self._demoting[fk]
+
+    # -- health, errors, stats -------------------------------------------------------------------
+    def _tier_call(self, tier, op: str, *args) -> None:
+        if not self._usable(tier.name):
+            self._add(tier.name, "skipped", 1)
+            return
+        try:
+            getattr(tier, op)(*args)
+        except Exception as e:  # noqa: BLE001
+            self._tier_failed(tier.name, e, op)
+            return
+        self._tier_ok(tier.name)
+
+    def _usable(self, name: str) -> bool:
+        with self._lock:
+            st = self._state[name]
+            return st.healthy or time.monotonic() >= st.retry_at
+
+    def _tier_ok(self, name: str) -> None:
+        with self._lock:
+            st = self._state[name]
+            if st.healthy:
+                return
+            st.healthy, st.backoff_s, st.retry_at = True, self._backoff0, 0.0
+        log.warning("pace_hf.tiers: tier %s is back", name)
+
+    def _tier_failed(self, name: str, e: BaseException, op: str) -> None:
+        unavailable = isinstance(e, TierUnavailable)
+        with self._lock:
+            st = self._state[name]
+            st.stats["errors"] += 1
+            st.last_error = f"{op}: {e!r}"[:500]
+            if unavailable:
+                st.healthy = False
+                st.retry_at = time.monotonic() + st.backoff_s
+                st.backoff_s = min(st.backoff_s * 2, self._backoff_max)
+        self._log_once(name, "unavailable" if unavailable else f"{op}_error",
+                       "tier %s %s failed: %r%s", name, op, e,
+                       " (marked unhealthy, backing off)" if unavailable else "")
+        if self.strict:
+            err = e if isinstance(e, TierError) else TierError(f"tier {name} {op} failed: {e!r}")
+            if op == "write" or threading.current_thread() is self._writer:
+                self._async_fail(err)
+            else:
+                raise err from e
+
+    def _integrity(self, name: str, e: IntegrityError) -> None:
+        if name in self._state:
+            self._add(name, "integrity_failures", 1)
+        self._log_once(name, e.kind, "tier %s: %s entry is a miss (%s)", name, e.kind, e)
+        if self.strict:
+            raise e
+
+    def _add(self, name: str, counter: str, n) -> None:
+        with self._lock:
+            self._state[name].stats[counter] += n
+
+    def _log_once(self, name: str, kind: str, msg: str, *args) -> None:
+        with self._lock:
+            if (name, kind) in self._logged:
+                return
+            self._logged.add((name, kind))
+        log.warning(msg, *args)
+
+    def _async_fail(self, err: TierError) -> None:
+        if self.strict:
+            with self._lock:
+                if self._async_error is None:
+                    self._async_error = err
+
+    def _raise_async(self) -> None:
+        with self._lock:
+            err, self._async_error = self._async_error, None
+        if err is not None:
+            raise err

