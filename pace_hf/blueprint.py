@@ -1,16 +1,41 @@
-"""The planner's blueprint: which earlier spans later steps will read, and the foresight bonus.
+"""The planner's blueprint: which earlier spans later steps will read.
 
 A span ``[start, end)`` in logical token positions is read by the agent steps in ``readers``. While a
-reader is still ahead, the span's tokens get a bonus on top of their attention score so they survive
-eviction; after the last reader the bonus is 0 and the span competes like any other tokens.
+reader is still ahead, the span's tokens get a foresight bonus (``pace_hf.scoring.Foresight``) on top
+of their attention score so they survive eviction; after the last reader the bonus is 0 and the span
+competes like any other tokens.
+
+Spans can be written in token positions, or derived from character offsets of a text
+(:meth:`Blueprint.from_char_spans`) or from chat messages (``pace_hf.chat``, ``PACESession.plan``).
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Iterable
 
 import torch
+
+
+def as_index(value, what: str) -> int:
+    """``value`` as an int, refusing floats, strings and bools (which ``int()`` would silently bend)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def as_steps(readers, what: str = "readers") -> tuple[int, ...]:
+    """A list of reader steps: ints >= 0. A bare int or a string is refused, not reinterpreted."""
+    if isinstance(readers, (str, bytes)) or not isinstance(readers, Iterable):
+        raise TypeError(f"{what} must be a list of step numbers (ints), e.g. [5, 9]; got {readers!r}")
+    steps = tuple(sorted(as_index(r, f"a reader step in {what}") for r in readers))
+    if any(r < 0 for r in steps):
+        raise ValueError(f"reader steps must be >= 0, got {list(steps)}")
+    return steps
 
 
 @dataclass(frozen=True)
@@ -22,67 +47,94 @@ class Span:
     readers: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        object.__setattr__(self, "readers", tuple(sorted(int(r) for r in self.readers)))
-        if not (isinstance(self.start, int) and isinstance(self.end, int)):
-            raise TypeError(f"span bounds must be ints, got start={self.start!r} end={self.end!r}")
+        object.__setattr__(self, "start", as_index(self.start, "span start"))
+        object.__setattr__(self, "end", as_index(self.end, "span end"))
+        object.__setattr__(self, "readers", as_steps(self.readers))
         if self.start < 0 or self.end < 0:
             raise ValueError(f"span bounds must be >= 0, got [{self.start}, {self.end})")
         if self.end <= self.start:
             raise ValueError(f"span end must be > start, got [{self.start}, {self.end})")
-        if any(r < 0 for r in self.readers):
-            raise ValueError(f"reader steps must be >= 0, got {list(self.readers)}")
 
     def next_reader(self, step: int) -> int | None:
         """The first reader at or after ``step``, or None once every reader is past."""
         return next((r for r in self.readers if r >= step), None)
 
-
-class BonusFn(Protocol):
-    def __call__(self, next_reader: int, step: int) -> float: ...
-
-
-@dataclass(frozen=True)
-class ForesightBonus:
-    """``bonus = phi * (1 + 1 / (s_n - t + 1)) / 2`` for a span whose next reader is s_n at step t.
-
-    It is phi when the reader is the current step and falls toward the floor phi/2 as the reader gets
-    farther away. The floor (5e4 by default) is above the largest unplanned cumulative-attention score
-    the paper observed (2.5e4 at 2M tokens), so planned spans outrank everything else and the soonest
-    needed span ranks first. Any callable ``(next_reader, step) -> float`` can replace it.
-    """
-
-    phi: float = 1e5
-
-    def __call__(self, next_reader: int, step: int) -> float:
-        return self.phi * (1.0 + 1.0 / (next_reader - step + 1)) / 2.0
+    def to_dict(self) -> dict:
+        return {"start": self.start, "end": self.end, "readers": list(self.readers)}
 
 
 class Blueprint:
-    """A list of spans with their reader steps, as a planner emits it."""
+    """A list of spans with their reader steps, as a planner emits it. Spans can be added later
+    (an agent learns of new dependencies as it goes); a cache holding the blueprint sees them."""
 
     def __init__(self, spans: Iterable[Span] = ()):
-        spans = list(spans)
+        self.spans: list[Span] = []
         for span in spans:
-            if not isinstance(span, Span):
-                raise TypeError(f"a Blueprint holds Span objects, got {type(span).__name__}")
-        self.spans = spans
+            self.add(span)
+
+    def add(self, span: Span) -> Span:
+        if not isinstance(span, Span):
+            raise TypeError(f"a Blueprint holds Span objects, got {type(span).__name__}")
+        self.spans.append(span)
+        return span
 
     @classmethod
     def from_dicts(cls, rows: Iterable[dict]) -> "Blueprint":
         """Build from ``[{"start", "end", "readers"}]`` records (e.g. a dataset column)."""
-        return cls(Span(int(r["start"]), int(r["end"]), tuple(r.get("readers", ()))) for r in rows)
+        spans = []
+        for row in rows:
+            if not isinstance(row, dict) or not {"start", "end"} <= set(row):
+                raise ValueError(f"a blueprint record needs 'start' and 'end' (and 'readers'), got {row!r}")
+            spans.append(Span(row["start"], row["end"], row.get("readers", ())))
+        return cls(spans)
+
+    @classmethod
+    def from_char_spans(cls, tokenizer, text: str, spans: Iterable[tuple[int, int, Iterable[int]]],
+                        offset: int = 0) -> "Blueprint":
+        """Spans given as character ranges ``(start_char, end_char, readers)`` of ``text``.
+
+        ``text`` is tokenized as the model will see it (no special tokens added); each range covers
+        every token that overlaps it. ``offset`` is the logical position of the text's first token
+        (the number of tokens before it in the session)."""
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+        out = []
+        for start_char, end_char, readers in spans:
+            start_char, end_char = as_index(start_char, "start_char"), as_index(end_char, "end_char")
+            if not 0 <= start_char < end_char <= len(text):
+                raise ValueError(f"character range [{start_char}, {end_char}) is not inside the text "
+                                 f"of {len(text)} characters")
+            tokens = [i for i, (s, e) in enumerate(offsets) if s < end_char and e > start_char and e > s]
+            if not tokens:
+                raise ValueError(f"character range [{start_char}, {end_char}) covers no token")
+            out.append(Span(offset + tokens[0], offset + tokens[-1] + 1, readers))
+        return cls(out)
+
+    def to_dicts(self) -> list[dict]:
+        return [s.to_dict() for s in self.spans]
 
     def __len__(self) -> int:
         return len(self.spans)
 
+    def __iter__(self):
+        return iter(self.spans)
+
     def __repr__(self) -> str:
         return f"Blueprint({self.spans!r})"
 
-    def bonus(self, logical: torch.Tensor, step: int, bonus_fn: BonusFn) -> torch.Tensor:
+    def due(self, step: int, within: int) -> list[Span]:
+        """Spans whose next reader is in ``[step, step + within]``."""
+        out = []
+        for span in self.spans:
+            reader = span.next_reader(step)
+            if reader is not None and reader - step <= within:
+                out.append(span)
+        return out
+
+    def bonus(self, logical: torch.Tensor, step: int, bonus_fn) -> torch.Tensor:
         """The foresight bonus of every token at the ``logical`` positions (fp32, same shape).
 
-        Where spans overlap, the largest bonus wins.
-        """
+        Where spans overlap, the largest bonus wins."""
         out = torch.zeros(logical.shape, dtype=torch.float32, device=logical.device)
         for span in self.spans:
             reader = span.next_reader(step)

@@ -1,33 +1,53 @@
 """PACE and its baselines as drop-in transformers caches.
 
-``model.generate(ids, past_key_values=PACECache(blueprint, model=model))`` is all a user writes.
+``model.generate(ids, cache=PACECache(blueprint, model=model))`` is all a user writes
+(``past_key_values=`` works too: transformers 5.24 deprecates it in ``generate`` until 6.0, and
+versions before 5.24 only accept that name).
 
 How it fits into transformers (see the README's "How it works"):
-- Each layer is an ``EvictingLayer``: plain tensors ``[batch, kv_heads, n, head_dim]`` plus an explicit
-  ledger of logical and physical positions per KV head, per-token scores and, for bounded positions,
-  reference keys with their reference positions.
-- Binding the cache to a model installs forward hooks on the decoder and switches attention to the
-  registered ``pace_sdpa`` function (SDPA output, plus column sums for the scores). The pre-hook
-  renumbers when the next chunk would pass ``limit`` and replaces the ``position_ids`` that reach the
-  rotary embedding with physical positions; the post-hook evicts down to ``budget`` at the chunk
-  boundary, so every layer announces the same kv length to the mask.
+- A cache is a list of ``EvictingLayer``: plain tensors ``[batch, kv_heads, n, head_dim]`` plus an
+  explicit ledger of logical and physical positions per KV head, per-token scores and, for bounded
+  positions, reference keys with their reference positions.
+- What to keep is a ``ScoringPolicy`` (``pace_hf.scoring``); ``limit`` (or None) switches bounded
+  positions on. The ablation arms are compositions: ``H2OCache(limit=...)`` is positions-only,
+  ``PACECache(limit=None)`` retention-only.
+- Binding the cache to a model (``pace_hf.binding``) installs the hooks that bracket each forward:
+  ``begin_forward`` renumbers when the next chunk would pass ``limit`` and hands physical positions to
+  the rotary embedding; ``end_forward`` evicts down to ``budget`` at the chunk boundary, so every layer
+  announces the same kv length to the mask. ``unbind()`` undoes it.
 - ``get_seq_length()`` is the number of tokens seen, so ``generate`` slices new input correctly;
   ``get_mask_sizes`` announces ``stored + q`` keys, like ``DynamicSlidingWindowLayer``.
+- With a ``store`` (``pace_hf.tiers``), nothing evicted is lost: see ``pace_hf.spill``.
 """
 
 from __future__ import annotations
+
+import contextlib
+import weakref
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from . import attention
-from .blueprint import BonusFn, Blueprint, ForesightBonus
+from .binding import Binding
+from .blueprint import Blueprint, Span, as_index
 from .rope import RotaryParams, rerotate
-from .scoring import CumulativeAttention, ObservationWindow, Recency
+from .rope.params import is_nested
+from .scoring import CumulativeAttention, Foresight, ForesightBonus, ObservationWindow, Recency, ScoringPolicy
 
 DEFAULT_SINKS = 4
 DEFAULT_RECENT = 128
+
+
+def keep_index(priority: torch.Tensor, budget: int, sinks: int, recent: int) -> torch.Tensor:
+    """Indices ``[kv_heads, budget]`` (sorted) of the highest-priority tokens; the first ``sinks`` and
+    the last ``recent`` stored tokens are always kept."""
+    n = priority.shape[-1]
+    position = torch.arange(n, device=priority.device)
+    protected = (position < sinks) | (position >= n - recent)
+    score = priority.masked_fill(protected[None, :], float("inf"))
+    return score.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
 class EvictingLayer(DynamicLayer):
@@ -80,9 +100,6 @@ class EvictingLayer(DynamicLayer):
         stored = self.stored
         return stored + query_length, self.seen - stored
 
-    def get_max_length(self) -> int:
-        return -1
-
     @property
     def stored(self) -> int:
         return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
@@ -99,9 +116,37 @@ class EvictingLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int):
         raise NotImplementedError("pace_hf caches cannot be cropped (assisted decoding is not supported)")
 
-    # -- eviction and renumbering ----------------------------------------------------------------
-    def keep(self, index: torch.Tensor) -> None:
-        """Keep the tokens at ``index`` ([kv_heads, m], sorted per head), drop the rest."""
+    # -- eviction, restore and renumbering -----------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every per-token tensor of the layer (for save and for bit-exact checks)."""
+        out = {"keys": self.keys, "values": self.values, "logical": self.logical,
+               "physical": self.physical, "scores": self.scores}
+        if self.keep_reference:
+            out.update(ref_keys=self.ref_keys, ref_pos=self.ref_pos)
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor], seen: int) -> None:
+        for name, value in tensors.items():
+            setattr(self, name, value)
+        self.is_initialized = True
+        self.dtype, self.device = self.keys.dtype, self.keys.device
+        self.seen = seen
+
+    def tokens_at(self, head: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The stored tokens at (head, slot) pairs, flat, as a spill entry holds them: what an exact
+        restore needs (value, reference key and position, logical position, score)."""
+        ref_keys = self.ref_keys if self.keep_reference else self.keys
+        ref_pos = self.ref_pos if self.keep_reference else self.physical
+        scores = self.scores[head, pos] if self.scores.numel() else torch.zeros(head.shape, dtype=torch.float32)
+        return {"head": head, "logical": self.logical[head, pos], "ref_pos": ref_pos[head, pos],
+                "score": scores, "ref_key": ref_keys[0, head, pos], "value": self.values[0, head, pos]}
+
+    def keep(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Keep the tokens at ``index`` ([kv_heads, m], sorted per head); return the dropped ones flat."""
+        dropped = torch.ones(self.logical.shape, dtype=torch.bool, device=index.device)
+        dropped.scatter_(1, index, False)
+        head, pos = dropped.nonzero(as_tuple=True)
+        evicted = self.tokens_at(head, pos)
         gather = index[None, :, :, None].expand(self.keys.shape[0], -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gather)
         self.values = self.values.gather(2, gather.expand(-1, -1, -1, self.values.shape[-1]))
@@ -112,6 +157,7 @@ class EvictingLayer(DynamicLayer):
         if self.keep_reference:
             self.ref_keys = self.ref_keys.gather(2, gather)
             self.ref_pos = self.ref_pos.gather(1, index)
+        return evicted
 
     def drop_last(self, count: int) -> None:
         """Forget the ``count`` newest tokens (the partial writes of a failed forward)."""
@@ -123,6 +169,46 @@ class EvictingLayer(DynamicLayer):
             self.ref_keys, self.ref_pos = self.ref_keys[:, :, :keep], self.ref_pos[:, :keep]
         self.seen -= count
 
+    def insert(self, tokens: dict[str, torch.Tensor], choose) -> dict[str, torch.Tensor]:
+        """Insert restored ``tokens`` (flat, as ``tokens_at`` gives them) in logical order, then keep,
+        per head, what ``choose(view) -> index [1, m]`` picks, where ``view`` has that head's
+        ``logical`` and ``scores`` as ``[1, n]``. Returns the resident tokens pushed out, flat.
+
+        A restored token comes back with its reference key and position, and its stored key is that
+        reference: unbounded layers kept keys at their logical position, and bounded layers are
+        renumbered by the caller, which re-rotates every key from its reference."""
+        dev, has_scores = self.logical.device, self.scores.numel() > 0
+        ref_keys = self.ref_keys if self.keep_reference else self.keys
+        ref_pos = self.ref_pos if self.keep_reference else self.physical
+        rows, pushed = [], []
+        for h in range(self.logical.shape[0]):
+            resident = self.logical[h]
+            sel = (tokens["head"] == h).nonzero().flatten()
+            logical, inverse = torch.unique(tokens["logical"][sel], return_inverse=True)
+            last = torch.full((logical.numel(),), -1, dtype=torch.long)  # the newest spilled copy wins
+            sel = sel[last.scatter_reduce(0, inverse, torch.arange(sel.numel()), "amax")]
+            sel = sel[~torch.isin(logical, resident.cpu())]
+            cand = {"logical": resident, "ref_pos": ref_pos[h], "ref_key": ref_keys[0, h], "value": self.values[0, h],
+                    "score": self.scores[h] if has_scores else torch.zeros(resident.shape, device=dev)}
+            cand = {k: torch.cat([v, tokens[k][sel].to(dev, v.dtype)]) for k, v in cand.items()}
+            was_resident = torch.arange(cand["logical"].numel(), device=dev) < resident.numel()
+            order = cand["logical"].argsort()
+            cand = {k: v[order] for k, v in cand.items()}
+            index = choose(_HeadView(cand["logical"][None], cand["score"][None] if has_scores else None))[0]
+            out = was_resident[order]
+            out[index] = False
+            pushed.append({"head": torch.full((int(out.sum()),), h, dtype=torch.long),
+                           **{k: v[out] for k, v in cand.items()}})
+            rows.append({k: v[index] for k, v in cand.items()})
+        stack = lambda name: torch.stack([r[name] for r in rows])  # noqa: E731
+        self.logical, self.values = stack("logical"), stack("value")[None]
+        self.keys, self.physical = stack("ref_key")[None], stack("ref_pos")
+        if has_scores:
+            self.scores = stack("score")
+        if self.keep_reference:
+            self.ref_keys, self.ref_pos = self.keys, self.physical
+        return {k: torch.cat([p[k] for p in pushed]) for k in pushed[0]}
+
     def renumber(self, params: RotaryParams) -> None:
         """Physical positions become 0..n-1 in logical order; keys are re-rotated from the reference."""
         n = self.stored
@@ -130,19 +216,26 @@ class EvictingLayer(DynamicLayer):
         self.keys = rerotate(self.ref_keys, self.ref_pos[None], self.physical[None], params, out_dtype=self.keys.dtype)
 
 
-class EvictionCache(DynamicCache):
-    """The shared base: budget, scoring policy, foresight bonus and bounded positions.
+class _HeadView:
+    """What a scoring policy reads of a layer (``logical``, ``scores``), for one head's candidates."""
 
-    Every arm of the 2x2 ablation is this class with a part switched on or off, so they share the
+    def __init__(self, logical: torch.Tensor, scores: torch.Tensor | None):
+        self.logical, self.scores = logical, scores
+
+
+class EvictionCache(DynamicCache):
+    """The shared base: a token budget, a scoring policy and, with ``limit``, bounded positions.
+
+    Every arm of the 2x2 ablation is this class with another policy or limit, so they share the
     prefill schedule, the eviction schedule and the decode path.
 
     Args:
         model: the model to bind to (installs hooks and the ``pace_sdpa`` attention function).
         budget: resident tokens kept per layer and KV head after each forward.
         sinks / recent: the first ``sinks`` and the last ``recent`` tokens are never evicted.
-        scoring: an eviction scoring policy from ``pace_hf.scoring``.
-        blueprint / foresight / bonus: planned spans get ``bonus(next_reader, step)`` added to their score.
-        bounded / limit: keep every rotary position below ``limit`` by renumbering residents.
+        scoring: a ``pace_hf.scoring.ScoringPolicy`` (default ``CumulativeAttention()``, H2O).
+        limit: keep every rotary position below ``limit`` by renumbering residents (None: unbounded).
+            It must exceed ``budget`` plus the largest chunk a forward brings.
     """
 
     def __init__(
@@ -152,75 +245,128 @@ class EvictionCache(DynamicCache):
         budget: int = 2048,
         sinks: int = DEFAULT_SINKS,
         recent: int = DEFAULT_RECENT,
-        scoring=None,
-        blueprint: Blueprint | None = None,
-        foresight: bool = False,
-        bonus: BonusFn | None = None,
-        bounded: bool = False,
+        scoring: ScoringPolicy | None = None,
         limit: int | None = None,
     ):
+        budget, sinks, recent = (as_index(v, n) for v, n in ((budget, "budget"), (sinks, "sinks"), (recent, "recent")))
         if budget <= 0 or sinks < 0 or recent < 0:
             raise ValueError(f"budget must be > 0 and sinks, recent >= 0 (got {budget}, {sinks}, {recent})")
         if budget < sinks + recent:
             raise ValueError(f"budget {budget} cannot hold the protected sinks + recent = {sinks} + {recent} tokens")
-        if blueprint is not None and not isinstance(blueprint, Blueprint):
-            raise TypeError(f"blueprint must be a pace_hf.Blueprint, got {type(blueprint).__name__}")
-        if foresight and blueprint is None:
-            raise ValueError("foresight=True needs a blueprint")
-        if bounded and limit is None:
-            raise ValueError("bounded=True needs a limit")
-        if bounded and limit <= budget:
-            raise ValueError(f"limit {limit} must exceed budget {budget} plus the chunk size")
+        scoring = scoring if scoring is not None else CumulativeAttention()
+        if not isinstance(scoring, ScoringPolicy):
+            raise TypeError(f"scoring must be a pace_hf.scoring.ScoringPolicy, got {type(scoring).__name__}")
+        if limit is not None:
+            limit = as_index(limit, "limit")
+            if limit <= budget:
+                raise ValueError(f"limit {limit} must exceed budget {budget} plus the chunk size")
         super().__init__()
         self.layer_class_to_replicate = None
         self.layers = []
         self.budget, self.sinks, self.recent = budget, sinks, recent
-        self.scoring = scoring if scoring is not None else CumulativeAttention()
-        self.blueprint = blueprint or Blueprint()
-        self.foresight = foresight
-        self.bonus = bonus if bonus is not None else ForesightBonus()
-        self.bounded, self.limit = bounded, limit
-        self.step = 0
+        self.scoring = scoring
+        self.limit = limit
+        self._step = 0
         self.renumbers = 0
         self.next_physical = 0
         self.rotary: list[RotaryParams] = []
+        self.binding: Binding | None = None
+        self._release = None
         self._chunk = None
         if model is not None:
             self.bind(model)
 
+    # -- the agent's step ----------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The agent's current step: planned spans read at or after it keep their foresight bonus."""
+        return self._step
+
+    @step.setter
+    def step(self, value) -> None:
+        value = as_index(value, "cache.step")
+        if value < 0:
+            raise ValueError(f"cache.step must be >= 0, got {value}")
+        self._step = value
+
+    @property
+    def bounded(self) -> bool:
+        return self.limit is not None
+
+    @property
+    def blueprint(self) -> Blueprint | None:
+        """The blueprint of the foresight policy, if the scoring has one."""
+        policy = self.scoring
+        while policy is not None:
+            if isinstance(policy, Foresight):
+                return policy.blueprint
+            policy = getattr(policy, "inner", None)
+        return None
+
     # -- binding to a model ------------------------------------------------------------------------
     def bind(self, model) -> "EvictionCache":
-        """Install the hooks and the ``pace_sdpa`` attention on ``model`` (idempotent per model)."""
+        """Install the hooks and the ``pace_sdpa`` attention on ``model`` (shared with other caches
+        bound to it). Undo with :meth:`unbind`; a garbage-collected cache unbinds itself."""
+        if self.binding is not None:
+            if self.binding.model_ref() is model:
+                return self
+            raise RuntimeError(f"this {type(self).__name__} is already bound to another model; unbind() it first")
         config = model.config.get_text_config(decoder=True)
+        self._check_model(model, config)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        if any(t != "full_attention" for t in layer_types):
+        if self.bounded:
+            rope = getattr(config, "rope_parameters", None) or {}
+            nested = is_nested(rope)
+            self.rotary = [RotaryParams.from_config(config, layer_type=t if nested else None) for t in layer_types]
+        if not self.layers:
+            self.layers = [EvictingLayer(keep_reference=self.bounded) for _ in layer_types]
+        elif len(self.layers) != len(layer_types):
+            raise ValueError(f"this cache holds {len(self.layers)} layers; the model has {len(layer_types)}")
+        self.binding = Binding.acquire(model)
+        self._release = weakref.finalize(self, self.binding.release)
+        return self
+
+    @staticmethod
+    def _check_model(model, config) -> None:
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is None and getattr(config, "sliding_window", None) is not None:
+            raise NotImplementedError(
+                f"pace_hf caches support full-attention layers only; this config sets sliding_window="
+                f"{config.sliding_window} (a sliding window counted over evicted positions would be wrong). "
+                "Set config.sliding_window = None if the model was trained without one."
+            )
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
             raise NotImplementedError(
                 f"pace_hf caches support full-attention layers only; this model has {sorted(set(layer_types))}"
             )
-        rope = getattr(config, "rope_parameters", None) or {}
-        nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())
-        self.rotary = [RotaryParams.from_config(config, layer_type=t if nested else None) for t in layer_types]
-        self.layers = [EvictingLayer(keep_reference=self.bounded) for _ in layer_types]
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-        name = attention.register()
-        if model.config._attn_implementation != name:
-            if model.config._attn_implementation not in ("sdpa", None):
-                raise NotImplementedError(
-                    f"pace_hf scores attention alongside SDPA; load the model with attn_implementation='sdpa' "
-                    f"(got {model.config._attn_implementation!r})"
-                )
-            model.set_attn_implementation(name)
-        if not getattr(decoder, "_pace_hf_hooked", False):  # one pair of hooks serves every cache
-            decoder.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-            decoder.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
-            decoder._pace_hf_hooked = True
-        return self
+        impl = model.config._attn_implementation
+        if impl not in ("sdpa", None, attention.ATTN_NAME):
+            raise NotImplementedError(
+                f"pace_hf scores attention alongside SDPA; load the model with attn_implementation='sdpa' (got {impl!r})"
+            )
+
+    def unbind(self) -> None:
+        """Release the model: when no other cache is bound to it, its hooks, wrappers and attention
+        implementation are removed, and it is exactly as loaded."""
+        if self._release is not None:
+            self._release()
+        self.binding = self._release = None
+
+    @contextlib.contextmanager
+    def bound_to(self, model):
+        """``with cache.bound_to(model): model.generate(..., cache=cache)``; unbinds on exit."""
+        self.bind(model)
+        try:
+            yield self
+        finally:
+            self.unbind()
 
     # -- what transformers calls -------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self._chunk is None:
             raise RuntimeError(
-                f"{type(self).__name__} must be bound to the model that uses it: pass model= to the constructor"
+                f"{type(self).__name__} is not bound to the model that uses it: pass model= to the "
+                "constructor, or call cache.bind(model)"
             )
         logical_start, physical_start = self._chunk
         return self.layers[layer_idx].update(
@@ -230,6 +376,7 @@ class EvictionCache(DynamicCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen if self.layers else 0
 
+    # -- public readings ---------------------------------------------------------------------------
     def ledger(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logical, physical) positions ``[kv_heads, n]`` of the resident tokens of ``layer_idx``, in
         the order of that layer's stored keys."""
@@ -242,7 +389,38 @@ class EvictionCache(DynamicCache):
     def resident_count(self) -> int:
         return self.layers[0].stored if self.layers else 0
 
+    @property
+    def next_position(self) -> int:
+        """The rotary position the next token will get."""
+        return self.next_physical if self.bounded else self.get_seq_length()
+
+    def residency(self, positions) -> float:
+        """Fraction of the given logical positions that are resident, over every layer and KV head."""
+        positions = torch.as_tensor(positions, dtype=torch.long).flatten()
+        if positions.numel() == 0 or not self.layers or self.layers[0].logical is None:
+            return 0.0 if positions.numel() else 1.0
+        hits = [torch.isin(layer.logical.cpu(), positions).sum(-1) for layer in self.layers if layer.logical is not None]
+        return float(torch.cat(hits).float().mean() / positions.unique().numel())
+
+    def rotary_gap(self, positions) -> int | None:
+        """The largest rotary distance, over layers and heads, from the next query to a resident token
+        of the given logical positions; None when none of them is resident."""
+        positions = torch.as_tensor(positions, dtype=torch.long).flatten()
+        nearest = None
+        for layer in self.layers:
+            if layer.logical is None:
+                continue
+            hit = torch.isin(layer.logical.cpu(), positions)
+            if hit.any():
+                low = int(layer.physical.cpu()[hit].min())
+                nearest = low if nearest is None else min(nearest, low)
+        return None if nearest is None else self.next_position - nearest
+
     # -- forward bracket (called by the hooks) -------------------------------------------------------
+    @property
+    def in_forward(self) -> bool:
+        return self._chunk is not None
+
     def begin_forward(self, q_len: int) -> int:
         """Prepare for a forward of ``q_len`` new tokens; return the first physical position."""
         seen, n = self.get_seq_length(), self.resident_count()
@@ -253,15 +431,19 @@ class EvictionCache(DynamicCache):
                     f"use limit > budget + chunk, e.g. prefill_chunk_size <= {self.limit - self.budget}"
                 )
             if self.next_physical + q_len > self.limit:
-                for layer, params in zip(self.layers, self.rotary):
-                    if layer.is_initialized:
-                        layer.renumber(params)
-                self.next_physical = n
-                self.renumbers += 1
+                self.renumber()
         else:
             self.next_physical = seen
         self._chunk = (seen, self.next_physical)
         return self.next_physical
+
+    def renumber(self) -> None:
+        """Physical positions become ``0..n-1`` in logical order in every layer (keys re-rotated)."""
+        for layer, params in zip(self.layers, self.rotary):
+            if layer.is_initialized:
+                layer.renumber(params)
+        self.next_physical = self.resident_count()
+        self.renumbers += 1
 
     def abort_forward(self) -> None:
         logical_start, _ = self._chunk
@@ -273,9 +455,13 @@ class EvictionCache(DynamicCache):
     def end_forward(self, q_len: int) -> None:
         self._chunk = None
         self.next_physical += q_len
-        for layer in self.layers:
+        for layer_idx, layer in enumerate(self.layers):
             if layer.is_initialized and layer.stored > self.budget:
-                layer.keep(self._keep_index(layer))
+                self.evicted(layer_idx, layer.keep(self._keep_index(layer)))
+
+    def evicted(self, layer_idx: int, tokens: dict[str, torch.Tensor]) -> None:
+        """Called with every token a layer evicts (flat, see ``EvictingLayer.tokens_at``). Dropped
+        here; a cache with a store spills them."""
 
     def score_query_window(self, q_len: int) -> int | None:
         return self.scoring.query_window(q_len) if self.scoring.needs_attention else 0
@@ -284,106 +470,60 @@ class EvictionCache(DynamicCache):
         layer = self.layers[layer_idx]
         fresh = column_sums[0]  # batch 1
         n_new = fresh.shape[-1] - layer.scores.shape[-1]
-        layer.scores = self.scoring.update(layer.scores, fresh, n_new)
+        layer.scores = self.scoring.accumulate(layer.scores, fresh, n_new)
 
-    def _keep_index(self, layer: EvictingLayer) -> torch.Tensor:
+    def _keep_index(self, layer) -> torch.Tensor:
         """Indices ([kv_heads, budget], sorted) of the tokens to keep in ``layer``."""
-        n = layer.stored
-        if self.scoring.needs_attention:
-            if layer.scores.shape[-1] != n:
-                raise RuntimeError(
-                    "attention scores were not recorded for every token: the model must run its attention "
-                    f"through {attention.ATTN_NAME!r} (got {layer.scores.shape[-1]} scores for {n} tokens)"
-                )
-            score = layer.scores.clone()
-        else:
-            score = self.scoring.static_scores(layer.logical)
-        if self.foresight:
-            score = score + self.blueprint.bonus(layer.logical, self.step, self.bonus)
-        position = torch.arange(n, device=score.device)
-        protected = (position < self.sinks) | (position >= n - self.recent)
-        score = score.masked_fill(protected[None, :], float("inf"))
-        index = score.topk(self.budget, dim=-1, sorted=False).indices
-        return index.sort(dim=-1).values
-
-
-def _cache_from_kwargs(kwargs):
-    return kwargs.get("cache", kwargs.get("past_key_values"))
-
-
-def _query_tokens(args, kwargs) -> torch.Tensor:
-    """The decoder's input (ids or embeddings): ``[batch, q_len, ...]``."""
-    tokens = kwargs.get("input_ids")
-    if tokens is None:
-        tokens = kwargs.get("inputs_embeds")
-    return args[0] if tokens is None and args else tokens
-
-
-def _pre_forward(module, args, kwargs):
-    cache = _cache_from_kwargs(kwargs)
-    if not isinstance(cache, EvictionCache):
-        return None
-    tokens = _query_tokens(args, kwargs)
-    batch, q_len = tokens.shape[0], tokens.shape[1]
-    if batch != 1:
-        raise NotImplementedError(
-            f"pace_hf caches hold one sequence (batch size 1, num_beams=1); got batch size {batch}"
-        )
-    start = cache.begin_forward(q_len)
-    kwargs["position_ids"] = torch.arange(start, start + q_len, device=tokens.device)[None]
-    attention.ACTIVE_CACHE.set(cache)
-    return args, kwargs
-
-
-def _post_forward(module, args, kwargs, output):
-    attention.ACTIVE_CACHE.set(None)
-    cache = _cache_from_kwargs(kwargs)
-    if not isinstance(cache, EvictionCache) or cache._chunk is None:
-        return None
-    if output is None:  # the forward raised: undo its partial writes so nothing is lost
-        cache.abort_forward()
-        return None
-    cache.end_forward(_query_tokens(args, kwargs).shape[1])
-    return None
+        n = layer.logical.shape[-1]
+        if self.scoring.needs_attention and layer.scores.shape[-1] != n:
+            raise RuntimeError(
+                "attention scores were not recorded for every token: the model must run its attention "
+                f"through {attention.ATTN_NAME!r} (got {layer.scores.shape[-1]} scores for {n} tokens)"
+            )
+        priority = self.scoring.priority(layer, self.step)
+        return keep_index(priority, min(self.budget, n), self.sinks, self.recent)
 
 
 class H2OCache(EvictionCache):
-    """Heavy-hitter oracle: keep the tokens with the most cumulative attention (plus sinks and recent)."""
+    """Heavy-hitter oracle: keep the tokens with the most cumulative attention (plus sinks and recent).
+    With ``limit`` it is the positions-only arm."""
 
     def __init__(self, model=None, *, budget: int = 2048, **kwargs):
-        super().__init__(model, budget=budget, scoring=CumulativeAttention(), **kwargs)
+        kwargs.setdefault("scoring", CumulativeAttention())
+        super().__init__(model, budget=budget, **kwargs)
 
 
-class PACECache(H2OCache):
-    """PACE: H2O plus a foresight bonus for planned spans and bounded rotary positions.
+class PACECache(EvictionCache):
+    """PACE: foresight (a bonus for the blueprint's planned spans) around H2O, with bounded positions.
 
-    ``foresight=False`` and/or ``bounded=False`` give the ablation arms (positions-only,
-    retention-only, H2O) on the very same code path. Set ``cache.step`` to the agent's current step.
+    ``limit=None`` is the retention-only arm. ``scorer`` replaces H2O under the bonus (e.g.
+    ``ObservationWindow()`` for SnapKV with foresight); ``bonus`` replaces ``ForesightBonus(phi)``.
+    Set ``cache.step`` to the agent's current step.
     """
 
     def __init__(
         self,
-        blueprint: Blueprint,
+        blueprint: Blueprint | None = None,
         model=None,
         *,
         budget: int = 2048,
-        limit: int = 8192,
+        limit: int | None = 8192,
         phi: float = 1e5,
-        foresight: bool = True,
-        bounded: bool = True,
-        bonus: BonusFn | None = None,
+        bonus=None,
+        scorer: ScoringPolicy | None = None,
         **kwargs,
     ):
-        super().__init__(
-            model,
-            budget=budget,
-            blueprint=blueprint,
-            foresight=foresight,
-            bonus=bonus if bonus is not None else ForesightBonus(phi),
-            bounded=bounded,
-            limit=limit if bounded else None,
-            **kwargs,
-        )
+        blueprint = Blueprint() if blueprint is None else blueprint
+        if not isinstance(blueprint, Blueprint):
+            raise TypeError(f"blueprint must be a pace_hf.Blueprint, got {type(blueprint).__name__}")
+        if "scoring" in kwargs:
+            raise TypeError("PACECache builds its scoring from blueprint, scorer and bonus; use EvictionCache(scoring=...)")
+        foresight = Foresight(scorer or CumulativeAttention(), blueprint, bonus if bonus is not None else ForesightBonus(phi))
+        super().__init__(model, budget=budget, limit=limit, scoring=foresight, **kwargs)
+
+    @property
+    def bonus(self):
+        return self.scoring.bonus
 
 
 class SnapKVCache(EvictionCache):
@@ -399,3 +539,7 @@ class StreamingLLMCache(EvictionCache):
     def __init__(self, model=None, *, budget: int = 2048, sinks: int = DEFAULT_SINKS, **kwargs):
         kwargs.setdefault("recent", 0)
         super().__init__(model, budget=budget, sinks=sinks, scoring=Recency(), **kwargs)
+
+
+__all__ = ["EvictingLayer", "EvictionCache", "H2OCache", "PACECache", "SnapKVCache", "StreamingLLMCache",
+           "Span", "keep_index"]

@@ -5,7 +5,10 @@ import torch
 import transformers as tf
 from tiny_models import tiny_config, tiny_model
 
-from pace_hf import Blueprint, H2OCache, PACECache, SnapKVCache, Span, StreamingLLMCache
+from pace_hf import (Blueprint, CumulativeAttention, Foresight, ForesightBonus, H2OCache, ObservationWindow, PACECache,
+                     Recency, SnapKVCache, Span,
+                     StreamingLLMCache)
+from pace_hf.cache import keep_index
 from pace_hf.rope import RotaryParams, rerotate
 
 KINDS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -19,10 +22,10 @@ def prompt(n, seed=0):
 def test_full_equivalence_when_nothing_is_evicted(kind):
     model = tiny_model(kind)
     ids = prompt(300)
-    ref = model.generate(ids, max_new_tokens=24, do_sample=False, past_key_values=tf.DynamicCache(config=model.config), prefill_chunk_size=64)
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False, cache=tf.DynamicCache(config=model.config), prefill_chunk_size=64)
     for cache in (PACECache(Blueprint([Span(0, 20, [1])]), model=model, budget=1024, limit=2048),
                   H2OCache(model, budget=1024)):
-        out = model.generate(ids, max_new_tokens=24, do_sample=False, past_key_values=cache, prefill_chunk_size=64)
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, cache=cache, prefill_chunk_size=64)
         assert torch.equal(out, ref), type(cache).__name__
         assert cache.get_seq_length() == out.shape[1] - 1
     # sampled decoding and the new `cache=` argument
@@ -31,6 +34,10 @@ def test_full_equivalence_when_nothing_is_evicted(kind):
     torch.manual_seed(3)
     out = model.generate(ids, max_new_tokens=16, do_sample=True, top_k=20, cache=PACECache(Blueprint(), model=model, budget=1024, limit=2048))
     assert torch.equal(out, ref)
+    # the deprecated keyword (the only one before transformers 5.24) still works
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, past_key_values=H2OCache(model, budget=1024), prefill_chunk_size=64)
+    assert torch.equal(out[:, :ids.shape[1] + 8], model.generate(ids, max_new_tokens=8, do_sample=False))
 
 
 def snapshot_layer0(model, cache, log):
@@ -48,13 +55,13 @@ def test_renumbering_is_exact_after_100_renumbers(kind):
     log = []
     handle = snapshot_layer0(model, cache, log)
     out = model.generate(prompt(400, seed=1), max_new_tokens=400, min_new_tokens=400, do_sample=False,
-                         past_key_values=cache, prefill_chunk_size=6)
+                         cache=cache, prefill_chunk_size=6)
     handle.remove()
     assert cache.renumbers >= 100
     # layer 0 keys depend on the token and its position only: take the model's own keys at logical positions
     full = tf.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(out[:, :-1], past_key_values=full)
+        model(out[:, :-1], cache=full)
     own = full.layers[0].keys[0]  # [kv_heads, N, head_dim] at logical positions 0..N-1
     params = RotaryParams.from_config(model.config)
     for keys, logical, physical in log:
@@ -74,7 +81,7 @@ def test_positions_stay_bounded_during_a_long_generate():
         lambda m, args, kwargs: seen_positions.append(int(kwargs.get("position_ids", args[-1]).max())), with_kwargs=True)
     h2 = model.model.layers[-1].register_forward_hook(lambda m, a, o: resident.append(cache.layers[0].stored))
     model.generate(prompt(3 * limit, seed=2), max_new_tokens=limit, min_new_tokens=limit, do_sample=False,
-                   past_key_values=cache, prefill_chunk_size=chunk)
+                   cache=cache, prefill_chunk_size=chunk)
     h1.remove(), h2.remove()
     assert cache.get_seq_length() >= 4 * limit - 1
     assert max(seen_positions) < limit
@@ -89,7 +96,7 @@ def test_h2o_scores_match_eager_attention_column_sums():
     cache = H2OCache(model, budget=512)
     with torch.no_grad():
         for chunk in ids.split(32, dim=1):
-            model(chunk, past_key_values=cache)
+            model(chunk, cache=cache)
         attn = eager(ids, output_attentions=True).attentions
     group = model.config.num_attention_heads // model.config.num_key_value_heads
     for layer_idx, probs in enumerate(attn):
@@ -115,7 +122,7 @@ def test_foresight_keeps_planned_spans_until_their_last_reader():
         cache.step = 1
         with torch.no_grad():
             for chunk in ids.split(32, dim=1):
-                model(chunk, past_key_values=cache)
+                model(chunk, cache=cache)
     for heads in resident_logical(pace):  # planned span resident at the reader step, unplanned middle gone
         assert set(span) <= heads
         assert not (set(range(300, 500)) & heads)
@@ -124,21 +131,21 @@ def test_foresight_keeps_planned_spans_until_their_last_reader():
     pace.step = 4
     assert pace.blueprint.bonus(torch.tensor([210]), 4, pace.bonus).item() == 0
     decisions = []
+    h2o_only = CumulativeAttention()
 
     def probe(module, args, output):  # runs before the cache evicts at the end of the forward
         layer = pace.layers[0]
         with_bonus = pace._keep_index(layer)
         kept = layer.logical.gather(1, with_bonus)
         span_kept = all(set(span) <= set(row.tolist()) for row in kept)
-        pace.foresight = False
-        decisions.append((pace.step, span_kept, torch.equal(with_bonus, pace._keep_index(layer))))
-        pace.foresight = True
+        without = keep_index(h2o_only.priority(layer, pace.step), pace.budget, pace.sinks, pace.recent)
+        decisions.append((pace.step, span_kept, torch.equal(with_bonus, without)))
 
     handle = model.model.layers[-1].register_forward_hook(probe)
     for step in (3, 4):  # step 3: the last reader is ahead, the bonus decides; step 4: it is gone
         pace.step = step
         with torch.no_grad():
-            model(prompt(32, seed=step), past_key_values=pace)
+            model(prompt(32, seed=step), cache=pace)
     handle.remove()
     assert decisions[0][1] and decisions[1][2]
 
@@ -148,10 +155,10 @@ def test_multi_turn_prefills_only_new_tokens():
     cache = PACECache(Blueprint(), model=model, budget=64, limit=160, recent=16)
     counted = []
     handle = model.model.embed_tokens.register_forward_hook(lambda m, args, out: counted.append(args[0].shape[1]))
-    first = model.generate(prompt(200), max_new_tokens=10, min_new_tokens=10, do_sample=False, past_key_values=cache, prefill_chunk_size=32)
+    first = model.generate(prompt(200), max_new_tokens=10, min_new_tokens=10, do_sample=False, cache=cache, prefill_chunk_size=32)
     counted.clear()
     turn2 = torch.cat([first, prompt(50, seed=9)], dim=1)
-    second = model.generate(turn2, max_new_tokens=10, min_new_tokens=10, do_sample=False, past_key_values=cache, prefill_chunk_size=32)
+    second = model.generate(turn2, max_new_tokens=10, min_new_tokens=10, do_sample=False, cache=cache, prefill_chunk_size=32)
     handle.remove()
     assert sum(counted) == 50 + 1 + 9  # the last generated token of turn 1, the new message, then decode
     assert second.shape[1] == turn2.shape[1] + 10
@@ -163,7 +170,7 @@ def test_model_works_normally_after_a_pace_cache():
     before = model.generate(ids, max_new_tokens=8, do_sample=False)
     PACECache(Blueprint(), model=model, budget=32, limit=80, recent=8)
     model.generate(ids, max_new_tokens=8, do_sample=False,
-                   past_key_values=PACECache(Blueprint(), model=model, budget=32, limit=80, recent=8), prefill_chunk_size=16)
+                   cache=PACECache(Blueprint(), model=model, budget=32, limit=80, recent=8), prefill_chunk_size=16)
     after = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(before, after)
 
@@ -171,13 +178,15 @@ def test_model_works_normally_after_a_pace_cache():
 @pytest.mark.parametrize("make", [
     lambda m: SnapKVCache(m, budget=48, recent=8),
     lambda m: StreamingLLMCache(m, budget=48),
-    lambda m: PACECache(Blueprint([Span(0, 10, [1])]), model=m, budget=48, limit=120, recent=8, foresight=False),
-    lambda m: PACECache(Blueprint([Span(0, 10, [1])]), model=m, budget=48, recent=8, foresight=True, bounded=False),
+    lambda m: H2OCache(m, budget=48, limit=120, recent=8),  # positions-only
+    lambda m: PACECache(Blueprint([Span(0, 10, [1])]), model=m, budget=48, recent=8, limit=None),  # retention-only
+    lambda m: PACECache(Blueprint([Span(0, 10, [1])]), model=m, budget=48, recent=8, scorer=ObservationWindow()),
+    lambda m: StreamingLLMCache(m, budget=48, limit=120),
 ])
 def test_baselines_and_ablation_arms_run_under_generate(make):
     model = tiny_model("mistral")
     cache = make(model)
-    out = model.generate(prompt(300), max_new_tokens=20, min_new_tokens=20, do_sample=False, past_key_values=cache, prefill_chunk_size=32)
+    out = model.generate(prompt(300), max_new_tokens=20, min_new_tokens=20, do_sample=False, cache=cache, prefill_chunk_size=32)
     assert out.shape[1] == 320
     assert cache.resident_count() == 48
     logical, physical = cache.ledger(0)
@@ -189,7 +198,7 @@ def test_baselines_and_ablation_arms_run_under_generate(make):
 def test_streaming_keeps_sinks_and_the_most_recent_tokens():
     model = tiny_model("llama")
     cache = StreamingLLMCache(model, budget=20, sinks=4)
-    model.generate(prompt(100), max_new_tokens=5, do_sample=False, past_key_values=cache, prefill_chunk_size=16)
+    model.generate(prompt(100), max_new_tokens=5, do_sample=False, cache=cache, prefill_chunk_size=16)
     logical = cache.ledger(0)[0][0].tolist()
     assert logical == [0, 1, 2, 3] + list(range(104 - 16, 104))
 
@@ -219,19 +228,174 @@ def test_a_chunk_that_cannot_fit_under_the_limit_raises_and_loses_nothing():
     model = tiny_model("llama")
     cache = PACECache(Blueprint(), model=model, budget=32, limit=64, recent=8)
     with torch.no_grad():
-        model(prompt(30), past_key_values=cache)
+        model(prompt(30), cache=cache)
         before = (cache.get_seq_length(), cache.layers[0].keys.clone(), cache.ledger(0)[0].clone())
         with pytest.raises(ValueError, match="prefill_chunk_size"):
-            model(prompt(40, seed=1), past_key_values=cache)
+            model(prompt(40, seed=1), cache=cache)
         assert cache.get_seq_length() == before[0]
         assert torch.equal(cache.layers[0].keys, before[1]) and torch.equal(cache.ledger(0)[0], before[2])
-        model(prompt(20, seed=1), past_key_values=cache)  # a fitting chunk still works
+        model(prompt(20, seed=1), cache=cache)  # a fitting chunk still works
     assert cache.get_seq_length() == 50
 
 
 def test_batches_and_beams_are_refused_clearly():
     model = tiny_model("llama")
     with pytest.raises(NotImplementedError, match="batch"):
-        model.generate(prompt(40).repeat(2, 1), max_new_tokens=2, past_key_values=H2OCache(model, budget=32, recent=8))
+        model.generate(prompt(40).repeat(2, 1), max_new_tokens=2, cache=H2OCache(model, budget=32, recent=8))
     with pytest.raises(NotImplementedError, match="num_beams"):
-        model.generate(prompt(40), max_new_tokens=4, num_beams=2, do_sample=False, past_key_values=H2OCache(model, budget=32, recent=8))
+        model.generate(prompt(40), max_new_tokens=4, num_beams=2, do_sample=False, cache=H2OCache(model, budget=32, recent=8))
+
+
+def test_dynamic_rope_is_refused_only_when_positions_are_bounded():
+    torch.manual_seed(0)
+    dynamic = tf.AutoModelForCausalLM.from_config(
+        tf.LlamaConfig(**{**tiny_config("llama").to_dict(), "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}))
+    for cache in (H2OCache(dynamic, budget=32, recent=8), SnapKVCache(dynamic, budget=32, recent=8),
+                  StreamingLLMCache(dynamic, budget=32), PACECache(Blueprint(), model=dynamic, budget=32, recent=8, limit=None)):
+        out = dynamic.generate(prompt(80), max_new_tokens=4, do_sample=False, cache=cache, prefill_chunk_size=16)
+        assert out.shape[1] == 84
+        cache.unbind()
+
+
+def test_sliding_window_without_layer_types_is_refused():
+    torch.manual_seed(0)
+    mistral = tf.AutoModelForCausalLM.from_config(tf.MistralConfig(**{**tiny_config("mistral").to_dict(), "sliding_window": 64}))
+    assert getattr(mistral.config, "layer_types", None) is None
+    for make in (lambda: H2OCache(mistral, budget=32, recent=8), lambda: PACECache(Blueprint(), model=mistral, budget=32, recent=8, limit=96)):
+        with pytest.raises(NotImplementedError, match="sliding_window"):
+            make()
+    assert mistral.config._attn_implementation == "sdpa" and not mistral.model._forward_pre_hooks  # nothing left behind
+
+
+@pytest.mark.parametrize("readers, error", [
+    ([1.7], TypeError), ("12", TypeError), (5, TypeError), ([True], TypeError), ([-1], ValueError),
+])
+def test_span_readers_are_validated(readers, error):
+    with pytest.raises(error, match="reader|step"):
+        Span(0, 5, readers)
+
+
+def test_boundary_inputs_get_specific_errors():
+    with pytest.raises(TypeError, match="span start"):
+        Span(0.0, 5, [1])
+    with pytest.raises(TypeError, match="span end"):
+        Blueprint.from_dicts([{"start": 0, "end": 5.9, "readers": [1]}])
+    with pytest.raises(ValueError, match="'start' and 'end'"):
+        Blueprint.from_dicts([{"start": 0}])
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="budget"):
+        H2OCache(model, budget=64.0)
+    with pytest.raises(TypeError, match="limit"):
+        PACECache(Blueprint(), model=model, budget=64, limit="256", recent=8)
+    cache = PACECache(Blueprint([Span(0, 4, [1])]), model=model, budget=32, limit=96, recent=8)
+    for bad, error in ((-1, ValueError), (1.5, TypeError), ("3", TypeError), (None, TypeError)):
+        with pytest.raises(error, match="cache.step"):
+            cache.step = bad
+    assert cache.step == 0
+
+
+def test_unbind_leaves_the_model_exactly_as_loaded():
+    model, fresh = tiny_model("qwen2"), tiny_model("qwen2")
+    ids = prompt(120, seed=7)
+
+    def state(m):
+        d = m.model
+        return (m.config._attn_implementation, dict(d._forward_pre_hooks), dict(d._forward_hooks),
+                sorted(k for k in m.__dict__ if k in ("generate", "_get_stopping_criteria")),
+                hasattr(d, "_pace_hf_binding"))
+
+    a = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8)
+    b = H2OCache(model, budget=32, recent=8)
+    assert model.config._attn_implementation == "pace_sdpa"
+    model.generate(ids, max_new_tokens=4, do_sample=False, cache=a, prefill_chunk_size=32)
+    a.unbind()
+    assert model.config._attn_implementation == "pace_sdpa"  # b still holds the model
+    del b
+    import gc
+    gc.collect()
+    assert state(model) == state(fresh)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fresh(ids).logits)
+    with H2OCache(budget=32, recent=8).bound_to(model) as c:
+        model.generate(ids, max_new_tokens=2, do_sample=False, cache=c, prefill_chunk_size=32)
+    assert state(model) == state(fresh)
+
+
+def test_a_cache_used_on_a_model_it_is_not_bound_to_gets_a_clear_error():
+    model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    stale = H2OCache(model, budget=32, recent=8)
+    stale.unbind()
+    live = H2OCache(model, budget=32, recent=8)  # another cache hooks the model again  # noqa: F841
+    with pytest.raises(RuntimeError, match="unbound"):
+        model.generate(prompt(40), max_new_tokens=2, cache=stale)
+    foreign = H2OCache(other, budget=32, recent=8)
+    with pytest.raises(RuntimeError, match="another model"):
+        model.generate(prompt(40), max_new_tokens=2, cache=foreign)
+    with pytest.raises(RuntimeError, match="not bound"):
+        tiny_model("qwen2").generate(prompt(40), max_new_tokens=2, cache=H2OCache(budget=32, recent=8))
+
+
+def test_max_length_reminder_is_dropped_only_for_bounded_caches(caplog):
+    import logging
+
+    from transformers.generation import stopping_criteria
+
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = 64
+    ids = prompt(100)
+
+    def reminded(cache):
+        stopping_criteria.logger.warning_once.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="transformers.generation.stopping_criteria"):
+            model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache, prefill_chunk_size=16)
+        return "predefined maximum length" in caplog.text
+
+    assert not reminded(PACECache(Blueprint(), model=model, budget=24, limit=48, recent=4))
+    assert reminded(H2OCache(model, budget=24, recent=4))  # unbounded: positions pass 64
+    assert reminded(PACECache(Blueprint(), model=model, budget=24, limit=96, recent=4))  # limit above the maximum
+    assert reminded(tf.DynamicCache(config=model.config))
+
+
+def test_public_readings():
+    model = tiny_model("llama")
+    cache = PACECache(Blueprint([Span(10, 20, [1])]), model=model, budget=32, limit=96, recent=8)
+    cache.step = 1
+    with torch.no_grad():
+        for chunk in prompt(200).split(40, dim=1):
+            model(chunk, cache=cache)
+    assert cache.residency(range(10, 20)) == 1.0
+    assert cache.residency(range(100, 150)) < 0.2
+    logical, physical = cache.ledger(0)
+    assert cache.rotary_gap(range(10, 20)) == cache.next_position - int(physical[logical == 10].min())
+    assert cache.rotary_gap([]) is None and cache.next_position < 96 and cache.renumbers > 0
+
+
+def test_policies_keep_what_they_promise():
+    class Layer:  # a hand-built attention pattern: scores and positions of 12 tokens, one head
+        logical = torch.arange(12)[None]
+        scores = torch.tensor([[9., 1, 1, 8, 1, 1, 7, 1, 1, 1, 1, 1]])
+
+    kept = lambda policy, budget: keep_index(policy.priority(Layer, 0), budget, 1, 2)[0].tolist()  # noqa: E731
+    assert kept(CumulativeAttention(), 5) == [0, 3, 6, 10, 11]  # heavy hitters + sink + recent
+    assert kept(Recency(), 5) == [0, 8, 9, 10, 11]
+    pooled = ObservationWindow(window=4, kernel=3).accumulate(None, Layer.scores, 0)
+    assert pooled[0].tolist() == [9, 9, 8, 8, 8, 7, 7, 7, 1, 1, 1, 1]  # a heavy token keeps its neighbours
+    assert ObservationWindow(window=4).query_window(100) == 4
+    bp = Blueprint([Span(7, 9, [3])])
+    assert kept(Foresight(CumulativeAttention(), bp), 5) == [0, 7, 8, 10, 11]
+    assert kept(Foresight(Recency(), bp), 5) == [0, 7, 8, 10, 11]
+
+
+def test_foresight_bonus_formula():
+    bonus = ForesightBonus(phi=1e5)
+    assert bonus(5, 5) == 1e5  # the reader is now
+    assert bonus(6, 5) == 0.75e5
+    assert bonus(14, 5) == pytest.approx(1e5 * (1 + 1 / 10) / 2)
+    assert all(bonus(5 + d, 5) > bonus(6 + d, 5) > 0.5e5 for d in range(100))  # decreasing, above the floor
+    bp = Blueprint([Span(0, 4, [2, 6])])
+    values = [bp.bonus(torch.tensor([1]), t, bonus).item() for t in range(8)]
+    assert values[:3] == pytest.approx([bonus(2, 0), bonus(2, 1), 1e5]) and values[3] == pytest.approx(bonus(6, 3))
+    assert values[7] == 0
+    with pytest.raises(ValueError, match="phi"):
+        ForesightBonus(phi=0)

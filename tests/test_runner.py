@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from pace_hf import Blueprint, EvictionCache, Span
+from pace_hf import Blueprint, EvictionCache, ObservationWindow, Span
 from pace_hf.bench.runner import (ARMS, ArmSettings, completed_records, ledger_at_probe, main, make_cache,
                                   progress_line, summarize)
 
@@ -16,9 +16,11 @@ def test_every_arm_builds_the_cache_it_names():
     bp = Blueprint([Span(0, 8, [1])])
     caches = {arm: make_cache(arm, model, bp, ArmSettings(budget=256, limit=512)) for arm in ARMS}
     assert type(caches["full"]).__name__ == "DynamicCache"
-    flags = {arm: (c.foresight, c.bounded) for arm, c in caches.items() if isinstance(c, EvictionCache)}
+    flags = {arm: (c.blueprint is not None, c.bounded) for arm, c in caches.items() if isinstance(c, EvictionCache)}
     assert flags["h2o"] == (False, False) and flags["pace"] == (True, True)
     assert flags["positions_only"] == (False, True) and flags["retention_only"] == (True, False)
+    assert flags["snapkv_foresight"] == (True, False) and flags["streaming_bounded"] == (False, True)
+    assert isinstance(caches["snapkv_foresight"].scoring.inner, ObservationWindow)
     with pytest.raises(ValueError, match="unknown arm"):
         make_cache("nonsense", model, bp, ArmSettings())
 
@@ -33,13 +35,13 @@ def test_ledger_reading_gives_residency_and_rotary_gap():
         cache.step = 1
         with torch.no_grad():
             for chunk in ids.split(64, dim=1):
-                model(chunk, past_key_values=cache)
+                model(chunk, cache=cache)
         reading = ledger_at_probe(cache, needed)
         assert reading["residency"] == 1.0
         assert reading["rotary_gap"] == (cache.next_physical - 10 if bounded else 400 - 10)
         if bounded:
             assert reading["rotary_gap"] < 256
-    assert ledger_at_probe(cache, torch.arange(100, 110))["residency"] == 0.0
+    assert ledger_at_probe(cache, torch.arange(100, 110)) == {"residency": 0.0, "rotary_gap": None}
 
 
 def test_summary_table_pairs_arms_against_the_reference():

@@ -20,10 +20,28 @@ from pathlib import Path
 
 import torch
 
-from pace_hf import Blueprint, H2OCache, PACECache, SnapKVCache, StreamingLLMCache
+from pace_hf import Blueprint, EvictionCache
+from pace_hf.cache import DEFAULT_RECENT
 from pace_hf.models import preferred_dtype
 
-ARMS = ("full", "h2o", "snapkv", "streaming", "positions_only", "retention_only", "pace")
+from transformers import StoppingCriteria
+
+from pace_hf.scoring import CumulativeAttention, Foresight, ObservationWindow, Recency
+
+# Each arm is a composition: a scoring policy, with or without foresight, with or without a limit.
+# name -> (base scorer or None for the full cache, foresight, bounded)
+ARM_PARTS = {
+    "full": (None, False, False),
+    "h2o": (CumulativeAttention, False, False),
+    "snapkv": (ObservationWindow, False, False),
+    "streaming": (Recency, False, False),
+    "positions_only": (CumulativeAttention, False, True),
+    "retention_only": (CumulativeAttention, True, False),
+    "pace": (CumulativeAttention, True, True),
+    "snapkv_foresight": (ObservationWindow, True, False),
+    "streaming_bounded": (Recency, False, True),
+}
+ARMS = tuple(ARM_PARTS)
 
 
 @dataclass(frozen=True)
@@ -36,19 +54,14 @@ def make_cache(arm: str, model, blueprint: Blueprint, s: ArmSettings):
     """The cache of one arm; every evicting arm shares budget, sinks, recent and schedule."""
     from transformers import DynamicCache
 
-    if arm == "full":
-        return DynamicCache(config=model.config)
-    if arm == "h2o":
-        return H2OCache(model, budget=s.budget)
-    if arm == "snapkv":
-        return SnapKVCache(model, budget=s.budget)
-    if arm == "streaming":
-        return StreamingLLMCache(model, budget=s.budget)
-    flags = {"positions_only": (False, True), "retention_only": (True, False), "pace": (True, True)}
-    if arm not in flags:
+    if arm not in ARM_PARTS:
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
-    foresight, bounded = flags[arm]
-    return PACECache(blueprint, model=model, budget=s.budget, limit=s.limit, foresight=foresight, bounded=bounded)
+    scorer, foresight, bounded = ARM_PARTS[arm]
+    if scorer is None:
+        return DynamicCache(config=model.config)
+    scoring = Foresight(scorer(), blueprint) if foresight else scorer()
+    recent = 0 if scorer is Recency else DEFAULT_RECENT
+    return EvictionCache(model, budget=s.budget, limit=s.limit if bounded else None, scoring=scoring, recent=recent)
 
 
 def needed_positions(row, probe) -> torch.Tensor:
@@ -59,22 +72,28 @@ def needed_positions(row, probe) -> torch.Tensor:
 
 def ledger_at_probe(cache, needed: torch.Tensor) -> dict:
     """Residency of the needed tokens (mean over layers and KV heads) and the rotary gap between the
-    probe's first query and the farthest resident needed token (max over layers and heads)."""
-    if not hasattr(cache, "ledger"):  # the full arm: everything resident at its logical position
+    probe's first query and the farthest resident needed token (None when none is resident)."""
+    if not isinstance(cache, EvictionCache):  # the full arm: everything resident at its logical position
         seen = cache.get_seq_length()
-        return {"residency": 1.0, "rotary_gap": int(seen - needed.min()) if needed.numel() else 0}
-    query = cache.next_physical if cache.bounded else cache.get_seq_length()
-    fractions, gap = [], 0
-    for i in range(len(cache.layers)):
-        logical, physical = cache.ledger(i)
-        hit = torch.isin(logical.cpu(), needed)
-        fractions.append(hit.float().sum(-1) / max(1, needed.numel()))
-        if hit.any():
-            gap = max(gap, int(query - physical.cpu()[hit].min()))
-    return {"residency": float(torch.cat(fractions).mean()), "rotary_gap": gap}
+        return {"residency": 1.0, "rotary_gap": int(seen - needed.min()) if needed.numel() else None}
+    return {"residency": cache.residency(needed), "rotary_gap": cache.rotary_gap(needed)}
 
 
-def generate_answer(model, ids: list[int], cache, max_new_tokens: int, stop_ids: list[int], chunk: int) -> list[int]:
+class ReadAtFirstQuery(StoppingCriteria):
+    """Reads the ledger once, when generate has prefilled the probe and is about to feed its first
+    answer token (the first stopping check); never stops generation."""
+
+    def __init__(self, cache, needed: torch.Tensor):
+        self.cache, self.needed, self.reading = cache, needed, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.reading is None:
+            self.reading = ledger_at_probe(self.cache, self.needed)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def generate_answer(model, ids: list[int], cache, max_new_tokens: int, stop_ids: list[int], chunk: int,
+                    stopping_criteria=None) -> list[int]:
     """Greedy answer to the conversation ``ids``; ``cache`` holds a prefix of it. No trailing EOS."""
     input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
     with torch.no_grad():
@@ -82,6 +101,7 @@ def generate_answer(model, ids: list[int], cache, max_new_tokens: int, stop_ids:
             input_ids, cache=cache, attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
             eos_token_id=stop_ids, pad_token_id=stop_ids[0], prefill_chunk_size=chunk,
+            stopping_criteria=stopping_criteria,
         )
     new = out[0, len(ids):].tolist()
     while new and new[-1] in stop_ids:
@@ -98,33 +118,42 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
     records = []
     for probe in row["probes"]:
         ids += probe["prompt_ids"]
-        if hasattr(cache, "step"):
+        if isinstance(cache, EvictionCache):
             cache.step = probe["step"]
         start = time.perf_counter()
-        probe_state = {}
-
-        def at_first_query(module, args, kwargs, _state=probe_state):
-            if not _state and kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] == 1:
-                _state.update(ledger_at_probe(cache, needed_positions(row, probe)))
-
-        hook = model.get_decoder().register_forward_pre_hook(at_first_query, with_kwargs=True)
-        try:
-            budget = min(probe["max_new_tokens"], max_new_tokens or probe["max_new_tokens"])
-            answer = generate_answer(model, ids, cache, budget, stop_ids, chunk)
-        finally:
-            hook.remove()
+        reading = ReadAtFirstQuery(cache, needed_positions(row, probe))
+        budget = min(probe["max_new_tokens"], max_new_tokens or probe["max_new_tokens"])
+        answer = generate_answer(model, ids, cache, budget, stop_ids, chunk, [reading])
+        probe_state = reading.reading or {}
         seconds = time.perf_counter() - start
         ids += answer + list(row["turn_end_ids"])
         text = tokenizer.decode(answer, skip_special_tokens=True)
-        score = metric.compute(predictions=[text], references=[probe["reference"]])["details"][0]
+        try:
+            score = metric.compute(predictions=[text], references=[probe["reference"]])["details"][0]
+        except Exception as e:  # noqa: BLE001 - one probe's scoring failure must not end a long run
+            from pace_hf.sandbox import CodeExecutionNotAllowed, SandboxUnavailable
+            if isinstance(e, (CodeExecutionNotAllowed, SandboxUnavailable)):
+                raise  # no probe can be scored on this machine: stop now, not hours later
+            try:  # the probe still counts, with every check failed
+                ref = json.loads(probe["reference"])
+                totals = (len(ref["checks"]), len(ref.get("recall", [])))
+            except Exception:  # noqa: BLE001
+                totals = (0, 0)
+            score = {"checks_passed": 0, "checks_total": totals[0], "recall_hits": 0, "recall_total": totals[1],
+                     "checks": [], "scoring_error": f"{type(e).__name__}: {e}"[:500]}
         records.append({
             "arm": arm, "session_id": row["session_id"], "probe": probe["name"], "step": probe["step"],
             "distance": row["distance"], "context_len": row["context_len"], "answer": text,
             "checks_passed": score["checks_passed"], "checks_total": score["checks_total"],
             "recall_hits": score["recall_hits"], "recall_total": score["recall_total"],
             "checks": score["checks"], "seconds": round(seconds, 1), **probe_state,
+            **({"scoring_error": score["scoring_error"]} if "scoring_error" in score else {}),
         })
     return records
+
+
+def _gap(value) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
 
 
 def progress_line(r: dict) -> str:
@@ -132,7 +161,7 @@ def progress_line(r: dict) -> str:
     failed = sorted({c.get("fact") or c["name"] for c in r["checks"] if not c["passed"]})
     return (f"{r['arm']:>14} {r['session_id']} {r['probe']:<8} checks {r['checks_passed']}/{r['checks_total']} "
             f"recall {r['recall_hits']}/{r['recall_total']} residency {r.get('residency', 1.0):.3f} "
-            f"gap {r.get('rotary_gap', 0):,} {r['seconds']:.0f}s" + (f"  failed: {', '.join(failed)}" if failed else ""))
+            f"gap {_gap(r.get('rotary_gap'))} {r['seconds']:.0f}s" + (f"  failed: {', '.join(failed)}" if failed else ""))
 
 
 def completed_records(path: Path, probes_per_session: int) -> list[dict]:
@@ -161,7 +190,8 @@ def summarize(records: list[dict], reference_arm: str | None) -> str:
         full = sum(r["checks_passed"] == r["checks_total"] for r in rs)
         recall = sum(r["recall_hits"] for r in rs) / max(1, sum(r["recall_total"] for r in rs))
         residency = sum(r.get("residency", 1.0) for r in rs) / len(rs)
-        gap = sum(r.get("rotary_gap", 0) for r in rs) / len(rs)
+        gaps = [r["rotary_gap"] for r in rs if r.get("rotary_gap") is not None]  # nothing resident: no gap
+        gap = _gap(sum(gaps) / len(gaps) if gaps else None)
         paired = "-"
         if reference_arm in by_arm and arm != reference_arm:
             ref = {key(r): r["checks_passed"] for r in by_arm[reference_arm]}
@@ -169,7 +199,7 @@ def summarize(records: list[dict], reference_arm: str | None) -> str:
             better, worse = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
             paired = f"{better}/{worse}/{len(diffs) - better - worse}, p={sign_test(better, worse):.3g}"
         lines.append(f"| {arm} | {passed}/{total} ({100 * passed / max(1, total):.0f}%) | {full}/{len(rs)} | "
-                     f"{100 * recall:.0f}% | {residency:.3f} | {gap:,.0f} | {paired} |")
+                     f"{100 * recall:.0f}% | {residency:.3f} | {gap} | {paired} |")
     return "\n".join(lines)
 
 
@@ -185,8 +215,8 @@ def plot(records: list[dict], out_dir: Path) -> list[Path]:
                                ("rotary_gap", "rotary gap at the probe (tokens)", "accuracy_vs_gap.png")):
         fig, ax = plt.subplots(figsize=(6, 4))
         for arm in dict.fromkeys(r["arm"] for r in records):
-            rs = sorted((r for r in records if r["arm"] == arm), key=lambda r: r.get(field, 0))
-            xs = [r.get(field, 0) for r in rs]
+            rs = sorted((r for r in records if r["arm"] == arm and r.get(field) is not None), key=lambda r: r[field])
+            xs = [r[field] for r in rs]
             ys = [r["checks_passed"] / max(1, r["checks_total"]) for r in rs]
             ax.plot(xs, ys, marker="o", linestyle="-" if field == "distance" else "none", label=arm)
         ax.set_xlabel(label)

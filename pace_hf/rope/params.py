@@ -64,7 +64,7 @@ class RotaryParams:
         if not hasattr(config, "standardize_rope_params"):
             config = _LegacyConfig(config)
         rope = _rope_parameters(config)
-        nested = _is_nested(rope)
+        nested = is_nested(rope)
         if nested:
             if layer_type is None:
                 raise ValueError(
@@ -99,7 +99,7 @@ class RotaryParams:
         )
 
 
-def _is_nested(rope: dict) -> bool:
+def is_nested(rope: dict) -> bool:
     return bool(rope) and all(isinstance(v, dict) or v is None for v in rope.values())
 
 

@@ -1,15 +1,15 @@
-"""Eviction scoring policies, one per file. Each turns attention probabilities into per-token scores.
+"""Eviction scoring policies, one per file, behind the ``ScoringPolicy`` contract (``base.py``).
 
-A policy is a small dataclass with:
-- ``needs_attention``: whether the attention pass must compute probabilities at all;
-- ``query_window(q_len)``: how many of the chunk's last queries to score with (None = all);
-- ``update(old, fresh, n_new)``: the new per-token scores, given the old scores of the stored tokens
-  (``[..., n_old]``) and the fresh column sums over all ``n_old + n_new`` keys of this forward;
-- ``static_scores(logical)``: for policies that need no attention, scores from positions only.
+- ``CumulativeAttention``: H2O, attention received from every query so far.
+- ``ObservationWindow``: SnapKV, attention of each forward's last queries, max-pooled.
+- ``Recency``: StreamingLLM, newest first.
+- ``Foresight(inner, blueprint)``: PACE's bonus for planned spans, around any of the above.
 """
 
+from .base import ScoringPolicy
 from .cumulative import CumulativeAttention
+from .foresight import Foresight, ForesightBonus
 from .observation_window import ObservationWindow
 from .recency import Recency
 
-__all__ = ["CumulativeAttention", "ObservationWindow", "Recency"]
+__all__ = ["ScoringPolicy", "CumulativeAttention", "ObservationWindow", "Recency", "Foresight", "ForesightBonus"]

@@ -5,13 +5,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .base import ScoringPolicy
+
 
 @dataclass(frozen=True)
-class CumulativeAttention:
-    needs_attention: bool = True
-
-    def query_window(self, q_len: int) -> int | None:
-        return None  # every query of every forward adds to the sum
-
-    def update(self, old: torch.Tensor, fresh: torch.Tensor, n_new: int) -> torch.Tensor:
+class CumulativeAttention(ScoringPolicy):
+    def accumulate(self, old: torch.Tensor, fresh: torch.Tensor, n_new: int) -> torch.Tensor:
         return F.pad(old, (0, n_new)) + fresh
+
+    def priority(self, layer, step: int) -> torch.Tensor:
+        return layer.scores

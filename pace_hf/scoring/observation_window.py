@@ -9,19 +9,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .base import ScoringPolicy
+
 
 @dataclass(frozen=True)
-class ObservationWindow:
+class ObservationWindow(ScoringPolicy):
     window: int = 32
     kernel: int = 7
-    needs_attention: bool = True
+
+    def __post_init__(self):
+        if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"window must be >= 1 and kernel an odd number >= 1, got {self.window}, {self.kernel}")
 
     def query_window(self, q_len: int) -> int | None:
         return min(self.window, q_len)
 
-    def update(self, old: torch.Tensor, fresh: torch.Tensor, n_new: int) -> torch.Tensor:
+    def accumulate(self, old: torch.Tensor, fresh: torch.Tensor, n_new: int) -> torch.Tensor:
         if self.kernel <= 1:
             return fresh
         flat = fresh.reshape(-1, 1, fresh.shape[-1])
         pooled = F.max_pool1d(flat, self.kernel, stride=1, padding=self.kernel // 2)
         return pooled.reshape(fresh.shape)
+
+    def priority(self, layer, step: int) -> torch.Tensor:
+        return layer.scores

@@ -4,16 +4,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import ScoringPolicy
+
 
 @dataclass(frozen=True)
-class Recency:
+class Recency(ScoringPolicy):
     needs_attention: bool = False
 
     def query_window(self, q_len: int) -> int | None:
         return 0
 
-    def update(self, old: torch.Tensor, fresh: torch.Tensor, n_new: int) -> torch.Tensor:
-        raise RuntimeError("Recency scores come from positions, not attention")
-
-    def static_scores(self, logical: torch.Tensor) -> torch.Tensor:
-        return logical.to(torch.float32)
+    def priority(self, layer, step: int) -> torch.Tensor:
+        return layer.logical.to(torch.float32)

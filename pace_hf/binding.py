@@ -1,0 +1,167 @@
+"""Binding caches to a model, reversibly.
+
+A pace_hf cache needs three things from the model it serves, none of which a ``Cache`` object can do
+from inside ``update()``:
+- a forward pre-hook on the decoder, to renumber before a chunk and hand physical ``position_ids`` to
+  the rotary embedding;
+- a forward hook, to evict at the chunk boundary (so every layer announces the same kv length);
+- the ``pace_sdpa`` attention function, which also yields the column sums that scores need.
+
+One ``Binding`` per model holds these and is shared by every cache bound to it. Each cache holds one
+reference; when the last one is released (``cache.unbind()``, leaving ``with cache.bound_to(model)``,
+or the cache being garbage-collected) the model is exactly as loaded again: no hooks, no wrappers,
+its original attention implementation.
+
+While a bounded cache keeps every rotary position below the model's maximum, transformers' "exceeded
+the model's predefined maximum length" reminder would be wrong, so ``generate`` is wrapped to drop
+that one check for generations that use such a cache, and only for them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import weakref
+
+import torch
+
+from . import attention
+
+_ATTR = "_pace_hf_binding"
+# True while a generate call that uses a bounded pace_hf cache (limit <= max positions) runs.
+_POSITIONS_BOUNDED: contextvars.ContextVar = contextvars.ContextVar("pace_positions_bounded", default=False)
+
+
+def _is_pace_cache(obj) -> bool:
+    from .cache import EvictionCache
+
+    return isinstance(obj, EvictionCache)
+
+
+def cache_from_kwargs(kwargs):
+    """The cache argument: ``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier 5.x)."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
+def query_tokens(args, kwargs) -> torch.Tensor:
+    """The decoder's input (ids or embeddings): ``[batch, q_len, ...]``."""
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    return args[0] if tokens is None and args else tokens
+
+
+def decoder_of(model):
+    return model.get_decoder() if hasattr(model, "get_decoder") else model
+
+
+class Binding:
+    """The hooks, wrappers and attention switch of one model, shared by the caches bound to it."""
+
+    def __init__(self, model):
+        self.model_ref = weakref.ref(model)
+        self.decoder = decoder_of(model)
+        self.original_attn = model.config._attn_implementation
+        self.users = 0
+        name = attention.register()
+        if self.original_attn != name:
+            model.set_attn_implementation(name)
+        self.handles = [
+            self.decoder.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            self.decoder.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
+        ]
+        self.wrapped = {}
+        for method in ("generate", "_get_stopping_criteria"):
+            if hasattr(model, method):
+                self.wrapped[method] = getattr(model, method)
+                setattr(model, method, getattr(self, "_" + method.lstrip("_"))(self.wrapped[method]))
+        setattr(self.decoder, _ATTR, self)
+
+    @classmethod
+    def acquire(cls, model) -> "Binding":
+        binding = getattr(decoder_of(model), _ATTR, None) or cls(model)
+        binding.users += 1
+        return binding
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users <= 0:
+            self.remove()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        model = self.model_ref()
+        if model is not None:
+            for method in self.wrapped:
+                model.__dict__.pop(method, None)
+            if model.config._attn_implementation != self.original_attn:
+                model.set_attn_implementation(self.original_attn)
+        if getattr(self.decoder, _ATTR, None) is self:
+            delattr(self.decoder, _ATTR)
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        cache = cache_from_kwargs(kwargs)
+        if not _is_pace_cache(cache):
+            return None
+        if cache.binding is not self:
+            raise RuntimeError(
+                f"this {type(cache).__name__} is not bound to this model"
+                + (" (it was unbound)" if cache.binding is None else " (it is bound to another model)")
+                + ": create it with model=this model, or call cache.bind(model)"
+            )
+        tokens = query_tokens(args, kwargs)
+        batch, q_len = tokens.shape[0], tokens.shape[1]
+        if batch != 1:
+            raise NotImplementedError(
+                f"pace_hf caches hold one sequence (batch size 1, num_beams=1); got batch size {batch}"
+            )
+        start = cache.begin_forward(q_len)
+        kwargs["position_ids"] = torch.arange(start, start + q_len, device=tokens.device)[None]
+        attention.ACTIVE_CACHE.set(cache)
+        return args, kwargs
+
+    def _post_forward(self, module, args, kwargs, output):
+        attention.ACTIVE_CACHE.set(None)
+        cache = cache_from_kwargs(kwargs)
+        if not _is_pace_cache(cache) or cache.binding is not self or not cache.in_forward:
+            return None
+        if output is None:  # the forward raised: undo its partial writes so nothing is lost
+            cache.abort_forward()
+            return None
+        cache.end_forward(query_tokens(args, kwargs).shape[1])
+        return None
+
+    # -- generate wrappers ---------------------------------------------------------------------------
+    def _generate(self, original):
+        @functools.wraps(original)
+        def generate(*args, **kwargs):
+            cache = cache_from_kwargs(kwargs)
+            model = self.model_ref()
+            max_positions = getattr(model.config, "max_position_embeddings", None) if model is not None else None
+            bounded = (_is_pace_cache(cache) and cache.limit is not None and max_positions is not None
+                       and cache.limit <= max_positions)
+            token = _POSITIONS_BOUNDED.set(bounded)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _POSITIONS_BOUNDED.reset(token)
+
+        return generate
+
+    def _get_stopping_criteria(self, original):
+        from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+        @functools.wraps(original)
+        def get_stopping_criteria(*args, **kwargs):
+            criteria = original(*args, **kwargs)
+            if _POSITIONS_BOUNDED.get():  # no position past `limit` reaches the model
+                for criterion in criteria:
+                    if isinstance(criterion, MaxLengthCriteria):
+                        criterion.max_position_embeddings = None
+            return criteria
+
+        return get_stopping_criteria
