@@ -2,18 +2,29 @@
 
 We register an attention function, ``pace_sdpa``, with transformers' ``AttentionInterface`` (and the
 SDPA mask function under the same name). With any other cache it is plain SDPA. While a pace_hf cache
-is in a forward of the model, it computes attention itself, block by block over queries, in fp32:
-logits, softmax, the output ``P @ V`` and, from the same probabilities, per-key column sums averaged
-over the GQA group. One pass serves both, so scoring costs no second pass; it is faster than
-SDPA followed by a separate score pass: 2.9-3.7 s against 4.1 s per layer for 4,096 queries x 6,144
-keys with Qwen2.5-0.5B's 14/2 heads (fp32, 2 CPU cores). SDPA alone takes 1.1 s there: scoring every
-query is what H2O costs. No (session x session) matrix is ever built: a block is at most
-``_BLOCK_ELEMS`` probabilities.
+is in a forward of the model, it returns the attention output and H2O's column sums: the softmax
+probabilities summed over the scored queries, averaged over each KV head's query group, in fp32.
+
+Two passes, because a flash kernel never holds the probabilities but does return each row's
+logsumexp (lse), and ``p_ij = exp(q_i.k_j*scale - lse_i)``:
+
+1. the output and the lse from the fastest flash kernel at hand (CPU: torch's own; CUDA: ours, in
+   ``pace_hf.kernels.attention_scores_triton``);
+2. the column sums, which never touch V and only read the queries the scoring policy asks for
+   (``last_queries``; none at all when it is 0).
+
+On CPU, pass 2 reuses torch's flash kernel with the roles of queries and keys swapped: the lse of
+key ``j`` over the queries, with ``-lse_i`` appended to each query as one more dimension, is
+``log(sum_i p_ij)``. Reversing both sequences turns the causal mask, aligned to the end of the keys,
+into the top-left one that kernel skips blocks for. Other masks take a blocked torch pass.
+``attention_with_column_sums_reference`` is the plain one-pass torch twin the tests hold both to.
 """
 
 from __future__ import annotations
 
 import contextvars
+import warnings
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -21,13 +32,139 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_NAME = "pace_sdpa"
-_BLOCK_ELEMS = 1 << 24  # probabilities per block: 64 MiB of fp32
+_BLOCK_ELEMS = 1 << 24  # reference pass: probabilities per block, 64 MiB of fp32
+_SCORE_BLOCK_ELEMS = 1 << 22  # masked column pass: logits per block, 16 MiB of fp32
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 # The cache whose forward is running (set by its forward hooks on the bound model).
 ACTIVE_CACHE: contextvars.ContextVar = contextvars.ContextVar("pace_active_cache", default=None)
 
 
 def attention_with_column_sums(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    last_queries: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and the column sums of its probabilities (fast path; see the module doc).
+
+    Same arguments and results as ``attention_with_column_sums_reference``. CUDA tensors go through
+    the Triton kernels, CPU tensors through torch's flash kernel.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    score_from = 0 if last_queries is None else max(0, q_len - last_queries)
+    mask = _causal_or_mask(attention_mask, q_len, kv_len)
+    if query.is_cuda:
+        from pace_hf.kernels import attention_with_column_sums_triton
+
+        return attention_with_column_sums_triton(query, key, value, mask, scaling, last_queries)
+    if value.shape[-1] != query.shape[-1] or query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return attention_with_column_sums_reference(query, key, value, attention_mask, scaling, last_queries)
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    output, lse = _flash_attention_lse(query, key, value, mask, scaling)
+    if score_from >= q_len:
+        sums = torch.zeros(b, hkv, kv_len, dtype=torch.float32, device=key.device)
+    elif mask is None:
+        sums = _column_sums_causal(query, key, lse, scaling, score_from)
+    else:
+        sums = _column_sums_masked(query, key, lse, mask, scaling, score_from)
+    return output.transpose(1, 2).contiguous(), sums
+
+
+def _flash_attention_lse(query, key, value, mask, scaling):
+    """torch's CPU flash kernel: output ``[b, hq, q, d]`` and the row logsumexp ``[b, hq, q]`` (fp32).
+
+    A causal mask aligned to the end of the keys is split in two calls, the keys every query sees
+    (no mask) and the last ``q_len`` keys (``is_causal``, which skips the masked blocks), merged by
+    their lse: cheaper than one call with an explicit mask, which computes every block."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if mask is not None:
+        additive = mask if mask.dtype != torch.bool else torch.zeros(
+            mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return _flash_cpu(query, key, value, 0.0, False, attn_mask=additive.to(query.dtype), scale=scaling)
+    past = kv_len - q_len
+    if past == 0:
+        return _flash_cpu(query, key, value, 0.0, True, scale=scaling)
+    out_past, lse_past = _flash_cpu(query, key[:, :, :past], value[:, :, :past], 0.0, False, scale=scaling)
+    out_new, lse_new = _flash_cpu(query, key[:, :, past:], value[:, :, past:], 0.0, True, scale=scaling)
+    lse = torch.logaddexp(lse_past, lse_new)
+    out = out_past.float().mul_((lse_past - lse).exp_()[..., None])
+    out.addcmul_(out_new.float(), (lse_new - lse).exp_()[..., None])
+    return out.to(query.dtype), lse
+
+
+def _column_sums_causal(query, key, lse, scaling, score_from):
+    """Column sums under the causal mask aligned to the end of the keys, from torch's flash kernel
+    with queries and keys swapped (see the module doc): ``[b, kv_heads, kv]`` fp32."""
+    b, hq, q_len, d = query.shape
+    hkv, kv_len = key.shape[1], key.shape[2]
+    group = hq // hkv
+    # swapped keys: the scored queries, reversed, scaled, with -lse as one more dimension (fp32)
+    rows = query[:, :, score_from:].flip(2).float().mul_(scaling)
+    rows = torch.cat((rows, lse[:, :, score_from:].flip(2).neg().unsqueeze(-1)), dim=-1)
+    # swapped queries: the keys, reversed, with a 1 to pick up -lse; one copy per query head
+    cols = torch.cat((key.flip(2).float(), key.new_ones(b, hkv, kv_len, 1, dtype=torch.float32)), dim=-1)
+    cols = cols.repeat_interleave(group, dim=1)
+    zeros = rows.new_zeros(1, 1, 1, 1).expand(rows.shape)
+    _, log_sums = _flash_cpu(cols, rows, zeros.contiguous(), 0.0, True, scale=1.0)  # [b, hq, kv]
+    return log_sums.exp_().view(b, hkv, group, kv_len).mean(2).flip(-1)
+
+
+def _column_sums_masked(query, key, lse, mask, scaling, score_from):
+    """Column sums under an explicit bool or additive mask, a block of queries at a time."""
+    b, hq, q_len, d = query.shape
+    hkv, kv_len = key.shape[1], key.shape[2]
+    group = hq // hkv
+    key_t = key.float().transpose(-1, -2)  # [b, kv_heads, d, kv]
+    sums = torch.zeros(b, hkv, 1, kv_len, dtype=torch.float32, device=key.device)
+    rows = max(1, _SCORE_BLOCK_ELEMS // max(1, hq * kv_len))
+    for start in range(score_from, q_len, rows):
+        stop = min(q_len, start + rows)
+        n = stop - start
+        q = (query[:, :, start:stop].float() * scaling).reshape(b, hkv, group * n, d)
+        logits = torch.matmul(q, key_t).sub_(lse[:, :, start:stop].reshape(b, hkv, group * n, 1))
+        grouped = logits.view(b, hkv, group, n, kv_len)
+        m = mask[:, :, start:stop].unsqueeze(2)  # [b, 1, 1, n, kv]
+        if m.dtype == torch.bool:
+            grouped.masked_fill_(~m, float("-inf"))
+        else:
+            grouped.add_(m.float())
+        sums += logits.exp_().sum(dim=-2, keepdim=True)
+    return sums[:, :, 0] / group
+
+
+_mask_memo: tuple = (None, -1, None)  # (weakref to the last mask seen, its version, what it was)
+
+
+def _causal_or_mask(attention_mask, q_len: int, kv_len: int):
+    """``None`` when ``attention_mask`` is None or exactly the causal mask aligned to the end of the
+    keys (bool, or additive with 0 / -inf), else the mask cut to ``kv_len`` keys.
+
+    transformers builds one mask per forward and hands it to every layer, so the answer is kept for
+    the last mask seen."""
+    global _mask_memo
+    if attention_mask is None:
+        return None
+    ref, version, answer = _mask_memo
+    if ref is not None and ref() is attention_mask and version == attention_mask._version:
+        return answer
+    mask = attention_mask[..., :kv_len]
+    causal = torch.arange(kv_len, device=mask.device)[None, :] <= (
+        torch.arange(q_len, device=mask.device)[:, None] + (kv_len - q_len))
+    if mask.dtype == torch.bool:
+        is_causal = mask.shape[-2] == q_len and bool((mask == causal).all())
+    else:
+        is_causal = mask.shape[-2] == q_len and bool(((mask == 0) == causal).all()) and bool(
+            (mask.masked_fill(causal, float("-inf")) <= torch.finfo(mask.dtype).min).all())
+    answer = None if is_causal else mask.expand(*mask.shape[:-2], q_len, kv_len)
+    _mask_memo = (weakref.ref(attention_mask), attention_mask._version, answer)
+    return answer
+
+
+def attention_with_column_sums_reference(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -99,20 +236,68 @@ def _apply_mask(logits: torch.Tensor, attention_mask: torch.Tensor | None, start
         logits[..., first:].add_(tail.float())
 
 
+def _apply_mask(logits: torch.Tensor, attention_mask: torch.Tensor | None, start: int, stop: int, q_len: int) -> None:
+    """Mask the logits ``[b, kv_heads, group, n, kv]`` of queries ``start:stop`` in place. Only the
+    columns from the first masked one on are touched: under a causal mask, the tail of the keys."""
+    kv_len = logits.shape[-1]
+    if attention_mask is None:  # causal, aligned to the end of the keys
+        first = kv_len - q_len + start + 1
+        q_pos = torch.arange(start, stop, device=logits.device)[:, None] + (kv_len - q_len)
+        cols = torch.arange(first, kv_len, device=logits.device)[None, :]
+        logits[..., first:].masked_fill_(cols > q_pos, float("-inf"))
+        return
+    m = attention_mask[:, :, start:stop, :kv_len]  # [b or 1, 1, n, kv]
+    blocked = ~m if m.dtype == torch.bool else m != 0
+    hit = blocked.flatten(0, -2).any(dim=0).nonzero()
+    if hit.numel() == 0:
+        return
+    first = int(hit[0])
+    tail = m[..., first:].unsqueeze(2)  # [b, 1, 1, n, kv - first]
+    if m.dtype == torch.bool:
+        logits[..., first:].masked_fill_(~tail, float("-inf"))
+    else:
+        logits[..., first:].add_(tail.float())
+
+
+_warned_attentions = False
+
+
+@torch.compiler.disable(recursive=True)
 def pace_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """SDPA outside our caches; inside, attention computed with its column sums (see module doc)."""
+    """SDPA outside our caches; inside, attention computed with its column sums (see module doc).
+
+    Opaque to ``torch.compile`` on purpose: it reads the running cache from a context variable and
+    writes scores into it, and its mask check depends on data, so a compiled model breaks its graph
+    here once per layer instead of tracing (and recompiling) through the cache."""
     cache = ACTIVE_CACHE.get()
     layer_idx = getattr(module, "layer_idx", None)
     if cache is None or layer_idx is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("pace_hf caches do not support attention soft-capping or attention sinks")
+    if kwargs.get("output_attentions"):
+        _warn_no_attentions()
     window = cache.score_query_window(query.shape[2])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     output, sums = attention_with_column_sums(query, key, value, attention_mask, scale, window)
     if window is None or window > 0:
         cache.record_attention(layer_idx, sums)
     return output, None
+
+
+def _warn_no_attentions() -> None:
+    """``output_attentions=True`` gets no weights from a flash kernel: say so once, as SDPA does."""
+    global _warned_attentions
+    if not _warned_attentions:
+        _warned_attentions = True
+        warnings.warn(
+            "output_attentions=True returns no attention weights while a pace_hf cache is in use: its "
+            "attention is a flash kernel that never holds the probability matrix. The per-token scores "
+            "eviction uses are the cache's column sums (layer.scores); for full weights, run the model "
+            "without a pace_hf cache and with attn_implementation='eager'.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def register() -> str:

@@ -1,4 +1,11 @@
-"""The fused attention of pace_sdpa equals SDPA, and its column sums equal eager probabilities."""
+"""pace_sdpa's attention equals SDPA, and its column sums equal eager probabilities.
+
+Three implementations are held equal: ``attention_with_column_sums_reference`` (the plain one-pass
+torch twin), the CPU fast path ``attention_with_column_sums`` (torch's flash kernel plus a swapped
+second pass) and, in test_kernels.py, the Triton kernels.
+"""
+
+import warnings
 
 import pytest
 import torch
@@ -6,7 +13,7 @@ import torch
 from pace_hf import attention
 
 
-def _reference(query, key, value, mask, scaling, last_queries):
+def _eager(query, key, value, mask, scaling, last_queries):
     group = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(group, dim=1)
     v = value.repeat_interleave(group, dim=1)
@@ -26,27 +33,144 @@ def _reference(query, key, value, mask, scaling, last_queries):
     return out, sums
 
 
+def _inputs(q_len=23, kv_len=40, hq=6, hkv=2, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, h, n, d, generator=g).to(dtype)
+                 for h, n in ((hq, q_len), (hkv, kv_len), (hkv, kv_len)))
+
+
+def _masks(q_len, kv_len):
+    causal = torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + (kv_len - q_len)
+    window = causal & (torch.arange(kv_len)[None, :] >= torch.arange(q_len)[:, None] + (kv_len - q_len) - 6)
+    return {
+        "none": None,
+        "bool": causal[None, None],
+        "float": torch.zeros(q_len, kv_len).masked_fill(~causal, float("-inf"))[None, None],
+        "sliding_bool": window[None, None],  # not causal: takes the masked column pass
+        "bias": torch.randn(q_len, kv_len, generator=torch.Generator().manual_seed(1))[None, None],
+    }
+
+
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
 @pytest.mark.parametrize("last_queries", [None, 5, 0])
-def test_fused_attention_matches_reference(monkeypatch, mask_kind, last_queries):
+def test_reference_matches_eager_and_sdpa(monkeypatch, mask_kind, last_queries):
     monkeypatch.setattr(attention, "_BLOCK_ELEMS", 6 * 40 * 7)  # several query blocks, one straddling the window
-    torch.manual_seed(0)
-    b, hq, hkv, q_len, kv_len, d = 1, 6, 2, 23, 40, 16
-    query, key, value = torch.randn(b, hq, q_len, d), torch.randn(b, hkv, kv_len, d), torch.randn(b, hkv, kv_len, d)
-    causal = torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + (kv_len - q_len)
-    mask = {"none": None, "bool": causal[None, None],
-            "float": torch.zeros(q_len, kv_len).masked_fill(~causal, float("-inf"))[None, None]}[mask_kind]
-    out, sums = attention.attention_with_column_sums(query, key, value, mask, d ** -0.5, last_queries)
-    expected_out, expected_sums = _reference(query, key, value, mask, d ** -0.5, last_queries)
+    query, key, value = _inputs()
+    mask = _masks(23, 40)[mask_kind]
+    out, sums = attention.attention_with_column_sums_reference(query, key, value, mask, 0.25, last_queries)
+    expected_out, expected_sums = _eager(query, key, value, mask, 0.25, last_queries)
     torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sums, expected_sums, atol=1e-5, rtol=1e-5)
+    causal = _masks(23, 40)["bool"]
     sdpa = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=causal[None, None], scale=d ** -0.5, enable_gqa=True).transpose(1, 2)
+        query, key, value, attn_mask=causal, scale=0.25, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, sdpa, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(23, 40), (40, 40), (1, 40), (1, 1)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "sliding_bool", "bias"])
+@pytest.mark.parametrize("last_queries", [None, 5, 1, 0])
+def test_fast_path_equals_reference_fp32(monkeypatch, shape, mask_kind, last_queries):
+    monkeypatch.setattr(attention, "_SCORE_BLOCK_ELEMS", 6 * 40 * 4)  # several blocks in the masked pass
+    q_len, kv_len = shape
+    query, key, value = _inputs(q_len, kv_len)
+    mask = _masks(q_len, kv_len)[mask_kind]
+    out, sums = attention.attention_with_column_sums(query, key, value, mask, 0.25, last_queries)
+    want_out, want_sums = attention.attention_with_column_sums_reference(query, key, value, mask, 0.25, last_queries)
+    assert out.shape == want_out.shape and out.is_contiguous() and sums.dtype == torch.float32
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sums, want_sums, atol=1e-7, rtol=1e-5)  # the issue's bar: 1e-5 relative
+
+
+def test_fast_path_bf16_keeps_dtypes_and_scores_in_fp32():
+    query, key, value = _inputs(31, 50, dtype=torch.bfloat16)
+    out, sums = attention.attention_with_column_sums(query, key, value, None, 0.25, None)
+    want_out, want_sums = attention.attention_with_column_sums_reference(query, key, value, None, 0.25, None)
+    assert out.dtype == torch.bfloat16 and sums.dtype == torch.float32
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)  # a bf16 rounding apart
+    torch.testing.assert_close(sums, want_sums, atol=1e-4, rtol=1e-3)
+    assert torch.allclose(sums.sum(-1), torch.full((1, 2), 31.0), rtol=1e-4)  # each query's row sums to 1
 
 
 def test_bf16_output_keeps_the_query_dtype():
     q, k, v = (torch.randn(1, 4, 8, 16, dtype=torch.bfloat16) for _ in range(3))
-    out, sums = attention.attention_with_column_sums(q, k, v, None, 0.25, None)
+    out, sums = attention.attention_with_column_sums_reference(q, k, v, None, 0.25, None)
     assert out.dtype == torch.bfloat16 and sums.dtype == torch.float32
     assert torch.allclose(sums.sum(-1), torch.full((1, 4), 8.0), atol=1e-4)  # each query's row sums to 1
+
+
+def test_causal_masks_are_recognised_and_others_kept():
+    masks = _masks(5, 9)
+    assert attention._causal_or_mask(masks["bool"], 5, 9) is None
+    assert attention._causal_or_mask(masks["float"], 5, 9) is None
+    wide = torch.cat((masks["bool"], torch.zeros(1, 1, 5, 3, dtype=torch.bool)), dim=-1)  # longer than kv_len
+    assert attention._causal_or_mask(wide, 5, 9) is None
+    kept = attention._causal_or_mask(masks["sliding_bool"], 5, 9)
+    assert kept is not None and torch.equal(kept, masks["sliding_bool"])
+    min_fill = torch.zeros(1, 1, 5, 9).masked_fill(~masks["bool"], torch.finfo(torch.float32).min)
+    assert attention._causal_or_mask(min_fill, 5, 9) is None
+    flipped = masks["bool"].clone()
+    flipped[..., 0, 0] = False
+    assert attention._causal_or_mask(flipped, 5, 9) is not None  # edited in place: the memo is not reused
+
+
+class _RecordingCache:
+    def __init__(self, window=None):
+        self.window, self.recorded = window, []
+
+    def score_query_window(self, q_len):
+        return self.window
+
+    def record_attention(self, layer_idx, sums):
+        self.recorded.append(sums)
+
+
+class _Layer(torch.nn.Module):
+    layer_idx = 0
+
+
+def test_output_attentions_warns_once():
+    query, key, value = _inputs()
+    token = attention.ACTIVE_CACHE.set(_RecordingCache())
+    try:
+        attention._warned_attentions = False
+        with pytest.warns(UserWarning, match="output_attentions=True returns no attention weights"):
+            out, weights = attention.pace_sdpa_attention(_Layer(), query, key, value, None, output_attentions=True)
+        assert weights is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            attention.pace_sdpa_attention(_Layer(), query, key, value, None, output_attentions=True)
+    finally:
+        attention.ACTIVE_CACHE.reset(token)
+
+
+def test_torch_compile_runs_the_pass_eagerly_without_recompiling():
+    """Under torch.compile the attention is one opaque call: results equal eager, and masks with new
+    contents (same shapes) do not recompile."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    layer = _Layer()
+
+    def step(query, key, value, mask):
+        out, _ = attention.pace_sdpa_attention(layer, query * 1.0, key, value, mask)
+        return out + 1
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter)
+    cache = _RecordingCache()
+    token = attention.ACTIVE_CACHE.set(cache)
+    try:
+        query, key, value = _inputs()
+        masks = _masks(23, 40)
+        for kind in ("bool", "sliding_bool", "bool"):
+            got = compiled(query, key, value, masks[kind])
+            want = attention.attention_with_column_sums_reference(query, key, value, masks[kind], 0.25, None)[0] + 1
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        frames = counter.frame_count
+        compiled(query, key, value, masks["sliding_bool"])
+        assert counter.frame_count == frames  # no recompile
+    finally:
+        attention.ACTIVE_CACHE.reset(token)
+        torch._dynamo.reset()
+    assert len(cache.recorded) == 4

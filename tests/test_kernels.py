@@ -30,3 +30,41 @@ def test_triton_equals_torch(head_dim, rotary_dim, layout, in_dtype, out_dtype):
         assert ((got.float() - want.float()).abs() <= ulp).all()
     # the non-rotated dims of partial rotary are copied exactly
     assert torch.equal(got[..., rotary_dim:], keys[..., rotary_dim:].to(out_dtype))
+
+
+def _attention_inputs(q_len, kv_len, dtype, d=16, hq=4, hkv=2):
+    g = torch.Generator().manual_seed(q_len * 100 + kv_len)
+    return tuple(torch.randn(1, h, n, d, generator=g).to(dtype) for h, n in ((hq, q_len), (hkv, kv_len), (hkv, kv_len)))
+
+
+def _attention_mask(kind, q_len, kv_len):
+    causal = torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + (kv_len - q_len)
+    if kind == "causal":
+        return None
+    if kind == "bool":  # a sliding window: not causal, and the first row sees only itself
+        return (causal & (torch.arange(kv_len)[None, :] >= torch.arange(q_len)[:, None] + (kv_len - q_len) - 5))[None, None]
+    bias = torch.randn(q_len, kv_len, generator=torch.Generator().manual_seed(3))
+    return bias.masked_fill(~causal, float("-inf"))[None, None]  # additive, with -inf
+
+
+# Interpreter runs are slow (about 1 s each): small shapes, blocks of 16 so several blocks are crossed.
+@pytest.mark.parametrize("q_len,kv_len,mask_kind,last_queries,dtype", [
+    (21, 37, "causal", None, torch.float32),
+    (21, 37, "bool", 5, torch.float32),
+    (21, 37, "additive", None, torch.float32),
+    (1, 37, "causal", None, torch.float32),  # decode
+    (21, 37, "causal", 0, torch.bfloat16),
+    (18, 18, "bool", None, torch.bfloat16),
+])
+def test_triton_attention_equals_torch_reference(q_len, kv_len, mask_kind, last_queries, dtype):
+    from pace_hf.attention import attention_with_column_sums_reference
+    from pace_hf.kernels import attention_with_column_sums_triton
+
+    query, key, value = _attention_inputs(q_len, kv_len, dtype)
+    mask = _attention_mask(mask_kind, q_len, kv_len)
+    want_out, want_sums = attention_with_column_sums_reference(query, key, value, mask, 0.25, last_queries)
+    out, sums = attention_with_column_sums_triton(query, key, value, mask, 0.25, last_queries, block_m=16, block_n=16)
+    assert out.dtype == dtype and out.shape == want_out.shape and sums.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output is one rounding apart
+    torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(sums, want_sums, atol=1e-6, rtol=1e-5)
