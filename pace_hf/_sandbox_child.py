@@ -1,14 +1,18 @@
 """Child side of :mod:`pace_hf.sandbox`: confine this process, run the program, report plain data.
 
-Started by ``pace_hf.sandbox`` as ``python -I -S -B _sandbox_child.py JOB_FD REPORT_FD``. It uses
-the standard library only: the isolated interpreter sees neither site-packages nor ``pace_hf``.
+Started by ``pace_hf.sandbox`` as ``python -I -S -B _sandbox_child.py JOB_FD CALL_FD REPORT_FD``.
+It uses the standard library only: the isolated interpreter sees neither site-packages nor
+``pace_hf``.
 
 Order matters. Everything the harness needs is imported and bound to closure variables first,
-then the OS-level confinement (namespaces, mounts, rlimits, uid drop), then the audit hook, and
-only then the untrusted program. The program can rebind module globals and builtins, so the code
-that runs after it only uses names captured before it. None of this stops determined in-process
-code from forging a report line; it does not need to, because the parent decides pass/fail
-against expected values this process never sees.
+then the OS-level confinement (namespaces, a read-only root, Landlock, rlimits, uid drop,
+seccomp), then the audit hook, and only then the untrusted program.
+
+Nothing in this process is secret and nothing in it decides a score. The parent holds the calls
+and sends call ``i`` only after it has the result of call ``i - 1``; it compares results with
+expected values that never leave it, and it attributes blocked operations itself (see
+``_install_audit_hook``). The program runs in a worker thread whose stack starts at C level, so
+its frames lead to no harness frame; the audit hook also refuses frame objects of the harness.
 """
 
 import builtins
@@ -16,6 +20,7 @@ import decimal
 import json
 import os
 import resource
+import struct
 import sys
 import _thread
 
@@ -28,6 +33,16 @@ _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 1, 2, 4, 32
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
+_SYS_MOUNT_SETATTR = 442  # the same number on every architecture (new syscall table)
+_SYS_LANDLOCK_CREATE, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT = 444, 445, 446
+# Landlock filesystem rights (uapi/linux/landlock.h); EXECUTE is left to seccomp
+_LL_EXECUTE, _LL_WRITE_FILE, _LL_READ_FILE, _LL_READ_DIR = 1, 2, 4, 8
+_LL_TRUNCATE, _LL_IOCTL_DEV = 1 << 14, 1 << 15
+_LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | _LL_TRUNCATE | _LL_IOCTL_DEV
+# Paths C code may read besides the standard library: shared libraries, locales, time zones
+_SYSTEM_READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime")
+RLIMIT_LOCKS = 10  # ignored by Linux since 2.4.25: free to serve as the violation counter
+VIOLATION_BUDGET = 1_000_000  # RLIMIT_LOCKS hard limit at start; each refusal lowers it by one
 
 # seccomp (x86_64 only: syscall numbers differ per architecture). Refused with EPERM whatever
 # the audit hook does: signals to other processes (incl. pidfd ones, which Python does not audit),
@@ -82,87 +97,158 @@ _BLOCKED_IMPORTS = frozenset({
 _BLOCKED_IMPORT_PREFIXES = ("_test", "_xx")
 # Events the hook sees most often; answered first so the hook stays cheap.
 _FAST_ALLOW = frozenset({
-    "object.__getattr__", "object.__setattr__", "object.__delattr__", "sys._getframe",
-    "exec", "compile", "builtins.id", "marshal.loads", "code.__new__", "function.__new__",
+    "object.__setattr__", "object.__delattr__", "exec", "compile", "builtins.id",
+    "marshal.loads", "code.__new__", "function.__new__",
 })
+# Attributes that hand out frame objects (each raises an "object.__getattr__" audit event).
+# frame.f_back does not, which is why the program's own stack starts at C level.
+_FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 
 
 def main():
-    job_fd, report_fd = int(sys.argv[1]), int(sys.argv[2])
+    job_fd, call_fd, report_fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     with open(job_fd, "rb") as f:
         job = json.loads(f.read())
     report = _make_reporter(report_fd, job["nonce"])
-    calls = job["calls"]
     try:
         layers, read_roots = _confine(job)
         to_plain, describe_exception, type_name = _make_converter()
-        state = [-1]  # index of the call being evaluated (-1: the program itself); read by the hook
-        _install_audit_hook(job["work"], read_roots, job["limits"]["max_processes"] > 0, report, state)
-    except BaseException as e:  # noqa: BLE001 - the parent must get a line per call whatever happened
-        detail = "sandbox setup failed: %s: %s" % (type(e).__name__, str(e)[:300])
-        for i in range(len(calls)):
-            report({"i": i, "status": "error", "detail": detail})
+        _install_audit_hook(job["work"], read_roots, job["limits"]["max_processes"] > 0, report)
+    except BaseException as e:  # noqa: BLE001 - the parent must hear why
+        report({"setup": [], "failed": "%s: %s" % (type(e).__name__, str(e)[:300])})
         os._exit(0)
     report({"setup": layers})
-    _run_untrusted(job["program"], calls, report, state, to_plain, describe_exception, type_name)
+    if not any(layer.startswith(("landlock", "read-only root")) for layer in layers):
+        os._exit(0)  # no OS-level wall against writes: the parent refuses to run code here
+    _serve(job["program"], _make_call_reader(call_fd), report, to_plain, describe_exception, type_name)
 
 
-def _run_untrusted(program, calls, report, state, to_plain, describe_exception, type_name):
-    """Exec the program as module ``solution``, then evaluate each call; one report per call."""
-    # Captured before the program runs: it may rebind any of these names in builtins.
-    _compile, _exec, _eval, _len, _range, _str = compile, exec, eval, len, range, str
-    _Exception, _BaseException = Exception, BaseException
-    _MemoryError, _RecursionError = MemoryError, RecursionError
-    _exit, _modules, _type = os._exit, sys.modules, type
-
-    def short(e):
+# The worker thread's code. It starts from C (``_thread.start_new_thread(exec, ...)``), so it is
+# the bottom frame of every program frame; its globals are this small dict, not the harness's.
+_WORKER = """
+while True:
+    go.acquire()
+    try:
+        box[1] = (0, run(box[0], ns), None)
+    except BaseException as e:
         try:
-            text = _str(e)
-        except _BaseException:  # noqa: BLE001 - hostile __str__
+            text = str(e)
+            text = text[:300] if type(text) is str else "?"
+        except BaseException:
             text = "?"
-        return type_name(_type(e)) + (": " + text[:300] if text else "")
+        box[1] = (1, e, text)
+    done.release()
+"""
 
+
+def _serve(program, next_call, report, to_plain, describe_exception, type_name):
+    """Load the program as module ``solution``, then evaluate each call the parent sends, one
+    report per call. Program code runs only in the worker thread; this thread only converts
+    exact builtin types, and keeps every object the program handed back so that no finalizer
+    of the program runs here."""
+    _compile, _str, _type, _issubclass = compile, str, type, issubclass
+    _BaseException, _Exception = BaseException, Exception
+    _MemoryError, _RecursionError, _exit, _modules = MemoryError, RecursionError, os._exit, sys.modules
+    go, done = _thread.allocate_lock(), _thread.allocate_lock()
+    go.acquire()
+    done.acquire()
+    box, keep = [None, None], []
     module = type(sys)("solution")  # not "__main__": demo blocks must not run
     _modules["solution"] = module  # dataclasses and typing look their module up here
-    namespace = module.__dict__
-    try:
-        _exec(_compile(program, "<solution>", "exec"), namespace)
-    except _BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, ... included
-        detail = "program failed: " + short(e)
-        for i in _range(_len(calls)):
-            report({"i": i, "status": "error", "detail": detail})
-        _exit(0)
-    report({"ready": True})
+    module.__builtins__ = builtins  # eval would otherwise give it the worker's empty builtins
+    worker_globals = {"__builtins__": {}, "go": go, "done": done, "box": box, "run": eval,
+                      "ns": module.__dict__, "str": str, "type": type, "BaseException": BaseException}
+    _thread.start_new_thread(exec, (_compile(_WORKER, "<worker>", "exec"), worker_globals))
 
-    for i in _range(_len(calls)):
-        state[0] = i
-        try:
-            code = _compile(calls[i], "<call %d>" % i, "eval")
-        except _BaseException as e:  # noqa: BLE001
-            report({"i": i, "status": "error", "detail": "call does not compile: " + short(e)})
-            continue
+    def run(code):
+        box[0], box[1] = code, None
+        go.release()
+        done.acquire()
+        keep.append(box[1])
+        return box[1]
+
+    def outcome_of(code):
+        """``(raised, object, text)`` from the worker; None if the program tampered with it."""
+        out = run(code)
+        if _type(out) is tuple and len(out) == 3 and _type(out[0]) is int and (out[0] == 0 or _type(out[2]) is _str):
+            return out
+        return None
+
+    def describe(out):
+        if out is None:
+            return "no result (the program tampered with the harness)"
+        return type_name(_type(out[1])) + (": " + out[2] if out[2] else "")
+
+    try:
+        code = _compile(program, "<solution>", "exec")
+    except _BaseException as e:  # noqa: BLE001 - SyntaxError, or the compiler's own limits
+        code, failed = None, "program failed: %s: %s" % (type_name(_type(e)), _str(e)[:300])
+    if code is not None:
+        out = outcome_of(code)
+        failed = None if out is not None and out[0] == 0 else "program failed: " + describe(out)
+    report({"load_error": failed} if failed else {"ready": True})
+    if failed:
+        _exit(0)
+
+    i = 0
+    while True:
+        expr = next_call()
+        if expr is None:
+            _exit(0)  # do not wait for threads the program left running, do not run its atexit hooks
         message = None
         try:
-            value = _eval(code, namespace)
-        except _MemoryError:
-            message = {"status": "error", "detail": "memory limit exceeded (MemoryError)"}
-        except _RecursionError:
-            message = {"status": "error", "detail": "recursion limit exceeded (RecursionError)"}
-        except _Exception as e:
-            message = {"status": "raised"}
-            message.update(describe_exception(e))
-        except _BaseException as e:  # noqa: BLE001 - not an Exception: never a valid "raised"
-            message = {"status": "error", "detail": "call raised " + short(e)}
+            code = _compile(expr, "<call %d>" % i, "eval")
+        except _BaseException as e:  # noqa: BLE001
+            message = {"status": "error", "detail": "call does not compile: %s: %s" % (
+                type_name(_type(e)), _str(e)[:300])}
         if message is None:
-            try:
-                message = {"status": "ok", "value": to_plain(value, MAX_VALUE_CHARS)}
-            except _BaseException as e:  # noqa: BLE001 - NotPlain, or MemoryError while copying
-                message = {"status": "error", "detail": "result is not plain data: " + _str(e)[:300]}
-            value = None
+            out = outcome_of(code)
+            if out is not None and out[0] == 0:
+                try:
+                    message = {"status": "ok", "value": to_plain(out[1], MAX_VALUE_CHARS)}
+                except _BaseException as e:  # noqa: BLE001 - NotPlain, or MemoryError while copying
+                    keep.append(e)
+                    message = {"status": "error", "detail": "result is not plain data: " + _str(e)[:300]}
+            elif out is not None:
+                kind = _type(out[1])
+                if _issubclass(kind, _MemoryError):
+                    message = {"status": "error", "detail": "memory limit exceeded (MemoryError)"}
+                elif _issubclass(kind, _RecursionError):
+                    message = {"status": "error", "detail": "recursion limit exceeded (RecursionError)"}
+                elif _issubclass(kind, _Exception):
+                    message = {"status": "raised"}
+                    message.update(describe_exception(out[1]))
+                else:  # not an Exception: never a valid "raised"
+                    message = {"status": "error", "detail": "call raised " + describe(out)}
+            else:
+                message = {"status": "error", "detail": describe(out)}
         message["i"] = i
         if not report(message):
             report({"i": i, "status": "error", "detail": "result could not be reported"})
-    _exit(0)  # do not wait for threads the program left running, do not run its atexit hooks
+        i += 1
+
+
+def _make_call_reader(fd):
+    """Return ``next_call() -> str | None``: the next call expression the parent sent, or None
+    when the parent closed the pipe (no more calls)."""
+    read, buf = os.read, [b""]
+
+    def next_call():
+        while b"\n" not in buf[0]:
+            try:
+                chunk = read(fd, 1 << 16)
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            buf[0] += chunk
+        line, _, buf[0] = buf[0].partition(b"\n")
+        try:
+            return json.loads(line)["call"]
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    return next_call
 
 
 def _make_reporter(fd, nonce):
@@ -284,12 +370,19 @@ def _make_converter():
 
 
 def _confine(job):
-    """OS-level confinement, each layer best effort. Returns ``(active layer names, read roots)``.
+    """OS-level confinement. Returns ``(active layer names, read roots)``.
 
-    As root: new network and mount namespaces, a size-capped tmpfs as the working directory, the
-    standard library bind-mounted where an unprivileged uid can read it, then a drop to a fresh
-    uid (so RLIMIT_NPROC counts, signals to the host fail, and files are protected by the kernel).
-    Resource limits are set before the uid drop, so their hard values cannot be raised again."""
+    The walls against writes outside the working directory, at least one of which must hold
+    (``main`` refuses to run the program otherwise): a mount namespace whose every mount is
+    read-only except the tmpfs working directory (needs root), and a Landlock ruleset that allows
+    writes only beneath the working directory and reads only beneath it, the standard library and
+    the system's shared libraries (needs Linux >= 5.13, works without privileges). Both hold for C
+    code too: SQLite's ATTACH or a C extension meets the same wall as ``open``.
+
+    Further, each best effort: a new network namespace, the standard library bind-mounted where an
+    unprivileged uid can read it, resource limits (set before the uid drop, so their hard values
+    cannot be raised again), a drop to a fresh uid (so RLIMIT_NPROC counts and signals to the host
+    fail), and seccomp."""
     limits, work, lib, uid = job["limits"], job["work"], job["lib"], job["uid"]
     layers = []
     script_dir = os.path.dirname(os.path.abspath(__file__))
@@ -301,12 +394,13 @@ def _confine(job):
     if libc is not None:
         if libc.unshare(_CLONE_NEWNET | _CLONE_NEWNS) == 0:
             layers += ["netns", "mountns"]
-            if _mount_tmpfs_and_stdlib(libc, work, lib, uid, limits, stdlib, layers, read_roots):
-                mounted_stdlib = True
+            if _private_read_only_root(libc, layers):
+                mounted_stdlib = _mount_tmpfs_and_stdlib(libc, work, lib, uid, limits, stdlib, layers, read_roots)
         elif libc.unshare(_CLONE_NEWNET) == 0:
             layers.append("netns")
         elif libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0:
             layers.append("netns (user namespace)")
+    ruleset, abi = _landlock_ruleset(libc, work, read_roots) if libc is not None else (None, 0)
 
     _set_rlimits(limits, uid is not None)
     layers.append("rlimits")
@@ -327,6 +421,11 @@ def _confine(job):
         libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # set after the uid drop, which clears it
         if os.getppid() != job["parent_pid"]:
             os._exit(1)
+        if ruleset is not None:  # needs no_new_privs; applies to this thread and all it starts
+            import ctypes
+            if libc.syscall(_SYS_LANDLOCK_RESTRICT, ctypes.c_int(ruleset), ctypes.c_uint32(0)) == 0:
+                layers.append("landlock v%d" % abi)
+            os.close(ruleset)
         if _install_seccomp(libc, limits["max_processes"] > 0):
             layers.append("seccomp")
     for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
@@ -337,6 +436,53 @@ def _confine(job):
     return layers, read_roots
 
 
+def _private_read_only_root(libc, layers):
+    """In the new mount namespace: stop propagation to the host (nothing is mounted otherwise),
+    then make every mount read-only, recursively (mount_setattr, Linux >= 5.12). Mounts made
+    after this (the working directory's tmpfs) stay writable."""
+    import ctypes
+    if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        return False
+    attr = struct.pack("=QQQQ", 1 | 2, 0, 0, 0)  # MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID
+    if libc.syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(-100), b"/", ctypes.c_uint(0x8000),  # AT_FDCWD,
+                    attr, ctypes.c_size_t(len(attr))) == 0:                                # AT_RECURSIVE
+        layers.append("read-only root")
+    return True
+
+
+def _landlock_ruleset(libc, work, read_roots):
+    """``(ruleset fd, ABI version)``, or ``(None, 0)`` where the kernel has no Landlock.
+
+    Handles every filesystem right but EXECUTE (left to seccomp), TCP bind/connect (ABI 4) and
+    signals and abstract sockets outside the sandbox (ABI 6). Allows all of them beneath ``work``,
+    reading beneath ``read_roots`` and the system's shared libraries, and /dev/null. Built before
+    the uid drop (the rules need the paths opened), applied after (see ``_confine``)."""
+    import ctypes
+    abi = libc.syscall(_SYS_LANDLOCK_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # VERSION
+    if abi < 1:
+        return None, 0
+    fs = ((1 << 13) - 1) | (1 << 13 if abi >= 2 else 0) | (_LL_TRUNCATE if abi >= 3 else 0)
+    fs = (fs | (_LL_IOCTL_DEV if abi >= 5 else 0)) & ~_LL_EXECUTE
+    attr = struct.pack("=QQQ", fs, 3, 3)[: 8 if abi < 4 else 16 if abi < 6 else 24]
+    ruleset = libc.syscall(_SYS_LANDLOCK_CREATE, attr, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+    if ruleset < 0:
+        return None, 0
+    read = _LL_READ_FILE | _LL_READ_DIR
+    rules = [(work, fs), ("/dev/null", _LL_READ_FILE | _LL_WRITE_FILE)]
+    rules += [(path, read) for path in list(read_roots) + list(_SYSTEM_READ_ROOTS)]
+    for path, rights in rules:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            continue
+        if not os.path.isdir(path):
+            rights &= _LL_FILE_RIGHTS
+        rule = struct.pack("=Qi", rights & fs, fd)  # struct landlock_path_beneath_attr (packed)
+        libc.syscall(_SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(1), rule, ctypes.c_uint32(0))
+        os.close(fd)
+    return ruleset, abi
+
+
 def _load_libc():
     try:
         import ctypes
@@ -345,6 +491,7 @@ def _load_libc():
                                ctypes.c_ulong, ctypes.c_char_p]
         libc.unshare.argtypes = [ctypes.c_int]
         libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4  # variadic: pass full words
+        libc.syscall.restype = ctypes.c_long
         return libc
     except (ImportError, OSError, AttributeError):
         return None
@@ -396,18 +543,13 @@ def _install_seccomp(libc, allow_processes):
 
 
 def _mount_tmpfs_and_stdlib(libc, work, lib, uid, limits, stdlib, layers, read_roots):
-    """Inside the new mount namespace: tmpfs over ``work`` and the stdlib under ``lib``.
-
-    Nothing is mounted unless propagation to the host was switched off first."""
+    """Inside the new, private mount namespace: tmpfs over ``work`` and the stdlib under ``lib``;
+    returns whether the stdlib was moved there."""
     def mount(src, target, fstype, flags, data=None):
         enc = lambda s: None if s is None else s.encode()  # noqa: E731
         if libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)) != 0:
             raise OSError("mount %s failed" % target)
 
-    try:
-        mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    except OSError:
-        return False
     owner = "" if uid is None else ",uid=%d,gid=%d" % (uid, uid)
     try:
         mount("pace-sandbox", work, "tmpfs", _MS_NOSUID | _MS_NODEV,
@@ -484,6 +626,7 @@ def _set_rlimits(limits, own_uid):
     cap(resource.RLIMIT_FSIZE, limits["max_file_mb"] * mb)
     cap(resource.RLIMIT_CORE, 0)
     cap(resource.RLIMIT_NOFILE, 64)
+    cap(RLIMIT_LOCKS, VIOLATION_BUDGET)  # the violation counter (see _install_audit_hook)
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
     if own_uid:  # counts threads too, and only for this fresh uid
         cap(resource.RLIMIT_NPROC, 1 + limits["max_threads"] + limits["max_processes"])
@@ -500,16 +643,22 @@ def _make_fork_exec_stub(original):
     return fork_exec
 
 
-def _install_audit_hook(work, read_roots, allow_processes, report, state):
-    """Refuse network, process creation, signals, foreign calls and file changes outside ``work``.
+def _install_audit_hook(work, read_roots, allow_processes, report):
+    """Refuse network, process creation, signals, foreign calls, harness frames and file changes
+    outside ``work``: a second layer behind the OS walls of ``_confine``, which hold even where
+    this hook is fooled (C code such as SQLite opens files without an audit event).
 
     Reads are allowed inside ``work`` and the standard library only. The hook cannot be removed
-    once added. Each refusal raises PermissionError in the program and is also reported to the
-    parent (once per call), which then scores that call as an error even if the program caught
-    the exception."""
-    _type, _str, _bytes, _int, _len = type, str, bytes, int, len
-    _PermissionError, _Exception = PermissionError, Exception
+    once added. Each refusal raises PermissionError in the program, and first lowers the hard
+    RLIMIT_LOCKS by one: the parent reads that counter between calls and scores the call during
+    which it dropped as an error, even if the program caught the exception. A hard limit cannot
+    be raised again, so the program can make the count go down (only against itself) but never
+    back up. The refusal is also reported on the pipe, which gives the parent its name."""
+    _type, _str, _bytes, _int, _len, _tuple = type, str, bytes, int, len, tuple
+    _PermissionError, _Exception, _getattr = PermissionError, Exception, getattr
     getcwd, readlink, collapse = os.getcwd, os.readlink, _collapse
+    getrlimit, setrlimit, exit_, get_ident = resource.getrlimit, resource.setrlimit, os._exit, _thread.get_ident
+    harness_globals, frame_attrs = globals(), _FRAME_ATTRS
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     default_dir_fds = (None, -1, -100)  # -100: AT_FDCWD
     denied_events, denied_prefixes = _DENIED_EVENTS, _DENIED_PREFIXES
@@ -521,13 +670,34 @@ def _install_audit_hook(work, read_roots, allow_processes, report, state):
     # event -> position of its dir_fd argument (shutil.* are checked through the os.* they call)
     mutating = {"os.remove": -1, "os.rmdir": -1, "os.mkdir": -1, "os.chmod": -1, "os.chown": -1,
                 "os.utime": -1, "os.truncate": None}
-    writes, last_reported = [0], [None]
+    writes, reports, inside = [0], [0], set()
 
     def deny(event):
-        if last_reported[0] != state[0]:
-            last_reported[0] = state[0]
-            report({"violation": event[:100], "i": state[0]})
+        try:
+            hard = getrlimit(RLIMIT_LOCKS)[1]
+            setrlimit(RLIMIT_LOCKS, (hard - 1, hard - 1))
+        except _Exception:  # noqa: BLE001 - the counter is spent or gone: stop the run here
+            exit_(3)
+        if reports[0] < 64:  # the counter counts them all; the names of the first few suffice
+            reports[0] += 1
+            report({"violation": event[:100]})
         raise _PermissionError("sandbox: %s is not allowed" % event[:100])
+
+    def harness_frame(frame):
+        """Whether ``frame`` or a frame below it runs harness code (whose closures hold the hook)."""
+        while frame is not None:
+            if frame.f_globals is harness_globals:
+                return True
+            frame = frame.f_back
+        return False
+
+    def frame_of(obj, name):
+        me = get_ident()
+        inside.add(me)  # reading the attribute raises this event again: let that one through
+        try:
+            return _getattr(obj, name)
+        finally:
+            inside.discard(me)
 
     def fd_path(fd):
         if _type(fd) is not _int:
@@ -587,7 +757,18 @@ def _install_audit_hook(work, read_roots, allow_processes, report, state):
     def hook(event, args):
         if event in fast_allow:
             return
-        if event == "open":
+        if event == "object.__getattr__":
+            if args[1] in frame_attrs and get_ident() not in inside and harness_frame(frame_of(args[0], args[1])):
+                deny("reading a harness frame (%s)" % args[1])
+        elif event == "sys._getframe":
+            if harness_frame(args[0]):
+                deny("sys._getframe reaching a harness frame")
+        elif event == "resource.setrlimit" and args[0] == RLIMIT_LOCKS:
+            new = args[1]
+            if not (_type(new) is _tuple and _len(new) == 2 and _type(new[1]) is _int
+                    and new[1] < getrlimit(RLIMIT_LOCKS)[1]):
+                deny(event + " raising the violation counter")
+        elif event == "open":
             check_open(event, args[0], args[1], args[2])
         elif event == "import":
             name = args[0]

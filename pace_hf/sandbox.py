@@ -2,21 +2,28 @@
 
 A benchmark metric executes generated code against hidden unit tests. The code is untrusted, so:
 
-* the parent decides pass/fail; expected values are never sent to the child;
+* the parent holds the calls and decides pass/fail: it sends call ``i`` only after it has the
+  result of call ``i - 1``, so the program never sees a call before it is asked, and expected
+  values never leave the parent;
 * the child (``pace_hf/_sandbox_child.py``) returns only plain data (JSON values, with
-  ``decimal.Decimal`` as ``{"__decimal__": str(x)}``), checked by exact type, one JSON line per call
-  over a dedicated pipe; the parent never unpickles or evals anything from it;
-* the child is confined: isolated interpreter (``-I -S``), empty environment, fresh working
-  directory, resource limits, new network/mount namespaces and a fresh unprivileged uid where the
-  OS allows, an audit hook refusing network, processes, signals, ctypes and file changes outside
-  its directory, and a wall-clock deadline after which its whole process group is killed.
+  ``decimal.Decimal`` as ``{"__decimal__": str(x)}``), one JSON line per call over a dedicated
+  pipe; the parent checks each value's types, depth and size and never unpickles or evals it;
+* the child is confined at the OS level: nothing outside its scratch tmpfs is writable (a
+  read-only mount namespace as root, Landlock anywhere Linux >= 5.13 allows it; without either,
+  :func:`run_calls` refuses with :class:`SandboxUnavailable`), plus an isolated interpreter, an
+  empty environment, resource limits, a network namespace, a fresh unprivileged uid and seccomp
+  where the OS allows, a wall-clock deadline after which its process group is killed, and an
+  audit hook as a second layer that refuses network, processes, signals, ctypes, harness frames
+  and file changes outside its directory. A call during which the program attempted a refused
+  operation is an error even if the program caught the refusal; the parent counts refusals
+  through a kernel counter the program cannot raise (see ``_Run``).
 
 Executing generated code needs an explicit opt-in: ``PACE_ALLOW_CODE_EVAL=1``.
 
 Example::
 
     results = run_calls(program, ["fee_for(1250, 'gold')", "settle([])"])
-    results[0].status, results[0].value          # "ok", 31.25
+    results[0].status, results[0].value          # "ok", {"__decimal__": "31.25"}
     results[1].exc_type, results[1].exc_args     # "LedgerError", ["E-417"]
 """
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import secrets
 import select
 import shutil
@@ -33,28 +41,38 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 __all__ = [
     "CallResult",
     "CodeExecutionNotAllowed",
     "SandboxLimits",
+    "SandboxUnavailable",
     "decode_value",
     "isolation_layers",
+    "plain_data_error",
     "require_opt_in",
     "run_calls",
 ]
 
 OPT_IN_ENV = "PACE_ALLOW_CODE_EVAL"
-STATUSES = ("ok", "raised", "error", "timeout")
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 _MAX_LINE = 4 * 1024 * 1024  # a report line: a 1 MB value plus exception data, with slack
 _MAX_DETAIL = 500
+MAX_DEPTH = 100  # nesting of a returned value (the child refuses deeper ones too)
+MAX_NODES = 200_000  # elements of a returned value
+_RLIMIT_LOCKS = 10  # the child's violation counter (see _sandbox_child._install_audit_hook)
+_WALLS = ("landlock", "read-only root")  # layers that keep writes inside the scratch directory
 
 
 class CodeExecutionNotAllowed(RuntimeError):
     """Raised when generated code would run without the explicit opt-in."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """Raised when the child could not wall off the host's files on this machine (no Landlock and
+    no root for a read-only mount namespace), or its setup failed: no code is run then."""
 
 
 def require_opt_in() -> None:
@@ -85,7 +103,7 @@ class SandboxLimits:
     max_disk_mb: int = 16  # size of the tmpfs working directory
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 3600):
+        if not (type(self.timeout_s) in (int, float) and 0 < self.timeout_s <= 3600):
             raise ValueError(f"timeout_s must be in (0, 3600], got {self.timeout_s!r}")
         for name, low in (("memory_mb", 32), ("cpu_s", 1), ("max_processes", 0),
                           ("max_file_mb", 0), ("max_threads", 0), ("max_disk_mb", 1)):
@@ -110,16 +128,13 @@ class CallResult:
     exc_attrs: dict | None = None
     detail: str | None = None
 
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def decode_value(value: Any) -> Any:
-    """Turn ``{"__decimal__": "1.50"}`` markers in a returned value back into ``Decimal``."""
+    """Turn ``{"__decimal__": "1.50"}`` markers in a returned value back into ``Decimal``.
+    For plain data as :func:`plain_data_error` accepts it."""
     if type(value) is dict:
         if len(value) == 1 and type(value.get("__decimal__")) is str:
             return Decimal(value["__decimal__"])
@@ -129,26 +144,75 @@ def decode_value(value: Any) -> Any:
     return value
 
 
+def plain_data_error(value: Any) -> str | None:
+    """None if ``value`` is plain data that :func:`decode_value` and a comparison can take
+    (None, bool, int, float, str, lists, dicts with str keys, at most ``MAX_DEPTH`` deep and
+    ``MAX_NODES`` elements, a ``{"__decimal__": s}`` marker only with a valid, non-signalling
+    decimal ``s``); otherwise why not. Iterative: any nesting is safe to check."""
+    stack, nodes = [(value, 0)], 0
+    while stack:
+        x, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            return f"more than {MAX_NODES} elements"
+        t = type(x)
+        if x is None or t in (bool, int, float, str):
+            continue
+        if t is dict and len(x) == 1 and "__decimal__" in x:
+            if not _valid_decimal(x["__decimal__"]):
+                return "a '__decimal__' marker that is not a decimal number"
+            continue
+        if t not in (list, dict):
+            return f"a value of type {t.__name__}"
+        if depth >= MAX_DEPTH:
+            return f"nested deeper than {MAX_DEPTH}"
+        if t is dict:
+            if not all(type(k) is str for k in x):
+                return "a dict key that is not a str"
+            x = x.values()
+        stack.extend((v, depth + 1) for v in x)
+    return None
+
+
+def _valid_decimal(text: Any) -> bool:
+    if type(text) is not str:
+        return False
+    try:
+        return not Decimal(text).is_snan()  # a signalling NaN raises in every comparison
+    except (InvalidOperation, ValueError):
+        return False
+
+
 def run_calls(program: str, calls: list[str], limits: SandboxLimits = SandboxLimits()) -> list[CallResult]:
     """Exec ``program`` as module ``solution`` in a confined child, evaluate each call expression
-    in its namespace, and return one :class:`CallResult` per call, in order."""
+    in its namespace, and return one :class:`CallResult` per call, in order.
+
+    Raises TypeError for a ``program`` that is not a str or ``calls`` that are not a list (or
+    tuple) of str (a single str is refused, not split into characters), and
+    :class:`SandboxUnavailable` where the host's files cannot be walled off."""
     require_opt_in()
     if type(program) is not str:
-        raise TypeError("program must be a str")
-    calls = list(calls)
+        raise TypeError(f"program must be a str, got {type(program).__name__}")
+    if type(calls) not in (list, tuple):
+        raise TypeError(f"calls must be a list of str (one expression each), got {type(calls).__name__}")
     if not all(type(c) is str for c in calls):
-        raise TypeError("calls must be a list of str")
+        raise TypeError("calls must be a list of str (one expression each)")
     if not isinstance(limits, SandboxLimits):
         raise TypeError("limits must be a SandboxLimits")
     if not calls:
         return []
-    return _run(program, calls, limits)[0]
+    results, _layers, refusal = _run(program, list(calls), limits)
+    if refusal:
+        raise SandboxUnavailable(refusal)
+    return results
 
 
 def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
-    """Which OS-level layers the child could set up on this machine (for logs; runs no generated
-    code): e.g. ``["netns", "mountns", "tmpfs", "stdlib bind mounts", "rlimits", "uid 1234"]``.
-    The audit hook is not listed: it is always installed."""
+    """Which OS-level layers the child sets up on this machine (for logs and tests; runs no
+    generated code): e.g. ``["netns", "mountns", "read-only root", "tmpfs", "stdlib bind mounts",
+    "rlimits", "uid 1234", "landlock v7", "seccomp", "violation counter"]``. :func:`run_calls`
+    refuses unless "read-only root" or a "landlock" layer is present. The audit hook is not
+    listed: it is always installed."""
     return _run("", [], limits)[1]
 
 
@@ -156,50 +220,54 @@ def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
 # Parent runner
 
 
-def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[CallResult], list[str]]:
+def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[CallResult], list[str], str | None]:
+    """Run the child: ``(results, layers, refusal)``; ``refusal`` says why no code ran, if so."""
     nonce = secrets.token_hex(16)
     uid = _pick_uid()
     base = tempfile.mkdtemp(prefix="pace-sandbox-")
     work, lib = os.path.join(base, "work"), os.path.join(base, "lib")
     proc = None
-    read_fd = write_fd = -1
+    fds: list[int] = []
     try:
         os.chmod(base, 0o711)  # the child's unprivileged uid must reach work/ and lib/
         os.mkdir(work, 0o700)
         os.mkdir(lib, 0o755)
         job = {
-            "program": program, "calls": calls, "nonce": nonce, "work": work, "lib": lib,
+            "program": program, "nonce": nonce, "work": work, "lib": lib,
             "uid": uid, "parent_pid": os.getpid(),
             "limits": {k: v for k, v in asdict(limits).items() if k != "timeout_s"},
         }
+        call_r, call_w = os.pipe()
+        report_r, report_w = os.pipe()
+        fds += [call_r, call_w, report_r, report_w]
         with tempfile.TemporaryFile() as job_file:
             job_file.write(json.dumps(job).encode())
             job_file.flush()
             job_file.seek(0)
-            read_fd, write_fd = os.pipe()
             deadline = time.monotonic() + limits.timeout_s
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", _CHILD, str(job_file.fileno()), str(write_fd)],
+                [sys.executable, "-I", "-S", "-B", _CHILD, str(job_file.fileno()), str(call_r), str(report_w)],
                 cwd=work, env=_child_env(work), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                pass_fds=(job_file.fileno(), write_fd), start_new_session=True,
+                pass_fds=(job_file.fileno(), call_r, report_w), start_new_session=True,
             )
-        os.close(write_fd)
-        write_fd = -1
-        collector, stderr = _Collector(len(calls), nonce), _Tail(proc.stderr)
-        eof = _read_reports(read_fd, stderr, collector, deadline)
-        ended = _child_end(proc, stderr, deadline) if eof and not collector.finished() else None
+        for fd in (call_r, report_w):  # the child's ends
+            os.close(fd)
+            fds.remove(fd)
+        os.set_blocking(call_w, False)
+        run, stderr = _Run(calls, nonce, proc.pid, call_w), _Tail(proc.stderr)
+        eof = _read_reports(report_r, stderr, run, deadline)
+        ended = _child_end(proc, stderr, deadline) if eof and not run.finished() else None
         _kill(proc, uid)
         stderr.drain()
-        return collector.results(ended, limits.timeout_s, stderr.last_line()), collector.layers
+        return run.results(ended, limits.timeout_s, stderr.last_line()), run.layers, run.refusal
     finally:
         if proc is not None:
             if proc.returncode is None:
                 _kill(proc, uid)
             proc.stderr.close()
-        for fd in (read_fd, write_fd):
-            if fd >= 0:
-                os.close(fd)
+        for fd in fds:
+            os.close(fd)
         _remove_base(base, work, lib)
 
 
@@ -231,19 +299,26 @@ def _pick_uid() -> int | None:
     return low + secrets.randbelow(last - low)
 
 
-class _Collector:
-    """Validates report lines and turns them into CallResults. Garbage lines are ignored."""
+class _Run:
+    """The parent's side of one run: sends the calls one at a time, validates report lines and
+    turns them into CallResults. It decides from what it saw, never from an index or state the
+    child could write: a refusal reported while the program loads fails every call, one reported
+    while call ``i`` is outstanding fails call ``i``, and so does a drop of the child's violation
+    counter (its hard RLIMIT_LOCKS, which only goes down) between sending call ``i`` and its
+    result. Lines without the run's nonce, for another call, or of the wrong shape are ignored."""
 
-    def __init__(self, n: int, nonce: str) -> None:
-        self.n, self.nonce = n, nonce
+    def __init__(self, calls: list[str], nonce: str, pid: int, call_fd: int) -> None:
+        self.calls, self.nonce, self.pid, self.call_fd = calls, nonce, pid, call_fd
+        self.phase: str | int = "setup"  # then "load", then the index of the outstanding call, then "done"
         self.done: list[CallResult] = []
         self.layers: list[str] = []
-        self.setup_seen = False
-        self.program_violation: str | None = None
-        self.violations: dict[int, str] = {}
+        self.refusal: str | None = None
+        self.violation: str | None = None  # the first refusal reported in the current phase
+        self.counter: int | None = None
+        self.out = bytearray()  # call lines not yet taken by the pipe
 
     def finished(self) -> bool:
-        return len(self.done) >= self.n and self.setup_seen
+        return self.phase == "done"
 
     def feed(self, line: bytes) -> None:
         try:
@@ -252,63 +327,131 @@ class _Collector:
             return
         if type(msg) is not dict or msg.get("n") != self.nonce:
             return
-        i = msg.get("i")
-        if "setup" in msg:
-            layers = msg["setup"]
-            if type(layers) is list:
-                self.layers = [str(x)[:100] for x in layers[:20]]
-            self.setup_seen = True
-        elif "violation" in msg:
-            event = str(msg["violation"])[:100]
-            if i == -1 and self.program_violation is None:
-                self.program_violation = event
-            elif type(i) is int and 0 <= i < self.n:
-                self.violations.setdefault(i, event)
-        elif type(i) is int and i == len(self.done):
-            self.setup_seen = True  # a setup failure reports calls without a setup line
-            self.done.append(self._result(i, msg))
+        if "violation" in msg:
+            if self.phase not in ("setup", "done") and self.violation is None:
+                self.violation = str(msg["violation"])[:100]
+        elif self.phase == "setup" and "setup" in msg:
+            self._setup(msg)
+        elif self.phase == "load" and ("ready" in msg or "load_error" in msg):
+            blocked = self._blocked()
+            if msg.get("load_error") is not None:
+                self._fail_all(str(msg["load_error"])[:_MAX_DETAIL])
+            elif blocked:
+                self._fail_all(f"program attempted a blocked operation: {blocked}")
+            else:
+                self._next(0)
+        elif type(self.phase) is int and msg.get("i") == self.phase and "status" in msg:
+            blocked = self._blocked()
+            result = CallResult("error", detail=f"call attempted a blocked operation: {blocked}") if blocked \
+                else self._result(msg)
+            self.done.append(result)
+            self._next(self.phase + 1)
 
-    def _result(self, i: int, msg: dict) -> CallResult:
-        if self.program_violation is not None:
-            return CallResult("error", detail=f"program attempted a blocked operation: {self.program_violation}")
-        if i in self.violations:
-            return CallResult("error", detail=f"call attempted a blocked operation: {self.violations[i]}")
+    def _setup(self, msg: dict) -> None:
+        layers = msg["setup"]
+        self.layers = [str(x)[:100] for x in layers[:20]] if type(layers) is list else []
+        if msg.get("failed"):
+            self.refusal = f"sandbox setup failed: {str(msg['failed'])[:300]}"
+        elif not any(layer.startswith(_WALLS) for layer in self.layers):
+            self.refusal = ("no OS-level wall keeps the generated code from writing outside its "
+                            "scratch directory here: it needs Landlock (Linux >= 5.13) or root for a "
+                            f"read-only mount namespace; layers set up: {self.layers}")
+        self.counter = _violation_counter(self.pid)
+        if self.counter is not None:
+            self.layers.append("violation counter")
+        self.phase = "done" if self.refusal or not self.calls else "load"
+
+    def _blocked(self) -> str | None:
+        """The refusal seen since the last result (reported, or only counted), then reset."""
+        blocked, self.violation = self.violation, None
+        if self.counter is not None:
+            now = _violation_counter(self.pid)
+            if now != self.counter:
+                blocked = blocked or "an operation refused by the audit hook"
+            self.counter = now if now is not None else -1  # an unreadable counter stays suspect
+        return blocked
+
+    def _next(self, i: int) -> None:
+        if i >= len(self.calls):
+            self.phase = "done"
+            return
+        self.phase = i
+        self.out += (json.dumps({"call": self.calls[i]}) + "\n").encode()
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what the call pipe takes now; the rest waits for select to say it is writable."""
+        try:
+            del self.out[: os.write(self.call_fd, self.out)]
+        except BlockingIOError:
+            pass
+        except OSError:  # the child is gone: its end is reported through the report pipe
+            self.out.clear()
+
+    def _fail_all(self, detail: str) -> None:
+        self.done = [CallResult("error", detail=detail)] * len(self.calls)
+        self.phase = "done"
+
+    @staticmethod
+    def _result(msg: dict) -> CallResult:
         status = msg.get("status")
         if status == "ok" and "value" in msg:
-            return CallResult("ok", value=msg["value"])
+            why = plain_data_error(msg["value"])
+            if why is None:
+                return CallResult("ok", value=msg["value"])
+            return CallResult("error", detail=f"result is not plain data: {why}")
         if status == "raised" and type(msg.get("exc_type")) is str:
             args, attrs = msg.get("exc_args"), msg.get("exc_attrs")
-            return CallResult("raised", exc_type=msg["exc_type"][:200],
-                              exc_args=args if type(args) is list else None,
-                              exc_attrs=attrs if type(attrs) is dict else {})
+            args = args if type(args) is list and plain_data_error(args) is None else None
+            attrs = attrs if type(attrs) is dict and plain_data_error(attrs) is None else {}
+            return CallResult("raised", exc_type=msg["exc_type"][:200], exc_args=args, exc_attrs=attrs)
         if status == "error":
             return CallResult("error", detail=str(msg.get("detail", ""))[:_MAX_DETAIL])
         return CallResult("error", detail="malformed report from the child")
 
     def results(self, ended: str | None, timeout_s: float, stderr_tail: str) -> list[CallResult]:
-        """The reported results, then one result per missing call: error if the child ended
-        (``ended`` says how), timeout otherwise."""
-        out = list(self.done[: self.n])
+        """The results so far, then one per missing call: error if the child ended (``ended``
+        says how), timeout otherwise."""
+        out = list(self.done[: len(self.calls)])
         if ended is not None:
             detail = ended + (f"; stderr: {stderr_tail}" if stderr_tail else "")
             missing = CallResult("error", detail=detail[:_MAX_DETAIL])
         else:
             missing = CallResult("timeout", detail=f"no result within the {timeout_s:g} s wall-clock limit")
-        out += [missing] * (self.n - len(out))
-        return out
+        return out + [missing] * (len(self.calls) - len(out))
 
 
-def _read_reports(fd: int, stderr: "_Tail", collector: _Collector, deadline: float) -> bool:
-    """Feed complete lines to the collector until it is finished, the pipe closes (returns True)
-    or the deadline passes (returns False). Overlong lines are dropped, not buffered. The child's
-    stderr is read alongside so that a flood cannot block it; only its tail is kept."""
+def _violation_counter(pid: int) -> int | None:
+    """The child's hard RLIMIT_LOCKS, or None if it cannot be read."""
+    try:
+        return resource.prlimit(pid, _RLIMIT_LOCKS)[1]
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open(f"/proc/{pid}/limits") as f:
+            for line in f:
+                if line.startswith("Max file locks"):
+                    hard = line.split()[4]
+                    return -2 if hard == "unlimited" else int(hard)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_reports(fd: int, stderr: "_Tail", run: _Run, deadline: float) -> bool:
+    """Feed complete lines to the run until it is finished, the pipe closes (returns True) or
+    the deadline passes (returns False); send pending calls when the call pipe takes them.
+    Overlong lines are dropped, not buffered. The child's stderr is read alongside so that a
+    flood cannot block it; only its tail is kept."""
     buf = bytearray()
     skipping = False
-    while not collector.finished():
+    while not run.finished():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        ready, _, _ = select.select([fd] + stderr.fds(), [], [], remaining)
+        ready, writable, _ = select.select([fd] + stderr.fds(), [run.call_fd] if run.out else [], [], remaining)
+        if writable:
+            run.flush()
         if stderr.fd in ready:
             stderr.read()
         if fd not in ready:
@@ -329,8 +472,8 @@ def _read_reports(fd: int, stderr: "_Tail", collector: _Collector, deadline: flo
             if skipping:
                 skipping = False  # the tail of an overlong line
             else:
-                collector.feed(line)
-            if collector.finished():
+                run.feed(line)
+            if run.finished():
                 break
     return True
 

@@ -141,7 +141,6 @@ def test_preamble_runs_before_the_answer(rows):
     """The fee_for probe's file already holds steps 1 and 2: an answer with only step 3 passes,
     an empty file does not."""
     row = rows[0]
-    f = _facts(row)
     probe = row["probes"][0]
     ref = json.loads(probe["reference"])
     assert "def settle" in ref["preamble"] and "def fee_for" not in ref["preamble"]
@@ -192,3 +191,236 @@ def test_loads_with_evaluate_offline(monkeypatch, rows, tmp_path):
     assert out["check_pass_rate"] == 1.0 and out["recall"] == 1.0
     assert out["paired"] == {"better": 3, "worse": 0, "tied": 0, "p_value": 0.25}
     assert out["baseline"]["checks_passed"] == 0
+    with pytest.raises(ValueError, match="timeout_s"):  # not quietly the 10 s default
+        metric.compute(predictions=preds, references=refs, timeout_s=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 13: weak checks, silent inputs, a scoring failure in the runner, random shapes.
+
+
+def _as_plain(x):
+    """A value as the sandbox child returns it."""
+    from decimal import Decimal
+
+    if isinstance(x, Decimal):
+        return {"__decimal__": str(x)}
+    if isinstance(x, (list, tuple)):
+        return [_as_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _as_plain(v) for k, v in x.items()}
+    return x
+
+
+def test_no_check_passes_for_functions_that_return_a_constant(rows):
+    """Defect 5: every check fails when fee_for and settle return one fixed value, whatever it
+    is: a usual stub value, or any value some check of the probe expects (the weak
+    settle_accepts_open passed for any non-None value). The checks are our own expressions, so
+    they are evaluated here, without the sandbox."""
+    from decimal import Decimal
+
+    from pace_hf.sandbox import CallResult, decode_value
+
+    for row in rows:
+        for probe in row["probes"]:
+            checks = json.loads(probe["reference"])["checks"]
+            constants = [None, True, False, 0, 1, Decimal("0"), "", "x", [], {}]
+            for c in checks:
+                expected = decode_value(c["expected"])
+                constants += [expected] + (expected if isinstance(expected, list) else [])
+            for constant in constants:
+                for c in checks:
+                    ns = {"fee_for": lambda *a, **k: constant, "settle": lambda *a, **k: constant}
+                    try:
+                        result = CallResult("ok", value=_as_plain(eval(c["expr"], ns)))
+                    except Exception as e:  # noqa: BLE001
+                        result = CallResult("raised", exc_type=type(e).__name__, exc_args=list(e.args))
+                    assert not M.check_passed(c["expected"], result), (c["name"], constant)
+
+
+def test_bad_inputs_get_specific_documented_errors(rows):
+    """Defect 6: no input is silently reinterpreted or scored as a failed probe."""
+    good = reference_solution(rows[0], 0)
+    ref = rows[0]["probes"][0]["reference"]
+    check = {"name": "a", "expr": "1", "expected": 1}
+    bad_references = {
+        "{}": "'checks' list",
+        "not json": "not JSON",
+        "[1, 2]": "JSON object",
+        "null": "JSON object",
+        json.dumps({"checks": [{"name": "a", "expr": "1"}]}): "'expected'",
+        json.dumps({"checks": "fee_for(1)"}): "'checks' list",
+        json.dumps({"checks": [], "recall": []}): "nothing to score",
+        json.dumps({"checks": [dict(check, expected={"__decimal__": "1,5"})]}): "plain data",
+        json.dumps({"checks": [dict(check, expected={"raises": 5})]}): "raise spec",
+        json.dumps({"checks": [dict(check, expr=None)]}): "'expr'",
+        json.dumps({"checks": [check], "recall": "Invoice"}): "'recall'",
+        json.dumps({"checks": [check], "preamble": 3}): "'preamble'",
+    }
+    for reference, message in bad_references.items():
+        with pytest.raises(M.InvalidReference, match=message):
+            M.score_answer(good, reference)
+        with pytest.raises(M.InvalidReference):  # checked before any answer's code runs
+            M.score([good, good], [ref, reference])
+    with pytest.raises(M.InvalidReference):
+        M.score_answer(good, [check])
+    for bad in (0, -1, 0.0, 3601, float("nan"), "10", True):
+        with pytest.raises(M.MetricInputError, match="timeout_s"):
+            M.limits_for(bad)
+    assert M.limits_for(None) is None and M.limits_for(2).timeout_s == 2.0
+    with pytest.raises(M.MetricInputError, match="must be a str"):
+        M.score([None], [ref])
+    with pytest.raises(M.MetricInputError, match="2 predictions for 1 references"):
+        M.score([good, good], [ref])
+    with pytest.raises(M.MetricInputError, match="must be a list"):
+        M.score(good, ref)
+    assert issubclass(M.InvalidReference, M.MetricInputError) and issubclass(M.MetricInputError, ValueError)
+
+
+def _random_json(rng, depth=0):
+    roll = rng.random()
+    if depth > 6 or roll < 0.45:
+        return rng.choice([None, True, False, 0, -1, 2**70, 1.5, float("inf"), float("nan"), "", "x",
+                           "E-417", {"__decimal__": rng.choice(["1.25", "x", "sNaN", "NaN", "1e999999", ""])}])
+    if roll < 0.6:
+        nested = []
+        for _ in range(rng.choice([50, 99, 100, 101, 700])):  # json.dumps itself recurses
+            nested = [nested]
+        return nested
+    if roll < 0.8:
+        return [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    keys = ["raises", "args", "code", "__decimal__", "name", "expr", "expected", "checks", "recall", "k"]
+    return {rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def _random_reference(rng):
+    roll = rng.random()
+    if roll < 0.1:
+        return rng.choice(["", "{", "[]", "null", "1", '"x"'])
+    if roll < 0.3:
+        return json.dumps(_random_json(rng))
+    checks = [{"name": f"c{k}", "expr": "f()", "expected": _random_json(rng), "fact": rng.choice([None, "x"])}
+              for k in range(rng.randrange(4))]
+    for c in checks:
+        if rng.random() < 0.3:
+            c["expected"] = {"raises": rng.choice([None, "E", 1]), "code": rng.choice(["E-1", 2]),
+                             "args": _random_json(rng)}
+        if rng.random() < 0.1:
+            del c[rng.choice(["name", "expr", "expected"])]
+    ref = {"checks": checks, "recall": rng.choice([[], ["x", "1.5"], [1], "x"])}
+    return json.dumps(ref) if rng.random() < 0.8 else ref
+
+
+def _random_report(rng, nonce, i):
+    msg = {"n": nonce, "i": i, "status": rng.choice(["ok", "raised", "error", "bogus"])}
+    for key in rng.sample(["value", "exc_type", "exc_args", "exc_attrs", "detail"], rng.randrange(6)):
+        msg[key] = _random_json(rng)
+    if rng.random() < 0.5:
+        msg["exc_type"] = "E"
+    return json.dumps(msg).encode()
+
+
+def test_random_results_and_references_raise_only_documented_errors(monkeypatch):
+    """Property test (fixed seed): random JSON shapes as the child's report lines (through the
+    parent's own parsing) and as references never make the metric raise anything but its own
+    MetricInputError (InvalidReference included)."""
+    import os
+    import random
+
+    from pace_hf import sandbox as S
+
+    rng = random.Random(13)
+
+    def fake_run_calls(program, calls, limits):
+        rfd, wfd = os.pipe()
+        os.set_blocking(wfd, False)
+        try:
+            run = S._Run(list(calls), "nonce", os.getpid(), wfd)
+            run.feed(json.dumps({"n": "nonce", "setup": ["landlock v7"]}).encode())
+            run.feed(json.dumps({"n": "nonce", "ready": True}).encode())
+            for i in range(len(calls)):
+                run.feed(_random_report(rng, "nonce", i))
+                if len(run.done) <= i:  # a line the parent ignored: the call would time out
+                    break
+            return run.results(None, 1.0, "")
+        finally:
+            os.close(rfd)
+            os.close(wfd)
+
+    monkeypatch.setattr(M, "run_calls", fake_run_calls)
+    outcomes = {"scored": 0, "refused": 0}
+    for _ in range(600):
+        try:
+            out = M.score_answer("```python\nx = 1\n```", _random_reference(rng))
+        except M.MetricInputError:
+            outcomes["refused"] += 1
+            continue
+        json.dumps(out)  # the details stay plain data
+        outcomes["scored"] += 1
+    assert outcomes["scored"] > 50 and outcomes["refused"] > 50, outcomes
+
+
+def test_random_values_through_the_real_sandbox():
+    """The same property end to end, for a few programs returning random values."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3):
+        values = [_random_json(rng) for _ in range(8)]
+        program = "import json\nVALUES = json.loads(%r)\ndef f(k):\n    return VALUES[k]\n" % json.dumps(values)
+        checks = [{"name": f"c{k}", "expr": f"f({k})", "expected": _random_json(rng)} for k in range(8)]
+        checks = [c for c in checks if M.plain_data_error(c["expected"]) is None]
+        out = M.score_answer("```python\n" + program + "```", json.dumps({"checks": checks}))
+        assert out["checks_total"] == len(checks)
+        json.dumps(out)
+
+
+def test_runner_records_a_probe_whose_scoring_fails_and_goes_on(monkeypatch, rows):
+    """Defect 2: one probe's scoring failure is recorded with every check failed; the run goes on."""
+    from pace_hf.bench import runner
+
+    class Handle:
+        def remove(self):
+            pass
+
+    class Decoder:
+        def register_forward_pre_hook(self, *args, **kwargs):
+            return Handle()
+
+    class Model:
+        def get_decoder(self):
+            return Decoder()
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "answer"
+
+    class Metric:
+        def __init__(self):
+            self.calls = 0
+
+        def compute(self, predictions, references):
+            self.calls += 1
+            if self.calls == 2:
+                raise RecursionError("maximum recursion depth exceeded while decoding")
+            return {"details": [{"checks_passed": 1, "checks_total": 1, "recall_hits": 0, "recall_total": 0,
+                                 "checks": [{"name": "c", "fact": None, "passed": True}]}]}
+
+    monkeypatch.setattr(runner, "Blueprint", type("B", (), {"from_dicts": staticmethod(lambda d: None)}))
+    monkeypatch.setattr(runner, "make_cache", lambda *a, **k: object())
+    monkeypatch.setattr(runner, "generate_answer", lambda *a, **k: [])
+    row = rows[0]
+    records = runner.play_session(Model(), Tokenizer(), row, "h2o", None, Metric(), 16, [])
+    assert len(records) == len(row["probes"]) == 3
+    failed = records[1]
+    assert "RecursionError" in failed["scoring_error"] and failed["checks_passed"] == 0
+    assert failed["checks_total"] == len(json.loads(row["probes"][1]["reference"])["checks"]) > 0
+    assert "scoring_error" not in records[0] and records[2]["checks_passed"] == 1
+
+    class Refusing(Metric):
+        def compute(self, predictions, references):
+            from pace_hf.sandbox import CodeExecutionNotAllowed
+            raise CodeExecutionNotAllowed("opt in")
+
+    with pytest.raises(Exception, match="opt in"):  # no probe can be scored: stop at once
+        runner.play_session(Model(), Tokenizer(), row, "h2o", None, Refusing(), 16, [])

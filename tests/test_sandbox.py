@@ -584,3 +584,359 @@ def test_oversized_and_odd_values():
     assert results[3].status == "raised" and results[3].exc_args == [None, 1]
     assert results[4].status == "error"
     assert results[5].value == "é\ud800"
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 13: the attack classes found by the second audit. Each attack runs against an "exposed"
+# host: a world-writable directory under /tmp (the child's fresh uid could write there if no
+# OS-level wall stood in the way), holding a world-readable secret file and SQLite database,
+# plus a secret in the parent's environment. Afterwards nothing may have changed there, no file
+# named after the run's token may exist under /tmp or the working directory, and the secret may
+# appear in no result.
+
+
+@pytest.fixture
+def exposed(monkeypatch):
+    import shutil
+    import sqlite3
+    import tempfile
+
+    token = "pace13-" + os.urandom(6).hex()
+    secret = "SECRET-" + os.urandom(8).hex()
+    from pathlib import Path
+
+    root = tempfile.mkdtemp(prefix=token + "-", dir="/tmp")
+    os.chmod(root, 0o777)
+    Path(root, "secret.txt").write_text(secret)
+    con = sqlite3.connect(os.path.join(root, "secret.db"))
+    con.execute("create table s(v)")
+    con.execute("insert into s values (?)", (secret,))
+    con.commit()
+    con.close()
+    for name in ("secret.txt", "secret.db"):
+        os.chmod(os.path.join(root, name), 0o666)
+    monkeypatch.setenv("PACE_TEST_SECRET", secret)
+    before = {name: Path(root, name).read_bytes() for name in os.listdir(root)}
+    children = _children()
+    host = type("Host", (), {"dir": root, "token": token, "secret": secret})()
+    try:
+        yield host
+        assert {name: Path(root, name).read_bytes() for name in os.listdir(root)} == before
+        assert [p for p in os.listdir("/tmp") if token in p] == [os.path.basename(root)]
+        assert not [p for p in os.listdir(os.getcwd()) if token in p]
+        assert _children() <= children
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _leaks(results, secret):
+    return [r for r in results if secret in repr(r.to_dict())]
+
+
+def test_an_os_wall_keeps_writes_in_the_scratch_directory():
+    """Defect 1: a write-blocking OS layer must be active here (root in a container, Linux with
+    Landlock); run_calls refuses to run code where neither can be set up."""
+    layers = isolation_layers()
+    assert any(layer.startswith(("landlock", "read-only root")) for layer in layers), layers
+    assert "violation counter" in layers
+    if os.geteuid() == 0:
+        assert "read-only root" in layers
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1)) >= 1:  # Landlock's ABI version
+        assert any(layer.startswith("landlock") for layer in layers)
+
+
+def test_libraries_that_open_files_themselves_meet_the_wall(exposed):
+    """Defect 1: SQLite opens paths the audit hook never sees (ATTACH, VACUUM INTO, file: URIs);
+    C extensions and other path forms meet the same wall. Reads of the host's secrets too."""
+    d = exposed.dir
+    results = run(f"""
+        import os, sqlite3, zipfile
+        D = {d!r}
+        def attach():
+            con = sqlite3.connect(":memory:")
+            con.execute("ATTACH DATABASE '" + D + "/attached.db' AS x")
+            con.execute("create table x.t(a)")
+            con.commit()
+            return 42
+        def attach_many():
+            con, made = sqlite3.connect(":memory:"), 0
+            for k in range(5):
+                try:
+                    con.execute("ATTACH DATABASE '" + D + "/many%d.db' AS x%d" % (k, k))
+                    con.execute("create table x%d.t(a)" % k)
+                    made += 1
+                except sqlite3.Error:
+                    pass
+            con.commit()
+            return 42 if made else 0
+        def vacuum_into():
+            con = sqlite3.connect("local.db")
+            con.execute("create table t(a)")
+            con.commit()
+            con.execute("VACUUM INTO '" + D + "/vacuumed.db'")
+            return 42
+        def uri():
+            con = sqlite3.connect("file:" + D + "/uri.db?mode=rwc", uri=True)
+            con.execute("create table t(a)")
+            con.commit()
+            return 42
+        def read_secret_db():
+            con = sqlite3.connect(":memory:")
+            con.execute("ATTACH DATABASE 'file:" + D + "/secret.db?mode=ro' AS s")
+            return con.execute("select v from s.s").fetchone()[0]
+        def via_dbm():
+            import dbm.dumb
+            with dbm.dumb.open(D + "/store", "c") as db:
+                db[b"k"] = b"v"
+            return 42
+        def via_zipfile():
+            with zipfile.ZipFile(D + "/archive.zip", "w") as z:
+                z.writestr("a.txt", "pwned")
+            return 42
+        def via_proc_cwd():
+            fd = os.open("/proc/self/cwd/" + "../" * 12 + D.lstrip("/") + "/proc_cwd", os.O_WRONLY | os.O_CREAT)
+            return 42
+        def via_proc_fd():
+            here = os.open(".", os.O_RDONLY)
+            with open("/proc/self/fd/%d/" % here + "../" * 12 + D.lstrip("/") + "/proc_fd", "w") as f:
+                f.write("pwned")
+            return 42
+        def read_secret_file():
+            return open(D + "/secret.txt").read()
+        def inside():
+            con = sqlite3.connect("file:inside.db?mode=rwc", uri=True)
+            con.execute("create table t(a)")
+            con.execute("insert into t values (42)")
+            con.commit()
+            return con.execute("select a from t").fetchone()[0]
+        """, ["attach()", "attach_many()", "vacuum_into()", "uri()", "read_secret_db()", "via_dbm()",
+              "via_zipfile()", "via_proc_cwd()", "via_proc_fd()", "read_secret_file()", "inside()"])
+    assert not any(passes(r, 42) for r in results[:-1]), results
+    assert passes(results[-1], 42)  # SQLite inside the scratch directory still works
+    assert not _leaks(results, exposed.secret)
+
+
+def test_a_result_nested_700_deep_is_a_failed_call_not_a_crash():
+    """Defect 2: the parent validates a result's shape and size itself (a forged report line, or
+    a child that does not check) and turns anything else into an error."""
+    import json
+    from pace_hf import sandbox as S
+
+    rfd, wfd = os.pipe()
+    try:
+        run_ = S._Run(["a()", "b()", "c()", "d()"], "nonce", os.getpid(), wfd)
+
+        def line(**msg):
+            return json.dumps(dict(msg, n="nonce")).encode()
+
+        run_.feed(line(setup=["landlock v7"]))
+        run_.feed(line(ready=True))
+        run_.feed(b'{"n": "nonce", "i": 0, "status": "ok", "value": ' + b"[" * 700 + b"]" * 700 + b"}")
+        run_.feed(line(i=1, status="ok", value={"__decimal__": "not a number"}))
+        run_.feed(line(i=2, status="raised", exc_type="E", exc_args=[{"__decimal__": "sNaN"}], exc_attrs=[]))
+        run_.feed(line(i=3, status="ok", value={"__decimal__": "1.25"}))
+        results = run_.results(None, 1.0, "")
+        sent = os.read(rfd, 1 << 16).decode().splitlines()
+    finally:
+        os.close(rfd)
+        os.close(wfd)
+    assert [r.status for r in results] == ["error", "error", "raised", "ok"]
+    assert "deeper than" in results[0].detail and "decimal" in results[1].detail
+    assert results[2].exc_args is None and results[2].exc_attrs == {}
+    assert S.decode_value(results[3].value) == __import__("decimal").Decimal("1.25")
+    assert [json.loads(s)["call"] for s in sent] == ["a()", "b()", "c()", "d()"]  # one at a time
+    deep = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert "deeper" in S.plain_data_error(deep)  # iterative: no RecursionError at any depth
+
+
+_SPY = """
+import gc, inspect, sys
+
+def _dump(found, obj):
+    try:
+        found.append(repr(obj)[:20000])
+    except Exception:
+        pass
+
+def spy(loud):
+    found = []
+    frame = sys._getframe()
+    while frame is not None:          # f_back is not audited: every frame below ours
+        _dump(found, frame.f_locals)
+        _dump(found, frame.f_globals)
+        for value in list(frame.f_locals.values()) + list(frame.f_globals.values()):
+            if type(value) is list:   # rewrite any list of strings we can reach
+                for k, item in enumerate(value):
+                    if type(item) is str and "SECRET" in item:
+                        value[k] = "'FORGED'"
+            for cell in getattr(value, "__closure__", None) or ():
+                try:
+                    _dump(found, cell.cell_contents)
+                except Exception:
+                    pass
+        frame = frame.f_back
+    attempts = [lambda: [f.frame.f_locals for f in inspect.stack()],
+                lambda: sys._getframe(1).f_back.f_locals]
+    if loud:                           # each of these is refused, which fails the call
+        attempts += [lambda: gc.get_referrers(sys.modules[__name__].__dict__),
+                     lambda: [getattr(o, "f_locals", None) for o in gc.get_objects()]]
+    for attempt in attempts:
+        try:
+            _dump(found, attempt())
+        except Exception as e:
+            _dump(found, e)
+    def gen():
+        yield sys._getframe().f_back
+    g = gen()
+    _dump(found, next(g).f_locals)
+    _dump(found, g.gi_frame.f_back)
+    if loud:
+        try:
+            open("/etc/hostname", "w")
+        except Exception as e:         # the refusal's traceback passes through the audit hook
+            tb = e.__traceback__
+            while tb is not None:
+                try:
+                    _dump(found, tb.tb_frame.f_locals)
+                except Exception:
+                    pass
+                tb = tb.tb_next
+    return "\\n".join(found)
+"""
+
+
+def test_later_calls_are_not_in_the_child_and_cannot_be_rewritten(exposed):
+    """Defect 3: a program that walks every frame, closure, generator and traceback it can reach
+    learns nothing of a call before it is asked, and cannot change one."""
+    results = run(_SPY, ["spy(False)", "'SECRET-ONE'", "spy(True)", "'SECRET-TWO'"])
+    assert results[0].status == "ok" and "'box'" in results[0].value  # it reached the bottom frame
+    assert "SECRET-ONE" not in results[0].value and "SECRET-TWO" not in results[0].value
+    assert results[2].status == "error" and "blocked operation" in results[2].detail
+    assert passes(results[1], "SECRET-ONE") and passes(results[3], "SECRET-TWO")
+    assert not _leaks(results, exposed.secret)
+
+
+def test_harness_frames_are_refused_to_the_program():
+    """Defect 2/3, second layer: sys._getframe, tracebacks and generators do not hand out the
+    harness's frames (whose closures hold the audit hook and the reporting channel)."""
+    results = run("""
+        import sys
+        def depth():
+            n, frame = 0, sys._getframe()
+            while frame is not None:
+                n, frame = n + 1, frame.f_back
+            return n
+        def hook_frames():
+            try:
+                open("/etc/hostname", "w")
+            except PermissionError as e:
+                tb, names = e.__traceback__, []
+                while tb is not None:
+                    names.append(tb.tb_frame.f_code.co_name)
+                    tb = tb.tb_next
+                return names
+        def beyond():
+            return sys._getframe(3)
+        """, ["depth()", "hook_frames()", "beyond()", "1"])
+    assert passes(results[0], 3)  # depth(), the call, the worker loop: nothing of the harness
+    assert results[1].status == "error" and "blocked operation" in results[1].detail
+    assert results[2].status == "raised" and results[2].exc_type == "ValueError"
+    assert passes(results[3], 1)
+
+
+def test_a_refusal_is_scored_by_the_parent_whatever_the_program_edits(exposed):
+    """Defect 4: the program cannot escape "a blocked operation fails the call" by editing the
+    harness's state, by hijacking the report pipe, or by acting from a thread later."""
+    results = run(f"""
+        import fcntl, os, stat, sys, threading, time
+        def _silenced(action):
+            pipes = [fd for fd in range(3, 64) if _is_write_pipe(fd)]
+            saved = {{fd: os.dup(fd) for fd in pipes}}
+            null = os.open("/dev/null", os.O_WRONLY)
+            for fd in pipes:
+                os.dup2(null, fd)
+            try:
+                action()
+            except Exception:
+                pass
+            finally:
+                for fd, copy in saved.items():
+                    os.dup2(copy, fd)
+        def _is_write_pipe(fd):
+            try:
+                return stat.S_ISFIFO(os.fstat(fd).st_mode) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_WRONLY
+            except OSError:
+                return False
+        def edit_state():
+            frame = sys._getframe()
+            while frame is not None:
+                for value in frame.f_locals.values():
+                    if type(value) is list and value and type(value[0]) is int:
+                        value[0] = 10 ** 6   # the old harness's call index
+                frame = frame.f_back
+            try:
+                os.fork()
+            except Exception:
+                pass
+            return 42
+        def hijack_pipe():
+            _silenced(lambda: open({exposed.dir!r} + "/x", "w"))
+            return 42
+        def later():
+            def act():
+                time.sleep(0.3)
+                try:
+                    os.kill(os.getppid(), 0)
+                except Exception:
+                    pass
+            threading.Thread(target=act).start()
+            return 42
+        def slow():
+            time.sleep(1.0)
+            return 42
+        def lower_counter():
+            import resource
+            try:
+                resource.setrlimit(10, (10 ** 9, 10 ** 9))  # raise the counter back: refused
+            except Exception:
+                pass
+            return 42
+        """, ["edit_state()", "hijack_pipe()", "later()", "slow()", "lower_counter()", "42"])
+    assert [r.status for r in results[:2]] == ["error", "error"], results
+    assert passes(results[2], 42)
+    assert results[3].status == "error" and "blocked operation" in results[3].detail
+    assert results[4].status == "error"
+    assert passes(results[5], 42)
+
+
+def test_inputs_are_refused_not_reinterpreted():
+    """Defect 6: a str is not a list of calls; timeouts must be real positive numbers."""
+    with pytest.raises(TypeError, match="list of str"):
+        run_calls("def fee_for(x): return x", "fee_for(1)")
+    with pytest.raises(TypeError, match="list of str"):
+        run_calls("x = 1", {"x": 1})
+    with pytest.raises(TypeError, match="program must be a str"):
+        run_calls(b"x = 1", ["x"])
+    for bad in (0, -1, True, float("nan"), float("inf"), "10"):
+        with pytest.raises(ValueError):
+            SandboxLimits(timeout_s=bad)
+    assert passes(run_calls("x = 1", ("x",), QUICK)[0], 1)  # a tuple of calls is fine
+
+
+def test_no_write_wall_means_no_code_runs(monkeypatch):
+    """Defect 1: without Landlock or a read-only root the child runs nothing and run_calls says
+    why instead of running the code half-confined (isolation_layers still reports)."""
+    from pace_hf import sandbox as S
+
+    run_ = S._Run(["1"], "nonce", os.getpid(), -1)
+    run_.feed(b'{"n": "nonce", "setup": ["netns", "rlimits", "seccomp"]}')
+    assert run_.finished() and "Landlock" in run_.refusal and run_.done == []
+    monkeypatch.setattr(S, "_run", lambda program, calls, limits: ([], ["rlimits"], "no OS-level wall"))
+    with pytest.raises(S.SandboxUnavailable, match="no OS-level wall"):
+        run_calls("x = 1", ["x"])
+    assert S.isolation_layers() == ["rlimits"]

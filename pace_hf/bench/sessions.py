@@ -76,7 +76,7 @@ __all__ = [
     "to_parquet",
 ]
 
-GENERATOR_VERSION = "12"  # bump whenever the generated content changes
+GENERATOR_VERSION = "13"  # bump whenever the generated content changes
 
 SYSTEM_PROMPT = (
     "You are a careful Python coding assistant in a long working session on one repository. "
@@ -381,26 +381,34 @@ def build_checks(facts: dict[str, str], rng: random.Random) -> dict[str, list[di
     """The hidden checks of each probe (see the module docstring for the format)."""
     f = facts
     am = _pick_amounts(facts, rng)
-    fee_list = lambda amounts: "[" + ", ".join(f"fee_for({_D(a)})" for a in amounts) + "]"  # noqa: E731
+    a, m, st = am["settle"], am["module"], f["field_status"]
+
+    def fees(*amounts):
+        """A check on ``fee_for`` over ``amounts``, plus an amount with another fee if they all
+        have the same one: every check sees two different values, so no constant passes it."""
+        amounts = list(amounts)
+        if len({fee(f, x) for x in amounts}) == 1:
+            amounts.append(next(y for y in (a, a + 100, a + 1000) if fee(f, y) != fee(f, amounts[0])))
+        return {"expr": "[" + ", ".join(f"fee_for({_D(x)})" for x in amounts) + "]",
+                "expected": [_dec(fee(f, x)) for x in amounts]}
+
+    def totals(*amounts):
+        """``settle`` on an open record of each amount: their totals differ, so no constant passes."""
+        return {"expr": "[" + ", ".join(f"settle({_record_ns(f, x, f['status_open'])})" for x in amounts) + "]",
+                "expected": [_dec(x + fee(f, x)) for x in amounts]}
+
     rounding = am["rounding_mode"]
     fee_checks = [
-        {"name": "fee_base", "expr": f"fee_for({_D(am['base_fee'])})",
-         "expected": _dec(fee(f, am["base_fee"])), "fact": "base_fee"},
-        {"name": "fee_rate", "expr": f"fee_for({_D(am['fee_rate'])})",
-         "expected": _dec(fee(f, am["fee_rate"])), "fact": "fee_rate"},
-        {"name": "fee_quantum", "expr": f"fee_for({_D(am['quantum'])})",
-         "expected": _dec(fee(f, am["quantum"])), "fact": "quantum"},
-        {"name": "fee_rounding", "expr": fee_list(rounding),
-         "expected": [_dec(fee(f, a)) for a in rounding], "fact": "rounding_mode"},
+        {"name": "fee_base", **fees(am["base_fee"]), "fact": "base_fee"},
+        {"name": "fee_rate", **fees(am["fee_rate"]), "fact": "fee_rate"},
+        {"name": "fee_quantum", **fees(am["quantum"]), "fact": "quantum"},
+        {"name": "fee_rounding", **fees(*rounding), "fact": "rounding_mode"},
     ]
-    a, st = am["settle"], f["field_status"]
     open_ns = _record_ns(f, a, f["status_open"])
     done_ns = _record_ns(f, a, f["status_settled"])
     settle_checks = [
-        {"name": "settle_total", "expr": f"settle({open_ns})",
-         "expected": _dec(a + fee(f, a)), "fact": "field_amount"},
-        {"name": "settle_accepts_open", "expr": f"(lambda r: settle(r) is not None)({open_ns})",
-         "expected": True, "fact": "status_open"},
+        {"name": "settle_total", **totals(a, a + 100), "fact": "field_amount"},
+        {"name": "settle_accepts_open", **totals(m, m + 100), "fact": "status_open"},
         {"name": "settle_sets_status", "expr": f"(lambda r: (settle(r), r.{st})[1])({open_ns})",
          "expected": f["status_settled"], "fact": "status_settled"},
         {"name": "settle_rejects", "expr": f"settle({done_ns})",
@@ -408,20 +416,20 @@ def build_checks(facts: dict[str, str], rng: random.Random) -> dict[str, list[di
         {"name": "settle_error_code", "expr": f"settle({done_ns})",
          "expected": {"raises": None, "code": f["exception_code"]}, "fact": "exception_code"},
     ]
-    m = am["module"]
+    # The class name is evaluated first: nothing of the program runs (a replaced __import__, say)
+    # before a program that does not define the class fails.
     module_checks = [
-        {"name": "module_dataclass", "expr": f'__import__("dataclasses").is_dataclass({f["class_name"]})',
+        {"name": "module_dataclass",
+         "expr": f'(lambda c: __import__("dataclasses").is_dataclass(c))({f["class_name"]})',
          "expected": True, "fact": "class_name"},
         {"name": "module_fields",
-         "expr": f'[x.name for x in __import__("dataclasses").fields({f["class_name"]})]',
+         "expr": f'(lambda c: [x.name for x in __import__("dataclasses").fields(c)])({f["class_name"]})',
          "expected": [f["field_id"], f["field_amount"], f["field_status"]], "fact": "field_id"},
-        {"name": "module_fee", "expr": f"[fee_for({_D(am['base_fee'])}), fee_for({_D(am['fee_rate'])})]",
-         "expected": [_dec(fee(f, am["base_fee"])), _dec(fee(f, am["fee_rate"]))], "fact": None},
+        {"name": "module_fee", **fees(am["base_fee"], am["fee_rate"]), "fact": None},
         {"name": "module_settle",
          "expr": f"(lambda r: (settle(r), r.{st})[1])({_record_cls(f, m, f['status_open'])})",
          "expected": f["status_settled"], "fact": "field_status"},
-        {"name": "module_fee_rounding", "expr": fee_list(rounding),
-         "expected": [_dec(fee(f, x)) for x in rounding], "fact": "rounding_mode"},
+        {"name": "module_fee_rounding", **fees(*rounding), "fact": "rounding_mode"},
         {"name": "module_rejects", "expr": f"settle({_record_cls(f, m, f['status_settled'])})",
          "expected": {"raises": f["exception_name"], "code": f["exception_code"]}, "fact": "exception_code"},
     ]

@@ -8,7 +8,7 @@ from decimal import Decimal, InvalidOperation
 import datasets
 import evaluate
 
-from pace_hf.sandbox import SandboxLimits, decode_value, run_calls
+from pace_hf.sandbox import SandboxLimits, decode_value, plain_data_error, run_calls
 
 _CITATION = """\
 @misc{pace_hf,
@@ -40,7 +40,14 @@ Args:
         (the `reference` field of a probe in pace_hf.bench.load_sessions rows).
     baseline_predictions: optional list of str, a reference arm's answers to the same probes, for
         the paired comparison.
-    timeout_s: optional float, wall-clock limit per answer (default 10 s).
+    timeout_s: optional float, wall-clock limit per answer, in (0, 3600] (default 10 s).
+Raises:
+    InvalidReference (a ValueError): a grading record that is not a JSON object of the shape above
+        (e.g. not JSON, a list, no "checks" list, a check without "expected").
+    MetricInputError (a ValueError; InvalidReference's base): other bad arguments (predictions
+        that are not str, unequal lengths, a timeout_s outside (0, 3600]).
+    pace_hf.sandbox.CodeExecutionNotAllowed: without the opt-in; pace_hf.sandbox.SandboxUnavailable:
+        where the sandbox cannot wall off the host's files.
 Returns:
     checks_passed, checks_total, check_pass_rate: hidden checks over all answers.
     probes_passed, probes_total, probe_pass_rate: answers that passed every check.
@@ -54,6 +61,14 @@ Examples:
     >>> metric = evaluate.load(pace_hf.metrics.PACE_CODING)
     >>> metric.compute(predictions=[answer], references=[probe["reference"]])  # doctest: +SKIP
 """
+
+class MetricInputError(ValueError):
+    """An argument the metric cannot score (the message says which and why)."""
+
+
+class InvalidReference(MetricInputError):
+    """A grading record that is not valid JSON of the documented shape."""
+
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
@@ -153,14 +168,63 @@ def _short(result):
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+_RAISE_KEYS = {"raises", "args", "code"}
+
+
+def parse_reference(reference):
+    """The grading record (a JSON string or dict) as a dict, checked against the documented shape
+    so that scoring cannot fail halfway; raises InvalidReference naming what is wrong."""
+    if isinstance(reference, str):
+        try:
+            ref = json.loads(reference)
+        except (ValueError, RecursionError) as e:
+            raise InvalidReference(f"reference is not JSON: {str(e)[:200]}") from None
+    else:
+        ref = reference
+    if type(ref) is not dict:
+        raise InvalidReference(f"reference must be a JSON object, got {type(ref).__name__}")
+    checks, recall = ref.get("checks"), ref.get("recall", [])
+    if type(checks) is not list:
+        raise InvalidReference("reference needs a 'checks' list (see the metric's description)")
+    if type(recall) is not list or not all(type(f) is str for f in recall):
+        raise InvalidReference("reference's 'recall' must be a list of str")
+    if not checks and not recall:
+        raise InvalidReference("reference has neither checks nor recall facts: nothing to score")
+    for key in ("preamble", "answer_prefix"):
+        if ref.get(key) is not None and type(ref[key]) is not str:
+            raise InvalidReference(f"reference's {key!r} must be a str")
+    for k, c in enumerate(checks):
+        if type(c) is not dict:
+            raise InvalidReference(f"check {k} must be an object")
+        for key in ("name", "expr"):
+            if type(c.get(key)) is not str:
+                raise InvalidReference(f"check {k} needs a str {key!r}")
+        if c.get("fact") is not None and type(c["fact"]) is not str:
+            raise InvalidReference(f"check {c['name']!r}: 'fact' must be a str or null")
+        if "expected" not in c:
+            raise InvalidReference(f"check {c['name']!r} has no 'expected' value")
+        expected = c["expected"]
+        why = plain_data_error(expected)
+        if why is not None:
+            raise InvalidReference(f"check {c['name']!r}: 'expected' is not plain data: {why}")
+        if _is_raise_spec(expected) and not (
+                set(expected) <= _RAISE_KEYS and type(expected["raises"]) in (str, type(None))
+                and type(expected.get("args", [])) is list and type(expected.get("code", "")) is str):
+            raise InvalidReference(f"check {c['name']!r}: a raise spec is {{\"raises\": str or null, "
+                                   f"\"args\"?: list, \"code\"?: str}}")
+    return ref
+
+
 def score_answer(answer, reference, limits=None):
-    """Score one answer against one grading record (a JSON string or dict)."""
-    ref = json.loads(reference) if isinstance(reference, str) else reference
-    checks, recall = ref.get("checks", []), ref.get("recall", [])
+    """Score one answer (a str) against one grading record (a JSON string or dict)."""
+    if type(answer) is not str:
+        raise MetricInputError(f"a prediction must be a str, got {type(answer).__name__}")
+    ref = parse_reference(reference)
+    checks, recall = ref["checks"], ref.get("recall", [])
     prefix = ref.get("answer_prefix") or ""
-    if prefix and not (answer or "").startswith(prefix):
-        answer = prefix + (answer or "")  # the prompt ended with the start of the answer
-    code = extract_code(answer or "")
+    if prefix and not answer.startswith(prefix):
+        answer = prefix + answer  # the prompt ended with the start of the answer
+    code = extract_code(answer)
     preamble = ref.get("preamble") or ""
     if code.strip() and checks:
         program = preamble + "\n\n" + code if preamble else code
@@ -175,7 +239,7 @@ def score_answer(answer, reference, limits=None):
         else:
             rows.append({"name": c["name"], "fact": c.get("fact"), "passed": check_passed(c["expected"], r),
                          "status": r.status, "got": _short(r)})
-    hits = recall_hits(answer or "", recall)
+    hits = recall_hits(answer, recall)
     n_passed = sum(r["passed"] for r in rows)
     return {
         "probe": ref.get("probe"),
@@ -241,15 +305,21 @@ def paired_comparison(details, baseline_details):
 
 
 def score(predictions, references, baseline_predictions=None, limits=None):
-    """The metric's computation, usable without ``evaluate``."""
+    """The metric's computation, usable without ``evaluate``. Every reference is checked before
+    any code runs."""
+    for name, value in (("predictions", predictions), ("references", references),
+                        ("baseline_predictions", baseline_predictions)):
+        if type(value) not in (list, tuple) and not (value is None and name == "baseline_predictions"):
+            raise MetricInputError(f"{name} must be a list, got {type(value).__name__}")
     if len(predictions) != len(references):
-        raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
+        raise MetricInputError(f"{len(predictions)} predictions for {len(references)} references")
+    references = [parse_reference(r) for r in references]
     details = [score_answer(p, r, limits) for p, r in zip(predictions, references)]
     out = _totals(details)
     out["details"] = details
     if baseline_predictions is not None:
         if len(baseline_predictions) != len(references):
-            raise ValueError(f"{len(baseline_predictions)} baseline predictions for {len(references)} references")
+            raise MetricInputError(f"{len(baseline_predictions)} baseline predictions for {len(references)} references")
         base = [score_answer(p, r, limits) for p, r in zip(baseline_predictions, references)]
         out["paired"] = paired_comparison(details, base)
         out["baseline"] = {k: v for k, v in _totals(base).items() if k != "per_fact"}
@@ -274,5 +344,15 @@ class PaceCoding(evaluate.Metric):
         )
 
     def _compute(self, predictions, references, baseline_predictions=None, timeout_s=None):
-        limits = SandboxLimits(timeout_s=float(timeout_s)) if timeout_s else None
-        return score(predictions, references, baseline_predictions=baseline_predictions, limits=limits)
+        return score(predictions, references, baseline_predictions=baseline_predictions,
+                     limits=limits_for(timeout_s))
+
+
+def limits_for(timeout_s):
+    """Sandbox limits for a ``timeout_s`` argument: None (the default, 10 s) or a number of
+    seconds in (0, 3600]; anything else (0 included) is a MetricInputError, not a silent default."""
+    if timeout_s is None:
+        return None
+    if type(timeout_s) not in (int, float) or not 0 < timeout_s <= 3600:
+        raise MetricInputError(f"timeout_s must be a number of seconds in (0, 3600], got {timeout_s!r}")
+    return SandboxLimits(timeout_s=float(timeout_s))
