@@ -23,6 +23,7 @@ How it fits into transformers (see the README's "How it works"):
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 
 import torch
@@ -34,7 +35,13 @@ from .binding import Binding
 from .blueprint import Blueprint, Span, as_index
 from .rope import RotaryParams, rerotate
 from .rope.params import is_nested
-from .scoring import CumulativeAttention, Foresight, ForesightBonus, ObservationWindow, Recency, ScoringPolicy
+from .scoring import (CumulativeAttention, Foresight, ForesightBonus, ObservationWindow, Recency, ScoringPolicy,
+                      describe, rebuild)
+from .spill import SpillLog, concat
+
+SAVE_FORMAT = 1
+# The manifest of a saved session is readable whatever the model: it says which model saved it.
+MANIFEST_KEY, MANIFEST_FINGERPRINT = "manifest", "pace-session-manifest"
 
 DEFAULT_SINKS = 4
 DEFAULT_RECENT = 128
@@ -169,36 +176,39 @@ class EvictingLayer(DynamicLayer):
             self.ref_keys, self.ref_pos = self.ref_keys[:, :, :keep], self.ref_pos[:, :keep]
         self.seen -= count
 
-    def insert(self, tokens: dict[str, torch.Tensor], choose) -> dict[str, torch.Tensor]:
-        """Insert restored ``tokens`` (flat, as ``tokens_at`` gives them) in logical order, then keep,
-        per head, what ``choose(view) -> index [1, m]`` picks, where ``view`` has that head's
+    def insert(self, tokens: dict[str, torch.Tensor], priority, budget: int, sinks: int, recent: int) -> dict[str, torch.Tensor]:
+        """Insert restored ``tokens`` (flat, as ``tokens_at`` gives them) in logical order, then keep the
+        ``budget`` tokens of highest ``priority(view)`` per head, where ``view`` has one head's
         ``logical`` and ``scores`` as ``[1, n]``. Returns the resident tokens pushed out, flat.
 
         A restored token comes back with its reference key and position, and its stored key is that
-        reference: unbounded layers kept keys at their logical position, and bounded layers are
-        renumbered by the caller, which re-rotates every key from its reference."""
+        reference: unbounded layers keep keys at their logical position, and the caller renumbers
+        bounded layers, which re-rotates every key from its reference."""
         dev, has_scores = self.logical.device, self.scores.numel() > 0
         ref_keys = self.ref_keys if self.keep_reference else self.keys
         ref_pos = self.ref_pos if self.keep_reference else self.physical
-        rows, pushed = [], []
+        candidates = []
         for h in range(self.logical.shape[0]):
             resident = self.logical[h]
             sel = (tokens["head"] == h).nonzero().flatten()
             logical, inverse = torch.unique(tokens["logical"][sel], return_inverse=True)
-            last = torch.full((logical.numel(),), -1, dtype=torch.long)  # the newest spilled copy wins
-            sel = sel[last.scatter_reduce(0, inverse, torch.arange(sel.numel()), "amax")]
+            newest = torch.full((logical.numel(),), -1, dtype=torch.long)  # the newest spilled copy wins
+            sel = sel[newest.scatter_reduce(0, inverse, torch.arange(sel.numel()), "amax")]
             sel = sel[~torch.isin(logical, resident.cpu())]
             cand = {"logical": resident, "ref_pos": ref_pos[h], "ref_key": ref_keys[0, h], "value": self.values[0, h],
                     "score": self.scores[h] if has_scores else torch.zeros(resident.shape, device=dev)}
             cand = {k: torch.cat([v, tokens[k][sel].to(dev, v.dtype)]) for k, v in cand.items()}
             was_resident = torch.arange(cand["logical"].numel(), device=dev) < resident.numel()
             order = cand["logical"].argsort()
-            cand = {k: v[order] for k, v in cand.items()}
-            index = choose(_HeadView(cand["logical"][None], cand["score"][None] if has_scores else None))[0]
-            out = was_resident[order]
+            candidates.append(({k: v[order] for k, v in cand.items()}, was_resident[order]))
+        keep = min(budget, min(c["logical"].numel() for c, _ in candidates))  # every head keeps as many
+        rows, pushed = [], []
+        for h, (cand, was_resident) in enumerate(candidates):
+            view = _HeadView(cand["logical"][None], cand["score"][None] if has_scores else None)
+            index = keep_index(priority(view), keep, sinks, recent)[0]
+            out = was_resident.clone()
             out[index] = False
-            pushed.append({"head": torch.full((int(out.sum()),), h, dtype=torch.long),
-                           **{k: v[out] for k, v in cand.items()}})
+            pushed.append({"head": torch.full((int(out.sum()),), h, dtype=torch.long), **{k: v[out] for k, v in cand.items()}})
             rows.append({k: v[index] for k, v in cand.items()})
         stack = lambda name: torch.stack([r[name] for r in rows])  # noqa: E731
         self.logical, self.values = stack("logical"), stack("value")[None]
@@ -236,6 +246,10 @@ class EvictionCache(DynamicCache):
         scoring: a ``pace_hf.scoring.ScoringPolicy`` (default ``CumulativeAttention()``, H2O).
         limit: keep every rotary position below ``limit`` by renumbering residents (None: unbounded).
             It must exceed ``budget`` plus the largest chunk a forward brings.
+        store / session_id: a ``pace_hf.tiers.TieredStore``: every evicted token is spilled to it, and
+            planned spans that are not resident are restored when their reader step comes (fetched
+            ``prefetch_steps`` steps ahead, in the background). ``save()`` / ``resume()`` persist the
+            session there. ``spill_tokens``: tokens per KV head in one spill entry.
     """
 
     def __init__(
@@ -247,6 +261,10 @@ class EvictionCache(DynamicCache):
         recent: int = DEFAULT_RECENT,
         scoring: ScoringPolicy | None = None,
         limit: int | None = None,
+        store=None,
+        session_id: str | None = None,
+        prefetch_steps: int = 1,
+        spill_tokens: int = 256,
     ):
         budget, sinks, recent = (as_index(v, n) for v, n in ((budget, "budget"), (sinks, "sinks"), (recent, "recent")))
         if budget <= 0 or sinks < 0 or recent < 0:
@@ -260,7 +278,19 @@ class EvictionCache(DynamicCache):
             limit = as_index(limit, "limit")
             if limit <= budget:
                 raise ValueError(f"limit {limit} must exceed budget {budget} plus the chunk size")
+        if store is not None and not (isinstance(session_id, str) and session_id):
+            raise ValueError("a cache with a store needs a session_id (a non-empty str) to name its entries")
+        prefetch_steps, spill_tokens = as_index(prefetch_steps, "prefetch_steps"), as_index(spill_tokens, "spill_tokens")
+        if prefetch_steps < 0 or spill_tokens < 1:
+            raise ValueError(f"prefetch_steps must be >= 0 and spill_tokens >= 1 (got {prefetch_steps}, {spill_tokens})")
         super().__init__()
+        self.store, self.session_id = store, session_id
+        self.prefetch_steps, self.spill_tokens = prefetch_steps, spill_tokens
+        self.spill: SpillLog | None = None
+        self.fingerprint: str | None = None
+        self._restores: dict[tuple[int, int], tuple[int, tuple]] = {}  # span -> (reader, fetch)
+        self._restore_stats = {"restores": 0, "restored_tokens": 0, "last_restored": 0, "restore_seconds": 0.0,
+                               "stall_seconds": 0.0, "last_stall_seconds": 0.0}
         self.layer_class_to_replicate = None
         self.layers = []
         self.budget, self.sinks, self.recent = budget, sinks, recent
@@ -273,6 +303,7 @@ class EvictionCache(DynamicCache):
         self.binding: Binding | None = None
         self._release = None
         self._chunk = None
+        self.progress = None  # optional: anything with update(n), told of every prefilled chunk
         if model is not None:
             self.bind(model)
 
@@ -288,6 +319,7 @@ class EvictionCache(DynamicCache):
         if value < 0:
             raise ValueError(f"cache.step must be >= 0, got {value}")
         self._step = value
+        self._plan_restores()
 
     @property
     def bounded(self) -> bool:
@@ -322,6 +354,11 @@ class EvictionCache(DynamicCache):
             self.layers = [EvictingLayer(keep_reference=self.bounded) for _ in layer_types]
         elif len(self.layers) != len(layer_types):
             raise ValueError(f"this cache holds {len(self.layers)} layers; the model has {len(layer_types)}")
+        if self.store is not None and self.spill is None:
+            from .tiers import model_fingerprint
+
+            self.fingerprint = model_fingerprint(model)
+            self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens)
         self.binding = Binding.acquire(model)
         self._release = weakref.finalize(self, self.binding.release)
         return self
@@ -423,6 +460,7 @@ class EvictionCache(DynamicCache):
 
     def begin_forward(self, q_len: int) -> int:
         """Prepare for a forward of ``q_len`` new tokens; return the first physical position."""
+        self._apply_due_restores()
         seen, n = self.get_seq_length(), self.resident_count()
         if self.bounded:
             if n + q_len > self.limit:
@@ -455,13 +493,158 @@ class EvictionCache(DynamicCache):
     def end_forward(self, q_len: int) -> None:
         self._chunk = None
         self.next_physical += q_len
+        if self.progress is not None and q_len > 1:
+            self.progress.update(q_len)
         for layer_idx, layer in enumerate(self.layers):
             if layer.is_initialized and layer.stored > self.budget:
                 self.evicted(layer_idx, layer.keep(self._keep_index(layer)))
 
     def evicted(self, layer_idx: int, tokens: dict[str, torch.Tensor]) -> None:
-        """Called with every token a layer evicts (flat, see ``EvictingLayer.tokens_at``). Dropped
-        here; a cache with a store spills them."""
+        """Every token a layer evicts (flat, see ``EvictingLayer.tokens_at``): spilled with a store,
+        dropped without one."""
+        if self.spill is not None:
+            self.spill.add(layer_idx, tokens)
+
+    # -- tiers: restore, prefetch, save, resume ------------------------------------------------------
+    @property
+    def tier_stats(self) -> dict:
+        """The store's counters (per tier: bytes, hits, misses, integrity failures, errors, seconds)
+        and this cache's restores: count, tokens, seconds, and the stall (seconds a forward waited)."""
+        out = dict(self._restore_stats)
+        if self.spill is not None:
+            out["spilled_tokens"] = self.spill.spilled_tokens
+        if self.store is not None:
+            out["store"] = self.store.stats
+        return out
+
+    def restore(self, start: int, end: int) -> int:
+        """Bring the evicted tokens of logical range ``[start, end)`` back now, and plan the range for
+        the current step so that its foresight bonus keeps it. Returns the tokens restored (layer 0)."""
+        start, end = as_index(start, "start"), as_index(end, "end")
+        if not 0 <= start < end:
+            raise ValueError(f"restore needs 0 <= start < end, got [{start}, {end})")
+        if self.spill is None:
+            raise ValueError("restore needs a cache with a store (store=..., session_id=...) bound to a model")
+        if self.blueprint is None:
+            raise ValueError("restored tokens stay resident through their foresight bonus: restore needs a "
+                             "cache with a Foresight policy (PACECache)")
+        if self.in_forward:
+            raise RuntimeError("restore cannot run inside a forward")
+        self.blueprint.add(Span(start, end, [self.step]))
+        self._restore([((start, end), self.spill.fetch(start, end))])
+        return self._restore_stats["last_restored"]
+
+    def _plan_restores(self) -> None:
+        """Fetch, in the background, every planned span whose next reader is within
+        ``prefetch_steps`` steps and that is not fully resident."""
+        blueprint = self.blueprint
+        if self.spill is None or blueprint is None or not self.layers or not self.layers[0].is_initialized:
+            return
+        seen = self.get_seq_length()
+        for span in blueprint.due(self.step, self.prefetch_steps):
+            key = (span.start, min(span.end, seen))
+            if key[0] >= key[1] or key in self._restores or self.residency(range(*key)) == 1.0:
+                continue
+            self._restores[key] = (span.next_reader(self.step), self.spill.fetch(*key))
+
+    def _apply_due_restores(self) -> None:
+        due = [(key, fetch) for key, (reader, fetch) in self._restores.items() if reader <= self.step]
+        if due:
+            for key, _ in due:
+                del self._restores[key]
+            self._restore(due)
+
+    def _restore(self, fetches) -> None:
+        """Insert fetched tokens into every layer, evict back to ``budget`` and renumber, before the
+        next chunk runs. Restored planned tokens carry their bonus, so they stay."""
+        started = time.perf_counter()
+        waited = 0.0
+        by_layer: dict[int, list] = {}
+        for (start, end), fetch in fetches:
+            t0 = time.perf_counter()
+            fetch[1].result()  # the stall: how long the forward waits for the background fetch
+            waited += time.perf_counter() - t0
+            for layer_idx, tokens in self.spill.collect(start, end, fetch).items():
+                by_layer.setdefault(layer_idx, []).append(tokens)
+        restored, inserted = 0, False
+        for layer_idx, parts in sorted(by_layer.items()):
+            layer, tokens = self.layers[layer_idx], concat(parts)
+            if not layer.is_initialized or tokens["logical"].numel() == 0:
+                continue
+            inserted = True
+            before = layer.logical
+            pushed = layer.insert(tokens, lambda view: self.scoring.priority(view, self.step),
+                                  self.budget, self.sinks, self.recent)
+            self.evicted(layer_idx, pushed)
+            if layer_idx == 0:
+                restored = sum(int((~torch.isin(new, old)).sum()) for new, old in zip(layer.logical, before))
+        if self.bounded and inserted:
+            self.renumber()
+        stats = self._restore_stats
+        stats["restores"] += 1
+        stats["restored_tokens"] += restored
+        stats["last_restored"] = restored
+        stats["restore_seconds"] += time.perf_counter() - started
+        stats["stall_seconds"] += waited
+        stats["last_stall_seconds"] = waited
+
+    def save(self) -> None:
+        """Write everything needed to continue this session to the store, durably: every layer's
+        tensors (resident and reference keys, ledger, scores), the step, the renumber state, the
+        policy with its blueprint, and the spill index. ``resume`` continues it in another process."""
+        if self.spill is None:
+            raise ValueError("save needs a cache with a store (store=..., session_id=...) bound to a model")
+        if self.in_forward:
+            raise RuntimeError("save cannot run inside a forward")
+        self.spill.flush()
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized:
+                self.store.put(f"L{i}/state", layer.tensors(), {"seen": layer.seen},
+                               fingerprint=self.fingerprint, session_id=self.session_id)
+        manifest = {
+            "format": SAVE_FORMAT, "class": type(self).__name__, "model_fingerprint": self.fingerprint,
+            "layers": [layer.is_initialized for layer in self.layers], "budget": self.budget,
+            "sinks": self.sinks, "recent": self.recent, "limit": self.limit, "scoring": describe(self.scoring),
+            "step": self.step, "renumbers": self.renumbers, "next_physical": self.next_physical,
+            "prefetch_steps": self.prefetch_steps, "spill": self.spill.state(),
+        }
+        self.store.put(MANIFEST_KEY, {}, manifest, fingerprint=MANIFEST_FINGERPRINT, session_id=self.session_id)
+        self.store.flush()
+
+    @classmethod
+    def resume(cls, session_id: str, *, store, model, scoring: ScoringPolicy | None = None) -> "EvictionCache":
+        """Continue a session saved with :meth:`save`, possibly in another process, bound to ``model``.
+        A session saved by another model, config or dtype is refused."""
+        from .tiers import model_fingerprint
+
+        got = store.get(MANIFEST_KEY, fingerprint=MANIFEST_FINGERPRINT, session_id=session_id)
+        if got is None:
+            raise KeyError(f"no saved session {session_id!r} in this store (or its manifest failed verification)")
+        m = got[1]
+        if m.get("format") != SAVE_FORMAT:
+            raise ValueError(f"session {session_id!r} was saved in format {m.get('format')}; this is {SAVE_FORMAT}")
+        fingerprint = model_fingerprint(model)
+        if m["model_fingerprint"] != fingerprint:
+            raise ValueError(f"session {session_id!r} was saved by another model, config or dtype "
+                             f"(fingerprint {m['model_fingerprint']}, this model {fingerprint}): its KV cannot be restored")
+        cache = cls.__new__(cls)
+        EvictionCache.__init__(cache, budget=m["budget"], sinks=m["sinks"], recent=m["recent"],
+                               scoring=scoring or rebuild(m["scoring"]), limit=m["limit"], store=store,
+                               session_id=session_id, prefetch_steps=m["prefetch_steps"],
+                               spill_tokens=m["spill"]["entry_tokens"])
+        cache.bind(model)
+        if len(m["layers"]) != len(cache.layers):
+            raise ValueError(f"session {session_id!r} has {len(m['layers'])} layers; the model has {len(cache.layers)}")
+        for i, (layer, saved) in enumerate(zip(cache.layers, m["layers"])):
+            if not saved:
+                continue
+            state = store.get(f"L{i}/state", fingerprint=fingerprint, session_id=session_id)
+            if state is None:
+                raise ValueError(f"session {session_id!r}: layer {i}'s state is missing or failed verification")
+            layer.load({k: v.to(model.device) for k, v in state[0].items()}, state[1]["seen"])
+        cache.spill.load(m["spill"])
+        cache._step, cache.renumbers, cache.next_physical = m["step"], m["renumbers"], m["next_physical"]
+        return cache
 
     def score_query_window(self, q_len: int) -> int | None:
         return self.scoring.query_window(q_len) if self.scoring.needs_attention else 0

