@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from pace_hf import Blueprint, H2OCache, PACECache, Span
-from pace_hf.models import load_model, preferred_dtype
+from pace_hf.bench.models import load_model, preferred_dtype
 
 
 def stdlib_tokens(tokenizer, n: int) -> torch.Tensor:

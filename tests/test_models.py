@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from pace_hf import models
+from pace_hf.bench import models
 
 
 def _greedy(model, tok, text, max_new_tokens=8):

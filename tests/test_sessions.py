@@ -4,7 +4,7 @@ import pytest
 
 from pace_hf.bench import answer_suffix_ids, build_session, load_sessions, to_parquet
 from pace_hf.bench import sessions as S
-from pace_hf.models import load_tokenizer
+from pace_hf.bench.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import torch
 
 from pace_hf import Blueprint, EvictionCache
 from pace_hf.cache import DEFAULT_RECENT
-from pace_hf.models import preferred_dtype
+from pace_hf.bench.models import preferred_dtype
 
 from transformers import StoppingCriteria
 
@@ -131,7 +131,7 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
         try:
             score = metric.compute(predictions=[text], references=[probe["reference"]])["details"][0]
         except Exception as e:  # noqa: BLE001 - one probe's scoring failure must not end a long run
-            from pace_hf.sandbox import CodeExecutionNotAllowed, SandboxUnavailable
+            from pace_hf.metrics.pace_coding.sandbox import CodeExecutionNotAllowed, SandboxUnavailable
             if isinstance(e, (CodeExecutionNotAllowed, SandboxUnavailable)):
                 raise  # no probe can be scored on this machine: stop now, not hours later
             try:  # the probe still counts, with every check failed
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
                     help="keep the (arm, session) pairs already complete in OUT/probes.jsonl and run the rest")
     args = ap.parse_args(argv)
 
-    from pace_hf.sandbox import require_opt_in
+    from pace_hf.metrics.pace_coding.sandbox import require_opt_in
 
     require_opt_in()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
 
     from pace_hf.bench import load_sessions
     from pace_hf.metrics import PACE_CODING
-    from pace_hf.models import load_model
+    from pace_hf.bench.models import load_model
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     for arm in arms:

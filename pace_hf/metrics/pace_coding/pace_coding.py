@@ -8,7 +8,7 @@ from decimal import Decimal, InvalidOperation
 import datasets
 import evaluate
 
-from pace_hf.sandbox import SandboxLimits, decode_value, plain_data_error, run_calls
+from pace_hf.metrics.pace_coding.sandbox import SandboxLimits, decode_value, plain_data_error, run_calls
 
 _CITATION = """\
 @misc{pace_hf,
@@ -46,7 +46,7 @@ Raises:
         (e.g. not JSON, a list, no "checks" list, a check without "expected").
     MetricInputError (a ValueError; InvalidReference's base): other bad arguments (predictions
         that are not str, unequal lengths, a timeout_s outside (0, 3600]).
-    pace_hf.sandbox.CodeExecutionNotAllowed: without the opt-in; pace_hf.sandbox.SandboxUnavailable:
+    pace_hf.metrics.pace_coding.sandbox.CodeExecutionNotAllowed: without the opt-in; pace_hf.metrics.pace_coding.sandbox.SandboxUnavailable:
         where the sandbox cannot wall off the host's files.
 Returns:
     checks_passed, checks_total, check_pass_rate: hidden checks over all answers.

@@ -5,7 +5,7 @@ A benchmark metric executes generated code against hidden unit tests. The code i
 * the parent holds the calls and decides pass/fail: it sends call ``i`` only after it has the
   result of call ``i - 1``, so the program never sees a call before it is asked, and expected
   values never leave the parent;
-* the child (``pace_hf/_sandbox_child.py``) returns only plain data (JSON values, with
+* the child (``pace_hf/metrics/pace_coding/_sandbox_child.py``) returns only plain data (JSON values, with
   ``decimal.Decimal`` as ``{"__decimal__": str(x)}``), one JSON line per call over a dedicated
   pipe; the parent checks each value's types, depth and size and never unpickles or evals it;
 * the child is confined at the OS level: nothing outside its scratch tmpfs is writable (a
@@ -80,7 +80,7 @@ def require_opt_in() -> None:
     if os.environ.get(OPT_IN_ENV) != "1":
         raise CodeExecutionNotAllowed(
             "Executing model-generated code is disabled by default: the code is untrusted and, "
-            "although pace_hf.sandbox confines it, no sandbox is perfect. Run it only on a "
+            "although pace_hf.metrics.pace_coding.sandbox confines it, no sandbox is perfect. Run it only on a "
             f"machine you can afford to lose. To opt in, set the environment variable "
             f"{OPT_IN_ENV}=1 (e.g. `export {OPT_IN_ENV}=1`, or os.environ['{OPT_IN_ENV}'] = '1')."
         )

@@ -1,6 +1,6 @@
-"""Child side of :mod:`pace_hf.sandbox`: confine this process, run the program, report plain data.
+"""Child side of :mod:`pace_hf.metrics.pace_coding.sandbox`: confine this process, run the program, report plain data.
 
-Started by ``pace_hf.sandbox`` as ``python -I -S -B _sandbox_child.py JOB_FD CALL_FD REPORT_FD``.
+Started by ``pace_hf.metrics.pace_coding.sandbox`` as ``python -I -S -B _sandbox_child.py JOB_FD CALL_FD REPORT_FD``.
 It uses the standard library only: the isolated interpreter sees neither site-packages nor
 ``pace_hf``.
 
