@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from pace_hf.bench import sessions as S
+from pace_hf.bench import facts as S
 from pace_hf.bench.sessions import build_session, reference_solution
 from pace_hf.metrics import PACE_CODING
 from pace_hf.metrics.pace_coding import pace_coding as M

@@ -183,3 +183,33 @@ def test_checks_are_well_formed(tok):
             if c["fact"]:
                 facts_with_checks.add(c["fact"])
     assert facts_with_checks == set(S.FACT_NAMES)
+
+
+@pytest.mark.parametrize("knobs,match", [
+    (dict(total_tokens=10), "shorter than the system prompt and the definitions"),
+    (dict(total_tokens=-500), "total_tokens must be a positive int"),
+    (dict(total_tokens=3000.0), "total_tokens must be a positive int"),
+    (dict(total_tokens=3000, distance=10**6), "distance=1000000 does not fit"),
+    (dict(total_tokens=3000, distance=-1), "distance must be None or an int >= 0"),
+    (dict(total_tokens=3000, distance=1.5), "distance must be None or an int >= 0"),
+    (dict(total_tokens=3000, chunk_tokens=0), "chunk_tokens must be an int >= 128"),
+])
+def test_silent_inputs_get_clear_errors(tok, knobs, match):
+    """Issue 13, item 10: a knob that would make another session than asked is an error, not a clip."""
+    with pytest.raises(ValueError, match=match):
+        build_session(tok, **knobs)
+
+
+def test_load_sessions_checks_its_knobs_before_generating(tok, tmp_path):
+    for n in (0, -1, True, 1.0):
+        with pytest.raises(ValueError, match="n_sessions must be an int >= 1"):
+            load_sessions(tok, n_sessions=n, cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="shorter than the system prompt"):
+        load_sessions(tok, n_sessions=2, total_tokens=10, cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="does not fit"):
+        load_sessions(tok, n_sessions=2, total_tokens=3000, distance=10**6, cache_dir=str(tmp_path))
+    assert not list(tmp_path.rglob("*.arrow"))  # nothing was generated
+    # the largest distance that fits is honoured, not clipped
+    fixed = S.fixed_tokens(tok, 0, 0)
+    row = build_session(tok, total_tokens=3000, distance=3000 - fixed)
+    assert row["definitions_start"] == row["turns"][0]["end"]

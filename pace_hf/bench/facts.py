@@ -1,0 +1,83 @@
+"""A session's facts: the randomized names and values that its definitions state, and the fee rule.
+
+Each fact is one string, drawn from a small pool; :data:`FACT_STEPS` says which definition step
+states it. :func:`fact_alternatives` lists the values a fact could have taken instead (what the
+checks must tell apart), and :func:`fee` is the fee rule of step 3.
+"""
+
+from __future__ import annotations
+
+import random
+from decimal import ROUND_DOWN, ROUND_HALF_EVEN, ROUND_HALF_UP, ROUND_UP, Decimal
+
+__all__ = ["FACT_NAMES", "FACT_STEPS", "ROUNDING_MODES", "sample_facts", "fact_alternatives", "fee"]
+
+CLASS_NAMES = ["Invoice", "Order", "Shipment", "Booking", "Payment", "Ticket", "Parcel", "Rental",
+               "Transfer", "Voucher"]
+ID_FIELDS = ["{c}_id", "{c}_no", "ref", "reference", "number", "key"]
+AMOUNT_FIELDS = ["amount", "subtotal", "total", "price", "net", "gross", "value"]
+STATUS_FIELDS = ["status", "state", "phase", "stage"]
+BASE_FEES = ["0.25", "0.50", "0.75", "1.00", "1.25", "1.50", "1.75", "2.00", "2.25", "2.50", "3.00"]
+FEE_RATES = ["0.015", "0.02", "0.025", "0.029", "0.03", "0.035", "0.04", "0.045"]
+EXCEPTION_NAMES = ["LedgerError", "BillingError", "SettlementError", "PaymentError", "ChargeError",
+                   "PostingError", "AccountError", "ClearingError"]
+CODE_PREFIXES = ["E", "ERR", "LDG", "BIL", "SET", "PAY"]
+STATUS_OPEN = ["pending", "open", "new", "draft", "queued", "unpaid", "active"]
+STATUS_SETTLED = ["settled", "paid", "closed", "cleared", "done", "posted", "booked"]
+QUANTA = ["0.01", "0.05", "0.10", "0.25"]
+ROUNDING_MODES = ["ROUND_HALF_UP", "ROUND_HALF_EVEN", "ROUND_DOWN", "ROUND_UP"]
+_ROUNDING = {"ROUND_HALF_UP": ROUND_HALF_UP, "ROUND_HALF_EVEN": ROUND_HALF_EVEN,
+             "ROUND_DOWN": ROUND_DOWN, "ROUND_UP": ROUND_UP}
+
+# fact name -> definition step (1, 2 or 3)
+FACT_STEPS = {
+    "class_name": 1, "field_id": 1, "field_amount": 1, "field_status": 1,
+    "base_fee": 3, "fee_rate": 3, "status_open": 2, "status_settled": 2,
+    "exception_code": 2, "exception_name": 2,
+    "quantum": 3, "rounding_mode": 3,
+}
+FACT_NAMES = tuple(FACT_STEPS)
+
+
+def sample_facts(rng: random.Random) -> dict[str, str]:
+    """One session's randomized facts, all as strings."""
+    cls = rng.choice(CLASS_NAMES)
+    return {
+        "class_name": cls,
+        "field_id": rng.choice(ID_FIELDS).format(c=cls.lower()),
+        "field_amount": rng.choice(AMOUNT_FIELDS),
+        "field_status": rng.choice(STATUS_FIELDS),
+        "base_fee": rng.choice(BASE_FEES),
+        "fee_rate": rng.choice(FEE_RATES),
+        "status_open": rng.choice(STATUS_OPEN),
+        "status_settled": rng.choice(STATUS_SETTLED),
+        "exception_code": f"{rng.choice(CODE_PREFIXES)}-{rng.randint(100, 999)}",
+        "exception_name": rng.choice(EXCEPTION_NAMES),
+        "quantum": rng.choice(QUANTA),
+        "rounding_mode": rng.choice(ROUNDING_MODES),
+    }
+
+
+def fact_alternatives(facts: dict[str, str], name: str) -> list[str]:
+    """Other values that fact ``name`` could have taken (for mutation tests)."""
+    pools = {
+        "class_name": CLASS_NAMES, "field_amount": AMOUNT_FIELDS, "field_status": STATUS_FIELDS,
+        "base_fee": BASE_FEES, "fee_rate": FEE_RATES, "status_open": STATUS_OPEN,
+        "status_settled": STATUS_SETTLED, "exception_name": EXCEPTION_NAMES, "quantum": QUANTA,
+        "rounding_mode": ROUNDING_MODES,
+    }
+    if name == "field_id":
+        pool = [f.format(c=facts["class_name"].lower()) for f in ID_FIELDS]
+    elif name == "exception_code":
+        pool = [f"{p}-{n}" for p in CODE_PREFIXES for n in (100, 417, 999)]
+    else:
+        pool = pools[name]
+    taken = {facts[k] for k in ("field_id", "field_amount", "field_status")} if name.startswith("field_") else set()
+    return [v for v in pool if v != facts[name] and v not in taken]
+
+
+def fee(facts: dict[str, str], amount: Decimal) -> Decimal:
+    """The fee rule: ``BASE_FEE + amount * FEE_RATE`` rounded to a multiple of the quantum."""
+    q = Decimal(facts["quantum"])
+    raw = Decimal(facts["base_fee"]) + amount * Decimal(facts["fee_rate"])
+    return (raw / q).quantize(Decimal("1"), rounding=_ROUNDING[facts["rounding_mode"]]) * q
