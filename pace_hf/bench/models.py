@@ -415,12 +415,13 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL, cache_dir: str | os.PathLi
 
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     cache_dir: str | os.PathLike | None = None,
     use_dense_cache: bool = True,
     **kwargs,
 ):
-    """Load ``(model, tokenizer)``, in eval mode, with the default attention (SDPA).
+    """Load ``(model, tokenizer)``, in eval mode, with the default attention (SDPA), in ``dtype``
+    (default: ``preferred_dtype()``, what is fast on this machine).
 
     ``name_or_path`` is a packaged model name (``"qwen2.5-coder-0.5b"``,
     ``"smollm2-135m"``), or else a local directory or Hub id for ``from_pretrained``.
@@ -432,6 +433,7 @@ def load_model(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = preferred_dtype() if dtype is None else dtype
     if _is_packaged(name_or_path):
         model, tokenizer = _load_packaged(name_or_path, dtype, cache_dir, use_dense_cache, **kwargs)
     else:
