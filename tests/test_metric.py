@@ -172,6 +172,7 @@ def test_no_opt_in_refuses(monkeypatch, rows):
     from pace_hf.metrics.pace_coding.sandbox import CodeExecutionNotAllowed
 
     monkeypatch.delenv("PACE_ALLOW_CODE_EVAL")
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
     p = rows[0]["probes"][0]
     with pytest.raises(CodeExecutionNotAllowed):
         M.score_answer(reference_solution(rows[0], 0), p["reference"])
@@ -424,3 +425,98 @@ def test_runner_records_a_probe_whose_scoring_fails_and_goes_on(monkeypatch, row
 
     with pytest.raises(Exception, match="opt in"):  # no probe can be scored: stop at once
         runner.play_session(Model(), Tokenizer(), row, "h2o", None, Refusing(), 16, [])
+
+
+def _fee_for_shapes(row):
+    """A correct fee_for answer in each shape a model or another prompt may give it."""
+    full = reference_solution(row, "fee_for")  # "```python\ndef fee_for(amount):\n    base_fee = ..."
+    code = full[len("```python\n"):-len("```")]
+    prefix = json.loads(row["probes"][0]["reference"])["answer_prefix"]
+    return {
+        "continuation of the prompt's prefix": full[len(prefix):],
+        "fenced block (repeating the prefix)": full,
+        "prose, then a fenced block": "Here is the function you asked for:\n\n" + full + "\n\nIt rounds as specified.",
+        "bare code": code,
+        "bare code after a blank line": "\n" + code,
+        "untagged fence": "```\n" + code + "```",
+        "py tag, unclosed fence (truncated)": "```py\n" + code,
+    }
+
+
+def test_correct_answers_in_every_shape_pass(rows):
+    """Issue 14: a correct fee_for scored 0/4 ('unterminated string literal') when it did not continue
+    the prompt's answer prefix. Every shape of a correct answer now passes every check."""
+    row = rows[0]
+    ref = row["probes"][0]["reference"]
+    for shape, answer in _fee_for_shapes(row).items():
+        out = M.score_answer(answer, ref)
+        assert (out["checks_passed"], out["failure"]) == (4, None), (shape, out)
+        assert out["recall_hits"] == out["recall_total"] == 4, shape
+        want = "continuation" if shape.startswith("continuation") else "standalone"
+        assert out["answer_form"] == want, shape
+
+
+def test_choose_code_rule():
+    prefix = 'def f():\n    return "'
+    assert M.answer_forms("x", "") == [("standalone", "x")]
+    assert M.answer_forms(prefix + "a\"", prefix) == [("standalone", prefix + "a\"")]
+    assert M.choose_code('a"\n', prefix)[:3] == ("continuation", prefix + 'a"\n', prefix + 'a"\n')
+    assert M.choose_code("x = 1\n", prefix)[0::3] == ("standalone", None)  # the continuation does not parse
+    form, _, _, why = M.choose_code("x = (\n", prefix)  # neither parses: the first reading, with its error
+    assert form == "continuation" and why.startswith("SyntaxError")
+    assert M.choose_code("  \n", prefix)[3] == "no code"
+    assert M.parse_error("(" * 300) is not None and M.parse_error("-" * 200_000 + "1") is not None
+
+
+def test_failure_says_why_a_probe_failed(rows):
+    row = rows[0]
+    fee_ref = row["probes"][0]["reference"]
+    facts = _facts(row)
+    code = reference_solution(row, "fee_for")
+    wrong = code.replace(f'"{facts["base_fee"]}"', '"99"')
+    cases = {
+        "": "no code",
+        "Sorry, I cannot recall step 3.": "does not parse",
+        "```python\ndef fee_for(amount):\n    return (\n```": "does not parse",
+        "```python\nreturn 1\n```": "does not parse",  # parses, but the compiler refuses it
+        wrong: "wrong value",
+        "```python\ndef fee_for(amount):\n    raise ValueError('no')\n```": "raised",
+        "```python\nraise SystemExit(3)\n```": "raised",
+    }
+    for answer, failure in cases.items():
+        out = M.score_answer(answer, fee_ref)
+        assert out["failure"] == failure, (answer, out)
+        assert out["checks_passed"] < out["checks_total"]
+        assert all(c["failure"] in M.FAILURES for c in out["checks"] if not c["passed"])
+    slow = "```python\ndef fee_for(amount):\n    while True:\n        pass\n```"
+    out = M.score_answer(slow, fee_ref, M.limits_for(1.0))
+    assert out["failure"] == "timeout" and out["checks_passed"] == 0
+    ok = M.score_answer(code, fee_ref)
+    assert ok["failure"] is None and all(c["failure"] is None for c in ok["checks"])
+
+
+def test_hf_code_eval_opt_in(monkeypatch, rows):
+    monkeypatch.delenv("PACE_ALLOW_CODE_EVAL")
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
+    assert M.score_answer(reference_solution(rows[0], 0), rows[0]["probes"][0]["reference"])["passed"]
+
+
+def test_card_follows_evaluate_conventions_and_its_example_runs(capsys):
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    card = (Path(PACE_CODING) / "README.md").read_text()
+    front, body = re.match(r"^---\n(.*?)\n---\n(.*)$", card, re.DOTALL).groups()
+    meta = yaml.safe_load(front)
+    assert meta["title"] == "pace_coding" and "metric" in meta["tags"] and "HF_ALLOW_CODE_EVAL" in meta["description"]
+    for section in ("## Metric Description", "## How to Use", "### Inputs", "### Output Values", "### Examples",
+                    "## Limitations and Bias", "## Citation"):
+        assert section in body, section
+    assert M._CITATION.strip() in body and "drop-in {KV} cache" in M._CITATION
+    example = body.split("### Examples", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
+    exec(compile(example, "README example", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    promised = [line.split("# ", 1)[1].strip() for line in example.splitlines() if line.startswith("print(")]
+    assert printed == promised

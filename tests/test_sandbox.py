@@ -146,12 +146,23 @@ def test_values_exceptions_and_decimals_come_back_as_plain_data():
 
 def test_no_opt_in_refuses_with_instructions(monkeypatch):
     monkeypatch.delenv("PACE_ALLOW_CODE_EVAL")
-    with pytest.raises(CodeExecutionNotAllowed, match="PACE_ALLOW_CODE_EVAL=1"):
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+    with pytest.raises(CodeExecutionNotAllowed, match="PACE_ALLOW_CODE_EVAL=1.*HF_ALLOW_CODE_EVAL=1"):
         run_calls("x = 1", ["x"])
     monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "yes")
     with pytest.raises(CodeExecutionNotAllowed):
         require_opt_in()
     assert issubclass(CodeExecutionNotAllowed, RuntimeError)
+
+
+def test_hf_code_eval_opt_in_is_accepted(monkeypatch):
+    """code_eval users already set HF_ALLOW_CODE_EVAL=1: it opts in too, and only "1" does."""
+    monkeypatch.delenv("PACE_ALLOW_CODE_EVAL")
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "0")
+    with pytest.raises(CodeExecutionNotAllowed):
+        require_opt_in()
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
+    require_opt_in()
 
 
 def test_program_that_does_not_load_makes_every_call_an_error():

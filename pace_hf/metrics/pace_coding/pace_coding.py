@@ -1,5 +1,6 @@
 """pace_coding: hidden-test and fact-recall scoring of the PACE benchmark's coding probes."""
 
+import ast
 import json
 import math
 import re
@@ -11,9 +12,11 @@ import evaluate
 from pace_hf.metrics.pace_coding.sandbox import SandboxLimits, decode_value, plain_data_error, run_calls
 
 _CITATION = """\
-@misc{pace_hf,
-  title = {pace_hf: foresight retention and bounded rotary positions for long agent sessions},
-  note = {PACE benchmark scoring},
+@software{pace_hf,
+  title = {{PACE}: foresight retention and bounded rotary positions as a drop-in {KV} cache for
+           {Hugging Face} Transformers},
+  note = {pace_hf, the PACE benchmark's pace_coding metric},
+  year = {2026},
 }
 """
 
@@ -21,12 +24,16 @@ _DESCRIPTION = """\
 Scores answers to the PACE benchmark's coding probes (write `fee_for`, write `settle`, write the
 module). The code of each answer (its fenced ```python blocks, concatenated; the raw text when it has
 none) runs in pace_hf's sandbox against the probe's hidden checks; the parent process compares the
-returned plain data with the expected values, which never reach the child. A separate recall score
-counts the session facts (names, values, rounding mode, quantum, status values, error code) that the
-answer states. Given a reference arm's answers to the same probes, it also reports a paired comparison:
-probes where this arm passed more / fewer / as many checks, and a two-sided exact sign test.
+returned plain data with the expected values, which never reach the child. When the probe's prompt
+ended with the start of the answer (`answer_prefix`), the answer is read both as a continuation of
+that prefix and as standalone code, and the first of the two whose code parses is scored. Each probe
+says why it failed (`failure`). A separate recall score counts the session facts (names, values,
+rounding mode, quantum, status values, error code) that the answer states. Given a reference arm's
+answers to the same probes, it also reports a paired comparison: probes where this arm passed more /
+fewer / as many checks, and a two-sided exact sign test.
 
-Executing model-generated code requires the opt-in environment variable PACE_ALLOW_CODE_EVAL=1.
+Executing model-generated code requires the opt-in environment variable PACE_ALLOW_CODE_EVAL=1
+(HF_ALLOW_CODE_EVAL=1, as for HF's code_eval, is accepted too).
 """
 
 _KWARGS_DESCRIPTION = """
@@ -35,8 +42,8 @@ Args:
     references: list of str, each the probe's grading record as JSON:
         {"probe": name, "step": int, "checks": [{"name", "expr", "expected", "fact"}], "recall": [str],
          "preamble": str (optional: code the file already holds; it runs before the answer's code),
-         "answer_prefix": str (optional: the start of the answer, given in the prompt; prepended to
-         the prediction unless it already starts with it)}
+         "answer_prefix": str (optional: the start of the answer, given in the prompt; see "Answer
+         forms" in the card)}
         (the `reference` field of a probe in pace_hf.bench.load_sessions rows).
     baseline_predictions: optional list of str, a reference arm's answers to the same probes, for
         the paired comparison.
@@ -46,14 +53,17 @@ Raises:
         (e.g. not JSON, a list, no "checks" list, a check without "expected").
     MetricInputError (a ValueError; InvalidReference's base): other bad arguments (predictions
         that are not str, unequal lengths, a timeout_s outside (0, 3600]).
-    pace_hf.metrics.pace_coding.sandbox.CodeExecutionNotAllowed: without the opt-in; pace_hf.metrics.pace_coding.sandbox.SandboxUnavailable:
-        where the sandbox cannot wall off the host's files.
+    pace_hf.metrics.pace_coding.sandbox.CodeExecutionNotAllowed: without the opt-in;
+    pace_hf.metrics.pace_coding.sandbox.SandboxUnavailable: where the sandbox cannot wall off the
+        host's files.
 Returns:
     checks_passed, checks_total, check_pass_rate: hidden checks over all answers.
     probes_passed, probes_total, probe_pass_rate: answers that passed every check.
     recall_hits, recall_total, recall: facts stated in the answers.
     per_fact: {fact: {"passed", "total"}} for the checks that control each fact.
-    details: one record per answer (checks with status and outcome, recall hits and misses).
+    details: one record per answer: checks (each with status, outcome and failure), failure (null,
+        "no code", "does not parse", "error", "timeout", "raised" or "wrong value"), answer_form
+        ("standalone" or "continuation"), recall hits and misses.
     paired (with baseline_predictions): better, worse, tied, p_value; and baseline: the reference
         arm's own totals.
 Examples:
@@ -215,39 +225,98 @@ def parse_reference(reference):
     return ref
 
 
+# Why a probe failed, most telling first: a probe's failure is the first of these among its checks.
+FAILURES = ("no code", "does not parse", "error", "timeout", "raised", "wrong value")
+_PARSE_ERRORS = ("SyntaxError", "IndentationError", "TabError")
+
+
+def parse_error(code):
+    """None if ``code`` parses as a Python module, else the parser's message. Only parses (``ast``):
+    nothing runs, and the parser's own limits (nesting, memory) count as not parsing."""
+    try:
+        ast.parse(code)
+    except Exception as e:  # noqa: BLE001 - SyntaxError, or RecursionError/MemoryError from the parser
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def answer_forms(answer, prefix):
+    """The readings of an answer, in the order they are tried: ``[(form, text)]``. With a prefix
+    (the start of the answer, given at the end of the prompt) that the answer does not already
+    start with, first the ``"continuation"`` (prefix + answer), then the answer ``"standalone"``;
+    otherwise only the answer, standalone."""
+    if prefix and not answer.startswith(prefix):
+        return [("continuation", prefix + answer), ("standalone", answer)]
+    return [("standalone", answer)]
+
+
+def choose_code(answer, prefix):
+    """The reading to score, by a fixed rule: the first of :func:`answer_forms` whose code
+    (:func:`extract_code`) parses; if none parses, the first. Returns ``(form, text, code, error)``;
+    ``error`` is "no code" for a blank answer, the first reading's parse error if none parses,
+    else None."""
+    forms = answer_forms(answer, prefix)
+    if not answer.strip():
+        return forms[0][0], forms[0][1], "", "no code"
+    first = None
+    for form, text in forms:
+        code = extract_code(text)
+        why = parse_error(code) if code.strip() else "no code"
+        if why is None:
+            return form, text, code, None
+        first = first or (form, text, code, why)
+    return first
+
+
+def check_failure(expected, result):
+    """Why a check failed (one of :data:`FAILURES`), or None if it passed."""
+    if check_passed(expected, result):
+        return None
+    if result.status == "timeout":
+        return "timeout"
+    if result.status == "error":
+        detail = result.detail or ""
+        if detail.startswith(tuple(f"program failed: {e}" for e in _PARSE_ERRORS)):
+            return "does not parse"  # the compiler refused what the parser took ('return' at top level)
+        return "raised" if detail.startswith("program failed:") else "error"
+    if result.status == "raised" and not _is_raise_spec(expected):
+        return "raised"
+    return "wrong value"
+
+
 def score_answer(answer, reference, limits=None):
-    """Score one answer (a str) against one grading record (a JSON string or dict)."""
+    """Score one answer (a str) against one grading record (a JSON string or dict). See
+    :func:`choose_code` for which reading of the answer is scored."""
     if type(answer) is not str:
         raise MetricInputError(f"a prediction must be a str, got {type(answer).__name__}")
     ref = parse_reference(reference)
     checks, recall = ref["checks"], ref.get("recall", [])
-    prefix = ref.get("answer_prefix") or ""
-    if prefix and not answer.startswith(prefix):
-        answer = prefix + answer  # the prompt ended with the start of the answer
-    code = extract_code(answer)
+    form, text, code, why = choose_code(answer, ref.get("answer_prefix") or "")
     preamble = ref.get("preamble") or ""
-    if code.strip() and checks:
+    rows = []
+    if why is None and checks:
         program = preamble + "\n\n" + code if preamble else code
         results = run_calls(program, [c["expr"] for c in checks], limits or SandboxLimits())
-    else:
-        results = [None] * len(checks)
-    rows = []
-    for c, r in zip(checks, results):
-        if r is None:
-            rows.append({"name": c["name"], "fact": c.get("fact"), "passed": False, "status": "no_code",
-                         "got": ""})
-        else:
-            rows.append({"name": c["name"], "fact": c.get("fact"), "passed": check_passed(c["expected"], r),
-                         "status": r.status, "got": _short(r)})
-    hits = recall_hits(answer, recall)
+        for c, r in zip(checks, results):
+            failure = check_failure(c["expected"], r)
+            rows.append({"name": c["name"], "fact": c.get("fact"), "passed": failure is None, "status": r.status,
+                         "failure": failure, "got": _short(r)})
+    else:  # nothing to run: no code, or code that does not parse
+        status, failure = ("no_code", "no code") if why == "no code" else ("error", "does not parse")
+        rows = [{"name": c["name"], "fact": c.get("fact"), "passed": False, "status": status, "failure": failure,
+                 "got": "" if why == "no code" else why} for c in checks]
+    hits = recall_hits(text, recall)
     n_passed = sum(r["passed"] for r in rows)
+    failures = {r["failure"] for r in rows}
     return {
         "probe": ref.get("probe"),
         "step": ref.get("step"),
+        "answer_form": form,
         "checks": rows,
         "checks_passed": n_passed,
         "checks_total": len(rows),
         "passed": bool(rows) and n_passed == len(rows),
+        "failure": next((f for f in FAILURES if f in failures), None),
         "recall_hits": sum(hits),
         "recall_total": len(hits),
         "recall_missing": [f for f, h in zip(recall, hits) if not h],

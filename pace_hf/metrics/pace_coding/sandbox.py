@@ -18,7 +18,8 @@ A benchmark metric executes generated code against hidden unit tests. The code i
   operation is an error even if the program caught the refusal; the parent counts refusals
   through a kernel counter the program cannot raise (see ``_Run``).
 
-Executing generated code needs an explicit opt-in: ``PACE_ALLOW_CODE_EVAL=1``.
+Executing generated code needs an explicit opt-in: ``PACE_ALLOW_CODE_EVAL=1`` (or
+``HF_ALLOW_CODE_EVAL=1``, as for HF's ``code_eval``).
 
 Example::
 
@@ -57,6 +58,7 @@ __all__ = [
 ]
 
 OPT_IN_ENV = "PACE_ALLOW_CODE_EVAL"
+OPT_IN_ENVS = (OPT_IN_ENV, "HF_ALLOW_CODE_EVAL")  # ours, and the one HF's code_eval users already set
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 _MAX_LINE = 4 * 1024 * 1024  # a report line: a 1 MB value plus exception data, with slack
 _MAX_DETAIL = 500
@@ -75,14 +77,21 @@ class SandboxUnavailable(RuntimeError):
     no root for a read-only mount namespace), or its setup failed: no code is run then."""
 
 
+def opted_in() -> bool:
+    """Whether ``PACE_ALLOW_CODE_EVAL=1`` or ``HF_ALLOW_CODE_EVAL=1`` is set."""
+    return any(os.environ.get(name) == "1" for name in OPT_IN_ENVS)
+
+
 def require_opt_in() -> None:
-    """Refuse to run generated code unless ``PACE_ALLOW_CODE_EVAL=1`` is set (like HF ``code_eval``)."""
-    if os.environ.get(OPT_IN_ENV) != "1":
+    """Refuse to run generated code unless ``PACE_ALLOW_CODE_EVAL=1`` (or HF ``code_eval``'s
+    ``HF_ALLOW_CODE_EVAL=1``) is set."""
+    if not opted_in():
         raise CodeExecutionNotAllowed(
             "Executing model-generated code is disabled by default: the code is untrusted and, "
             "although pace_hf.metrics.pace_coding.sandbox confines it, no sandbox is perfect. Run it only on a "
             f"machine you can afford to lose. To opt in, set the environment variable "
-            f"{OPT_IN_ENV}=1 (e.g. `export {OPT_IN_ENV}=1`, or os.environ['{OPT_IN_ENV}'] = '1')."
+            f"{OPT_IN_ENV}=1 (e.g. `export {OPT_IN_ENV}=1`, or os.environ['{OPT_IN_ENV}'] = '1'); "
+            "HF_ALLOW_CODE_EVAL=1, as for HF's code_eval, is accepted too."
         )
 
 
