@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check for a machine with CUDA (torch, transformers and triton preinstalled, no internet).
-# Runs the Triton kernel against the torch reference, reports its bandwidth, then one 64K-token
-# session per cache arm. Budget: under 8 minutes. Usage: bash bench/gpu_check.sh [--session-tokens N]
+# Kernels against their torch references, re-rotation bandwidth, fused attention + column sums
+# against SDPA, then a Qwen3-8B-shaped PACE session of up to 1M tokens (it stops at a deadline,
+# --deadline seconds after start, and says so). Budget: under 8 minutes; the table comes last.
+# Usage: bash bench/gpu_check.sh [--session-tokens N] [--dynamic-tokens N] [--layers N] [--deadline S]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

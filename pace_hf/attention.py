@@ -34,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 ATTN_NAME = "pace_sdpa"
 _BLOCK_ELEMS = 1 << 24  # reference pass: probabilities per block, 64 MiB of fp32
 _SCORE_BLOCK_ELEMS = 1 << 22  # masked column pass: logits per block, 16 MiB of fp32
+_DIRECT_ROWS = 64  # scored queries up to which the plain blocked pass beats the swapped kernel (decode, SnapKV)
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 # The cache whose forward is running (set by its forward hooks on the bound model).
@@ -67,7 +68,7 @@ def attention_with_column_sums(
     output, lse = _flash_attention_lse(query, key, value, mask, scaling)
     if score_from >= q_len:
         sums = torch.zeros(b, hkv, kv_len, dtype=torch.float32, device=key.device)
-    elif mask is None:
+    elif mask is None and q_len - score_from > _DIRECT_ROWS:
         sums = _column_sums_causal(query, key, lse, scaling, score_from)
     else:
         sums = _column_sums_masked(query, key, lse, mask, scaling, score_from)
@@ -86,6 +87,8 @@ def _flash_attention_lse(query, key, value, mask, scaling):
             mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return _flash_cpu(query, key, value, 0.0, False, attn_mask=additive.to(query.dtype), scale=scaling)
     past = kv_len - q_len
+    if q_len == 1:  # decode: the one query sees every key
+        return _flash_cpu(query, key, value, 0.0, False, scale=scaling)
     if past == 0:
         return _flash_cpu(query, key, value, 0.0, True, scale=scaling)
     out_past, lse_past = _flash_cpu(query, key[:, :, :past], value[:, :, :past], 0.0, False, scale=scaling)
@@ -114,7 +117,9 @@ def _column_sums_causal(query, key, lse, scaling, score_from):
 
 
 def _column_sums_masked(query, key, lse, mask, scaling, score_from):
-    """Column sums under an explicit bool or additive mask, a block of queries at a time."""
+    """Column sums a block of queries at a time, under an explicit bool or additive mask, or the
+    causal one aligned to the end of the keys when ``mask`` is None (a few scored queries: decode,
+    SnapKV's window; copying the keys for the swapped kernel would cost more there)."""
     b, hq, q_len, d = query.shape
     hkv, kv_len = key.shape[1], key.shape[2]
     group = hq // hkv
@@ -127,6 +132,14 @@ def _column_sums_masked(query, key, lse, mask, scaling, score_from):
         q = (query[:, :, start:stop].float() * scaling).reshape(b, hkv, group * n, d)
         logits = torch.matmul(q, key_t).sub_(lse[:, :, start:stop].reshape(b, hkv, group * n, 1))
         grouped = logits.view(b, hkv, group, n, kv_len)
+        if mask is None:
+            first = kv_len - q_len + start + 1  # keys before this one are seen by every row of the block
+            if first < kv_len:
+                late = torch.arange(first, kv_len, device=key.device)[None, :] > (
+                    torch.arange(start, stop, device=key.device)[:, None] + (kv_len - q_len))
+                grouped[..., first:].masked_fill_(late, float("-inf"))
+            sums += logits.exp_().sum(dim=-2, keepdim=True)
+            continue
         m = mask[:, :, start:stop].unsqueeze(2)  # [b, 1, 1, n, kv]
         if m.dtype == torch.bool:
             grouped.masked_fill_(~m, float("-inf"))

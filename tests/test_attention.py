@@ -70,8 +70,10 @@ def test_reference_matches_eager_and_sdpa(monkeypatch, mask_kind, last_queries):
 @pytest.mark.parametrize("shape", [(23, 40), (40, 40), (1, 40), (1, 1)])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "sliding_bool", "bias"])
 @pytest.mark.parametrize("last_queries", [None, 5, 1, 0])
-def test_fast_path_equals_reference_fp32(monkeypatch, shape, mask_kind, last_queries):
-    monkeypatch.setattr(attention, "_SCORE_BLOCK_ELEMS", 6 * 40 * 4)  # several blocks in the masked pass
+@pytest.mark.parametrize("causal_pass", ["swapped", "blocked"])
+def test_fast_path_equals_reference_fp32(monkeypatch, shape, mask_kind, last_queries, causal_pass):
+    monkeypatch.setattr(attention, "_SCORE_BLOCK_ELEMS", 6 * 40 * 4)  # several blocks in the blocked pass
+    monkeypatch.setattr(attention, "_DIRECT_ROWS", 0 if causal_pass == "swapped" else 64)
     q_len, kv_len = shape
     query, key, value = _inputs(q_len, kv_len)
     mask = _masks(q_len, kv_len)[mask_kind]
