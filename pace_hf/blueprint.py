@@ -78,6 +78,14 @@ class Blueprint:
         self.spans.append(span)
         return span
 
+    def remove(self, span: Span) -> None:
+        """Remove ``span`` (this very object: equal spans added by someone else stay)."""
+        for i, held in enumerate(self.spans):
+            if held is span:
+                del self.spans[i]
+                return
+        raise ValueError(f"{span!r} is not in this blueprint")
+
     @classmethod
     def from_dicts(cls, rows: Iterable[dict]) -> "Blueprint":
         """Build from ``[{"start", "end", "readers"}]`` records (e.g. a dataset column)."""

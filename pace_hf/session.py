@@ -92,6 +92,7 @@ class PACESession:
         self.ids += ids
         self.messages.append(message)
         if role == "user" and self.rehydrate:
+            self.cache.step = self.step  # restored spans are read at this step
             self.planner.rehydrate(self, message)
         return message
 

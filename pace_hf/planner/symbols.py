@@ -160,12 +160,8 @@ class SymbolPlanner:
             self._blueprint, self._added = blueprint, {}
         want = {(s.start, s.end, s.readers): s for s in self.blueprint_for(session.messages)}
         for key in [k for k in self._added if k not in want]:  # stale: redefined, or readers changed
-            span = self._added.pop(key)
-            for i, held in enumerate(blueprint.spans):
-                if held is span:
-                    del blueprint.spans[i]
-                    break
-        held = {(s.start, s.end, s.readers) for s in blueprint.spans}
+            blueprint.remove(self._added.pop(key))
+        held = {(s.start, s.end, s.readers) for s in blueprint}
         for key, span in want.items():
             if key not in self._added and key not in held:  # held: e.g. saved before a resume
                 self._added[key] = blueprint.add(span)
