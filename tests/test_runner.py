@@ -7,6 +7,7 @@ import torch
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, EvictionCache, ObservationWindow, Span
+from pace_hf.bench import runner
 from pace_hf.bench.runner import (ARMS, ArmSettings, completed_records, ledger_at_probe, main, make_cache,
                                   progress_line, summarize)
 
@@ -77,7 +78,7 @@ def test_runner_plays_a_short_session_on_the_smoke_model(tmp_path, monkeypatch):
     monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
     rc = main(["--model", "smollm2-135m", "--arms", "h2o,pace", "--sessions", "1", "--tokens", "1200",
                "--budget", "768", "--limit", "1536", "--chunk", "512", "--max-new-tokens", "16",
-               "--out", str(tmp_path)])
+               "--store", "host", "--rehydrate", "--out", str(tmp_path)])
     assert rc == 0
     records = [json.loads(line) for line in (tmp_path / "probes.jsonl").read_text().splitlines()]
     assert sorted(r["arm"] for r in records) == ["h2o"] * 3 + ["pace"] * 3
@@ -85,5 +86,220 @@ def test_runner_plays_a_short_session_on_the_smoke_model(tmp_path, monkeypatch):
     assert all(r["residency"] == 1.0 for r in pace)  # the oracle blueprint keeps the definitions
     assert all(r["rotary_gap"] < 1536 for r in pace)
     assert all(r["context_len"] > 768 for r in pace)  # so eviction really happened
+    assert all(r["tier"]["spilled_tokens"] > 0 and "rehydrated_tokens" in r for r in pace)  # the store is wired
+    assert all(r["failure"] in (None, "no code", "does not parse", "error", "timeout", "raised", "wrong value")
+               for r in records)
     assert (tmp_path / "table.md").read_text().count("\n| ") >= 3
     assert (tmp_path / "accuracy_vs_gap.png").stat().st_size > 0
+
+
+# -- the command line (issue 13 item 10, issue 14 section 1): errors before anything loads ---------------
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    from pace_hf.bench import models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(models, "load_tokenizer", refuse)
+    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+
+
+def test_help_shows_defaults_choices_h_and_the_opt_in(capsys):
+    from pace_hf.bench.models import MODELS
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # as read, whatever the terminal width
+    assert "(default: 2048)" in out and "(default: 4096)" in out and "(default: h2o,pace)" in out
+    assert all(name in out for name in MODELS) and all(arm in out for arm in ARMS)
+    assert "H (--chunk)" in out and "L > B + H" in out
+    assert "PACE_ALLOW_CODE_EVAL=1" in out and "HF_ALLOW_CODE_EVAL=1" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--distance"], "--distance: expected at least one argument"),
+    (["--sessions", "0"], "--sessions: must be >= 1, got 0"),
+    (["--tokens", "-500"], "--tokens: must be >= 1"),
+    (["--model", "gpt2"], "unknown model 'gpt2': choose from qwen2.5-coder-0.5b, smollm2-135m"),
+    (["--arms", "h2o,nonsense"], "unknown arm(s) nonsense"),
+    (["--arms", "pace", "--budget", "4096", "--chunk", "4096"], "need --limit > --budget + --chunk"),
+    (["--arms", "h2o", "--budget", "64"], "cannot hold the 132 sink and recent tokens"),
+    (["--drop-edges", "1.5"], "--drop-edges: must be in [0, 1]"),
+    (["--drop-edges", "0.5", "--planner", "symbols"], "needs --planner oracle"),
+    (["--rehydrate"], "give --store host, disk or valkey"),
+    (["--store-path", "x"], "needs --store disk"),
+])
+def test_bad_arguments_get_clear_errors_before_anything_loads(nothing_loads, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_session_that_does_not_fit_is_an_error_before_the_model_loads(monkeypatch, tmp_path):
+    from pace_hf.bench import models
+
+    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    for argv, message in ((["--tokens", "10"], "shorter than the system prompt and the definitions"),
+                          (["--tokens", "3000", "--distance", "1000000"], "distance=1000000 does not fit")):
+        with pytest.raises(SystemExit, match=message):
+            main(["--model", "smollm2-135m", "--out", str(tmp_path), *argv])
+
+
+def test_without_the_opt_in_the_run_ends_with_one_line(monkeypatch, nothing_loads):
+    monkeypatch.delenv("PACE_ALLOW_CODE_EVAL")
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert isinstance(e.value.code, str) and "\n" not in e.value.code and "PACE_ALLOW_CODE_EVAL=1" in e.value.code
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")  # code_eval's variable opts in too: the run goes on
+    with pytest.raises(AssertionError, match="was loaded"):
+        main(["--model", "smollm2-135m"])
+
+
+# -- the table --------------------------------------------------------------------------------------------
+
+
+def _rec(arm, sid, passed, gap=100):
+    return {"arm": arm, "session_id": sid, "probe": "p", "checks_passed": passed, "checks_total": 4,
+            "recall_hits": 1, "recall_total": 2, "residency": 1.0, "rotary_gap": gap}
+
+
+def test_no_silent_dash_when_the_reference_arm_was_not_run():
+    records = [_rec("pace", "a", 4), _rec("pace", "b", 4), _rec("retention_only", "a", 1),
+               _rec("retention_only", "b", 4)]
+    with pytest.warns(UserWarning, match="'h2o' was not run; pairing against 'pace'"):
+        table = summarize(records, "h2o")
+    assert "vs pace" in table and "| retention_only | 5/8 (62%) | 1/2 | 50% | 1.000 | 100 | 0/1/1, p=1 |" in table
+
+
+def test_nothing_resident_is_a_missing_gap_not_zero():
+    records = [_rec("h2o", "a", 0, gap=None), _rec("h2o", "b", 4, gap=3000), _rec("pace", "a", 4, gap=None),
+               _rec("pace", "b", 4, gap=None)]
+    table = summarize(records, "h2o")
+    assert "| 3,000 (1 n/a) |" in table  # the mean of the probes that have a gap, not (0 + 3000) / 2
+    assert "| pace | 8/8 (100%) | 2/2 | 50% | 1.000 | n/a |" in table
+    assert "gap n/a" in progress_line(dict(records[0], seconds=1.0, checks=[]))
+
+
+def test_the_table_uses_the_metrics_paired_comparison(monkeypatch):
+    from pace_hf.metrics.pace_coding import pace_coding as M
+
+    calls = []
+    monkeypatch.setattr(M, "paired_comparison", lambda a, b: calls.append((a, b)) or
+                        {"better": 7, "worse": 0, "tied": 0, "p_value": 0.5})
+    assert "7/0/0, p=0.5" in summarize([_rec("h2o", "a", 1), _rec("pace", "a", 4)], "h2o")
+    assert [len(a) for a, _ in calls] == [1]
+
+
+# -- blueprints: the oracle's with edges dropped, and SymbolPlanner's ---------------------------------------
+
+
+def _edges(bp):
+    return {(s.start, s.end, r) for s in bp for r in s.readers}
+
+
+def test_drop_edges_drops_a_seeded_fraction_of_the_oracle_edges():
+    row = {"session_id": "s0-0", "blueprint": [{"start": 0, "end": 10, "readers": [5, 7]},
+                                               {"start": 10, "end": 20, "readers": [5, 7]},
+                                               {"start": 20, "end": 30, "readers": [6, 7]}]}
+    full = _edges(runner.oracle_blueprint(row))
+    assert len(full) == 6 and _edges(runner.oracle_blueprint(row, 0.0)) == full
+    half = _edges(runner.oracle_blueprint(row, 0.5, seed=1))
+    assert len(half) == 3 and half < full
+    assert half == _edges(runner.oracle_blueprint(row, 0.5, seed=1))  # seeded
+    assert len(runner.oracle_blueprint(row, 1.0)) == 0  # spans with no reader left are gone
+
+
+def test_symbols_planner_blueprint_from_the_session_text():
+    from pace_hf.bench import build_session
+    from pace_hf.bench.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    row = build_session(tok, seed=0, total_tokens=1500, distance=400)
+    messages = runner.session_messages(row, tok)
+    assert [m.start for m in messages] == [t["start"] for t in row["turns"][1:]]
+    assert "Step 3 of the spec" in messages[[t["kind"] for t in row["turns"][1:]].index("definition") + 4].content
+    bp = runner.session_blueprint(row, tok, "symbols")
+    oracle = runner.session_blueprint(row, tok, "oracle")
+    steps = set(runner.probe_plan(row))
+    assert _edges(bp) and {r for *_, r in _edges(bp)} <= steps
+    # every oracle edge is found: a planner span with the same reader overlaps it
+    for s in oracle:
+        for r in s.readers:
+            assert any(p.start < s.end and s.start < p.end and r in p.readers for p in bp), (s, r)
+    assert len(runner.session_blueprint(row, tok, "none")) == 0
+
+
+# -- a session played on a tiny model: store, tier counters, progress ------------------------------------
+
+
+def _synthetic_row(n=480, turn=48):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (n,), generator=g).tolist()
+    turns = [{"step": -1, "role": "system", "kind": "system", "start": 0, "end": turn}]
+    for k, start in enumerate(range(turn, n, turn)):
+        turns.append({"step": k, "role": "user", "kind": "filler", "start": start, "end": start + turn})
+    steps = len(turns) - 1
+    probes = [{"name": name, "step": steps + k, "prompt": "write fee_for", "max_new_tokens": 2,
+               "prompt_ids": torch.randint(3, 128, (8,), generator=g).tolist(),
+               "reference": json.dumps({"checks": [], "recall": ["x"]})} for k, name in enumerate(("a", "b"))]
+    return {"session_id": "t0-0", "context_ids": ids, "context_len": n, "distance": n - 2 * turn, "turns": turns,
+            "turn_end_ids": [1, 2], "probes": probes,
+            "blueprint": [{"start": turn, "end": 2 * turn, "readers": [steps, steps + 1]}]}
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "user\nsome text"
+
+
+class _Metric:
+    def compute(self, predictions, references):
+        return {"details": [{"checks_passed": 0, "checks_total": 0, "recall_hits": 0, "recall_total": 1,
+                             "checks": [], "failure": None, "answer_form": "standalone"}]}
+
+
+def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progress(monkeypatch):
+    from pace_hf.tiers import HostTier, TieredStore
+
+    updates = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total = total
+
+        def update(self, n):
+            updates.append(n)
+
+        def close(self):
+            updates.append("closed")
+
+    import tqdm.auto
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    model, row = tiny_model("qwen2"), _synthetic_row()
+    host = HostTier()
+    store = TieredStore([host])
+    try:
+        records = runner.play_session(model, _Tokenizer(), row, "pace", ArmSettings(budget=256, limit=400), _Metric(),
+                                      64, [0], blueprint=runner.oracle_blueprint(row), store=store, rehydrate=True,
+                                      progress=True)
+        assert [r["probe"] for r in records] == ["a", "b"]
+        for r in records:
+            assert set(r["tier"]) == set(runner.TIER_FIELDS) and r["tier"]["spilled_tokens"] > 0
+            assert r["rehydrated_tokens"] == 0 and r["residency"] == 1.0  # foresight kept the planned span
+        assert sum(n for n in updates if n != "closed") >= row["context_len"] and updates[-1] == "closed"
+        store.flush()
+        assert len(host) == 0  # the session's spilled KV is dropped when it ends
+        plain = runner.play_session(model, _Tokenizer(), row, "h2o", ArmSettings(budget=256, limit=400), _Metric(),
+                                    64, [0])
+        assert all("tier" not in r and "rehydrated_tokens" not in r for r in plain)
+    finally:
+        store.close()

@@ -48,6 +48,7 @@ __all__ = [
     "resolve_gguf",
     "load_model",
     "load_tokenizer",
+    "model_names",
     "preferred_dtype",
 ]
 
@@ -280,6 +281,11 @@ def resolve_gguf(name: str, cache_dir: str | os.PathLike | None = None) -> tuple
 
 def _is_packaged(name: str) -> bool:
     return _ALIASES.get(name.lower(), name.lower()) in MODELS
+
+
+def model_names() -> list[str]:
+    """The names :func:`load_model` knows without a hub: :data:`MODELS` and their aliases."""
+    return sorted(MODELS) + sorted(_ALIASES)
 
 
 # ---------------------------------------------------------------------------- loading

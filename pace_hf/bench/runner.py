@@ -1,9 +1,10 @@
 """The benchmark runner: play sessions through ``model.generate`` with each arm's cache.
 
-Per probe it records the answer, the hidden-check results, recall, the residency of the tokens the
-probe needs and the rotary gap, read from the cache's ledger when the probe starts. It writes JSONL,
-a Markdown table shaped like the paper's Table 2 and PNG plots of accuracy against definition
-distance and against rotary gap (the paper's Figures 1 and 3).
+Per probe it records the answer, the hidden-check results and why they failed, recall, the residency
+of the tokens the probe needs and the rotary gap, read from the cache's ledger when the probe starts,
+and, with a store, the cache's tier counters. It writes JSONL, a Markdown table shaped like the
+paper's Table 2 and PNG plots of accuracy against definition distance and against rotary gap (the
+paper's Figures 1 and 3).
 
     PACE_ALLOW_CODE_EVAL=1 pace-bench --arms h2o,pace --sessions 3 --tokens 49152 --out runs/48k
 """
@@ -13,19 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-
-from pace_hf import Blueprint, EvictionCache
-from pace_hf.cache import DEFAULT_RECENT
-from pace_hf.bench.models import preferred_dtype
-
 from transformers import StoppingCriteria
 
+from pace_hf import Blueprint, EvictionCache, Span
+from pace_hf.cache import DEFAULT_RECENT, DEFAULT_SINKS
 from pace_hf.scoring import CumulativeAttention, Foresight, ObservationWindow, Recency
 
 # Each arm is a composition: a scoring policy, with or without foresight, with or without a limit.
@@ -42,6 +43,9 @@ ARM_PARTS = {
     "streaming_bounded": (Recency, False, True),
 }
 ARMS = tuple(ARM_PARTS)
+PLANNERS = ("oracle", "symbols", "none")
+STORES = ("none", "host", "disk", "valkey")
+TIER_FIELDS = ("restores", "restored_tokens", "stall_seconds", "spilled_tokens")
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,9 @@ class ArmSettings:
     limit: int = 8192
 
 
-def make_cache(arm: str, model, blueprint: Blueprint, s: ArmSettings):
-    """The cache of one arm; every evicting arm shares budget, sinks, recent and schedule."""
+def make_cache(arm: str, model, blueprint: Blueprint, s: ArmSettings, store=None, session_id: str | None = None):
+    """The cache of one arm; every evicting arm shares budget, sinks, recent and schedule. With a
+    ``store`` (``pace_hf.tiers.TieredStore``) its evicted tokens are spilled there under ``session_id``."""
     from transformers import DynamicCache
 
     if arm not in ARM_PARTS:
@@ -61,7 +66,74 @@ def make_cache(arm: str, model, blueprint: Blueprint, s: ArmSettings):
         return DynamicCache(config=model.config)
     scoring = Foresight(scorer(), blueprint) if foresight else scorer()
     recent = 0 if scorer is Recency else DEFAULT_RECENT
-    return EvictionCache(model, budget=s.budget, limit=s.limit if bounded else None, scoring=scoring, recent=recent)
+    return EvictionCache(model, budget=s.budget, limit=s.limit if bounded else None, scoring=scoring, recent=recent,
+                         store=store, session_id=session_id if store is not None else None)
+
+
+# -- blueprints: the oracle's (whole or with edges dropped), or a planner's ---------------------------
+
+
+def oracle_blueprint(row, drop_edges: float = 0.0, seed: int = 0) -> Blueprint:
+    """The session's oracle blueprint; with ``drop_edges`` = P, a seeded fraction P of its (span, reader)
+    edges is dropped (a span left with no reader goes), for the planner-robustness curve."""
+    spans = row["blueprint"]
+    if not drop_edges:
+        return Blueprint.from_dicts(spans)
+    edges = [(k, r) for k, b in enumerate(spans) for r in b["readers"]]
+    rng = random.Random(f"drop-edges:{seed}:{row['session_id']}:{drop_edges}")
+    dropped = set(rng.sample(edges, round(drop_edges * len(edges))))
+    kept = [(b, [r for r in b["readers"] if (k, r) not in dropped]) for k, b in enumerate(spans)]
+    return Blueprint(Span(b["start"], b["end"], readers) for b, readers in kept if readers)
+
+
+def session_messages(row, tokenizer) -> list:
+    """The session's turns (system prompt excluded) as ``pace_hf.session.Message`` objects: exact token
+    spans, and the text each turn's ids decode to, without template tokens or the role line."""
+    from pace_hf.session import Message
+
+    out = []
+    for turn in row["turns"]:
+        if turn["role"] == "system":
+            continue
+        text = tokenizer.decode(row["context_ids"][turn["start"]:turn["end"]], skip_special_tokens=True)
+        head, _, rest = text.partition("\n")
+        content = rest if head.strip() == turn["role"] else text
+        out.append(Message(len(out), turn["role"], content, turn["start"], turn["end"], turn["step"]))
+    return out
+
+
+def probe_plan(row) -> dict[int, str]:
+    """The agent's plan: ``{probe step: probe prompt}`` (an agent knows its next tasks)."""
+    return {p["step"]: p["prompt"] for p in row["probes"]}
+
+
+def session_blueprint(row, tokenizer, planner: str = "oracle", drop_edges: float = 0.0, seed: int = 0) -> Blueprint:
+    """The blueprint a foresight arm gets: the oracle's, ``SymbolPlanner``'s from the session's text, or
+    none (an empty plan)."""
+    if planner == "oracle":
+        return oracle_blueprint(row, drop_edges, seed)
+    if planner == "symbols":
+        from pace_hf.planner import SymbolPlanner
+
+        return SymbolPlanner().blueprint_for(session_messages(row, tokenizer), probe_plan(row))
+    if planner == "none":
+        return Blueprint()
+    raise ValueError(f"unknown planner {planner!r}; choose from {', '.join(PLANNERS)}")
+
+
+def rehydrate_for_probe(cache, row, tokenizer, probe, messages) -> int:
+    """Restore, from the cache's store, the evicted turns that define what the probe's prompt names
+    (``SymbolPlanner.rehydrate``); returns the tokens restored."""
+    from pace_hf.planner import SymbolPlanner
+    from pace_hf.session import Message
+
+    turn = Message(len(messages), "user", probe["prompt"], cache.get_seq_length(),
+                   cache.get_seq_length() + len(probe["prompt_ids"]), probe["step"])
+    session = SimpleNamespace(messages=messages, cache=cache, step=probe["step"])
+    return sum(s.end - s.start for s in SymbolPlanner().rehydrate(session, turn))
+
+
+# -- the ledger at each probe ----------------------------------------------------------------------------
 
 
 def needed_positions(row, probe) -> torch.Tensor:
@@ -92,6 +164,15 @@ class ReadAtFirstQuery(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def tier_reading(cache) -> dict:
+    """The cache's tier counters (cumulative over the session so far), or {} without a store."""
+    if not isinstance(cache, EvictionCache) or cache.store is None:
+        return {}
+    stats = cache.tier_stats
+    return {"tier": {k: (round(stats[k], 4) if isinstance(stats.get(k), float) else stats.get(k, 0))
+                     for k in TIER_FIELDS}}
+
+
 def generate_answer(model, ids: list[int], cache, max_new_tokens: int, stop_ids: list[int], chunk: int,
                     stopping_criteria=None) -> list[int]:
     """Greedy answer to the conversation ``ids``; ``cache`` holds a prefix of it. No trailing EOS."""
@@ -109,47 +190,82 @@ def generate_answer(model, ids: list[int], cache, max_new_tokens: int, stop_ids:
     return new
 
 
+def _score(metric, text: str, probe) -> dict:
+    """The metric's details for one answer; a scoring failure (anything but a refusal to run code at
+    all) is recorded with every check failed, so that one probe cannot end a long run."""
+    try:
+        return metric.compute(predictions=[text], references=[probe["reference"]])["details"][0]
+    except Exception as e:  # noqa: BLE001 - one probe's scoring failure must not end a long run
+        from pace_hf.metrics.pace_coding.sandbox import CodeExecutionNotAllowed, SandboxUnavailable
+
+        if isinstance(e, (CodeExecutionNotAllowed, SandboxUnavailable)):
+            raise  # no probe can be scored on this machine: stop now, not hours later
+        try:  # the probe still counts, with every check failed
+            ref = json.loads(probe["reference"])
+            totals = (len(ref["checks"]), len(ref.get("recall", [])))
+        except Exception:  # noqa: BLE001
+            totals = (0, 0)
+        return {"checks_passed": 0, "checks_total": totals[0], "recall_hits": 0, "recall_total": totals[1],
+                "checks": [], "failure": "scoring error", "scoring_error": f"{type(e).__name__}: {e}"[:500]}
+
+
 def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric, chunk: int, stop_ids,
-                 max_new_tokens: int | None = None) -> list[dict]:
-    """Prefill the session, then answer its probes in order, appending each answer (agent style)."""
-    blueprint = Blueprint.from_dicts(row["blueprint"])
-    cache = make_cache(arm, model, blueprint, settings)
+                 max_new_tokens: int | None = None, *, blueprint: Blueprint | None = None, store=None,
+                 rehydrate: bool = False, progress: bool = False) -> list[dict]:
+    """Prefill the session, then answer its probes in order, appending each answer (agent style).
+
+    ``blueprint``: what foresight arms plan with (default: the session's oracle blueprint). ``store``:
+    spill evicted tokens there (and restore planned spans from it). ``rehydrate``: before each probe,
+    restore the evicted turns that its prompt names (needs a store and a foresight arm).
+    ``progress``: a per-chunk prefill progress bar."""
+    blueprint = Blueprint.from_dicts(row["blueprint"]) if blueprint is None else blueprint
+    session_id = f"{arm}-{row['session_id']}"
+    cache = make_cache(arm, model, blueprint, settings, store=store, session_id=session_id)
+    evicting = isinstance(cache, EvictionCache)
+    bar = None
+    if progress and evicting:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(row["context_ids"]), desc=f"{arm} {row['session_id']} prefill", unit="tok",
+                   leave=False, dynamic_ncols=True)
+        cache.progress = bar
+    can_rehydrate = rehydrate and evicting and cache.store is not None and cache.blueprint is not None
+    messages = session_messages(row, tokenizer) if can_rehydrate else None
     ids = list(row["context_ids"])
     records = []
-    for probe in row["probes"]:
-        ids += probe["prompt_ids"]
-        if isinstance(cache, EvictionCache):
-            cache.step = probe["step"]
-        start = time.perf_counter()
-        reading = ReadAtFirstQuery(cache, needed_positions(row, probe))
-        budget = min(probe["max_new_tokens"], max_new_tokens or probe["max_new_tokens"])
-        answer = generate_answer(model, ids, cache, budget, stop_ids, chunk, [reading])
-        probe_state = reading.reading or {}
-        seconds = time.perf_counter() - start
-        ids += answer + list(row["turn_end_ids"])
-        text = tokenizer.decode(answer, skip_special_tokens=True)
-        try:
-            score = metric.compute(predictions=[text], references=[probe["reference"]])["details"][0]
-        except Exception as e:  # noqa: BLE001 - one probe's scoring failure must not end a long run
-            from pace_hf.metrics.pace_coding.sandbox import CodeExecutionNotAllowed, SandboxUnavailable
-            if isinstance(e, (CodeExecutionNotAllowed, SandboxUnavailable)):
-                raise  # no probe can be scored on this machine: stop now, not hours later
-            try:  # the probe still counts, with every check failed
-                ref = json.loads(probe["reference"])
-                totals = (len(ref["checks"]), len(ref.get("recall", [])))
-            except Exception:  # noqa: BLE001
-                totals = (0, 0)
-            score = {"checks_passed": 0, "checks_total": totals[0], "recall_hits": 0, "recall_total": totals[1],
-                     "checks": [], "scoring_error": f"{type(e).__name__}: {e}"[:500]}
-        records.append({
-            "arm": arm, "session_id": row["session_id"], "probe": probe["name"], "step": probe["step"],
-            "distance": row["distance"], "context_len": row["context_len"], "answer": text,
-            "checks_passed": score["checks_passed"], "checks_total": score["checks_total"],
-            "recall_hits": score["recall_hits"], "recall_total": score["recall_total"],
-            "checks": score["checks"], "seconds": round(seconds, 1), **probe_state,
-            **({"scoring_error": score["scoring_error"]} if "scoring_error" in score else {}),
-        })
+    try:
+        for probe in row["probes"]:
+            if evicting:
+                cache.step = probe["step"]
+            restored = rehydrate_for_probe(cache, row, tokenizer, probe, messages) if can_rehydrate else None
+            ids += probe["prompt_ids"]
+            start = time.perf_counter()
+            reading = ReadAtFirstQuery(cache, needed_positions(row, probe))
+            budget = min(probe["max_new_tokens"], max_new_tokens or probe["max_new_tokens"])
+            answer = generate_answer(model, ids, cache, budget, stop_ids, chunk, [reading])
+            seconds = time.perf_counter() - start
+            ids += answer + list(row["turn_end_ids"])
+            text = tokenizer.decode(answer, skip_special_tokens=True)
+            score = _score(metric, text, probe)
+            records.append({
+                "arm": arm, "session_id": row["session_id"], "probe": probe["name"], "step": probe["step"],
+                "distance": row["distance"], "context_len": row["context_len"], "answer": text,
+                "checks_passed": score["checks_passed"], "checks_total": score["checks_total"],
+                "recall_hits": score["recall_hits"], "recall_total": score["recall_total"],
+                "failure": score.get("failure"), "answer_form": score.get("answer_form"),
+                "checks": score["checks"], "seconds": round(seconds, 1), **(reading.reading or {}),
+                **tier_reading(cache), **({"rehydrated_tokens": restored} if restored is not None else {}),
+                **({"scoring_error": score["scoring_error"]} if "scoring_error" in score else {}),
+            })
+    finally:
+        if bar is not None:
+            bar.close()
+        if store is not None:
+            store.delete_session(session_id)  # the spilled KV served this run only
     return records
+
+
+# -- reporting ---------------------------------------------------------------------------------------------
 
 
 def _gap(value) -> str:
@@ -157,11 +273,13 @@ def _gap(value) -> str:
 
 
 def progress_line(r: dict) -> str:
-    """One line per scored probe, naming the facts of the checks that failed."""
+    """One line per scored probe, naming the facts of the checks that failed and why the probe did."""
     failed = sorted({c.get("fact") or c["name"] for c in r["checks"] if not c["passed"]})
+    why = f" ({r['failure']})" if r.get("failure") else ""
     return (f"{r['arm']:>14} {r['session_id']} {r['probe']:<8} checks {r['checks_passed']}/{r['checks_total']} "
             f"recall {r['recall_hits']}/{r['recall_total']} residency {r.get('residency', 1.0):.3f} "
-            f"gap {_gap(r.get('rotary_gap'))} {r['seconds']:.0f}s" + (f"  failed: {', '.join(failed)}" if failed else ""))
+            f"gap {_gap(r.get('rotary_gap'))} {r['seconds']:.0f}s"
+            + (f"  failed{why}: {', '.join(failed)}" if failed else ""))
 
 
 def completed_records(path: Path, probes_per_session: int) -> list[dict]:
@@ -176,35 +294,52 @@ def completed_records(path: Path, probes_per_session: int) -> list[dict]:
     return [r for r in records if count[r["arm"], r["session_id"]] == probes_per_session]
 
 
-def summarize(records: list[dict], reference_arm: str | None) -> str:
-    """A Markdown table in the shape of the paper's Table 2."""
-    from pace_hf.metrics.pace_coding.pace_coding import sign_test
+def reference_for(records: list[dict], reference_arm: str | None) -> str | None:
+    """The arm the table pairs the others against: ``reference_arm`` if it was run, else the first arm
+    run (with a warning unless none was asked for), so that the paired column is never silently empty."""
+    arms = list(dict.fromkeys(r["arm"] for r in records))
+    if not arms or reference_arm in arms:
+        return reference_arm if arms else None
+    if reference_arm is not None:
+        warnings.warn(f"reference arm {reference_arm!r} was not run; pairing against {arms[0]!r}, the first arm run",
+                  stacklevel=2)
+    return arms[0]
 
+
+def summarize(records: list[dict], reference_arm: str | None) -> str:
+    """A Markdown table in the shape of the paper's Table 2. Probes with nothing resident have no rotary
+    gap: they are left out of the mean and counted as missing, never taken as 0."""
+    from pace_hf.metrics.pace_coding.pace_coding import paired_comparison
+
+    reference_arm = reference_for(records, reference_arm)
     arms = list(dict.fromkeys(r["arm"] for r in records))
     by_arm = {a: [r for r in records if r["arm"] == a] for a in arms}
     key = lambda r: (r["session_id"], r["probe"])  # noqa: E731
-    lines = ["| arm | checks | full probes | recall | residency | mean rotary gap | vs " + (reference_arm or "-") + " (better/worse/tied, p) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"| arm | checks | full probes | recall | residency | mean rotary gap | vs {reference_arm} "
+             "(better/worse/tied, p) |", "|---|---|---|---|---|---|---|"]
+    ref = {key(r): r for r in by_arm.get(reference_arm, [])}
     for arm, rs in by_arm.items():
         passed, total = sum(r["checks_passed"] for r in rs), sum(r["checks_total"] for r in rs)
         full = sum(r["checks_passed"] == r["checks_total"] for r in rs)
         recall = sum(r["recall_hits"] for r in rs) / max(1, sum(r["recall_total"] for r in rs))
         residency = sum(r.get("residency", 1.0) for r in rs) / len(rs)
-        gaps = [r["rotary_gap"] for r in rs if r.get("rotary_gap") is not None]  # nothing resident: no gap
+        gaps = [r["rotary_gap"] for r in rs if r.get("rotary_gap") is not None]
         gap = _gap(sum(gaps) / len(gaps) if gaps else None)
-        paired = "-"
-        if reference_arm in by_arm and arm != reference_arm:
-            ref = {key(r): r["checks_passed"] for r in by_arm[reference_arm]}
-            diffs = [r["checks_passed"] - ref[key(r)] for r in rs if key(r) in ref]
-            better, worse = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
-            paired = f"{better}/{worse}/{len(diffs) - better - worse}, p={sign_test(better, worse):.3g}"
+        if 0 < len(rs) - len(gaps) and gaps:
+            gap += f" ({len(rs) - len(gaps)} n/a)"
+        paired = "-"  # the reference arm itself
+        if arm != reference_arm:
+            pairs = [(r, ref[key(r)]) for r in rs if key(r) in ref]
+            p = paired_comparison([a for a, _ in pairs], [b for _, b in pairs])
+            paired = f"{p['better']}/{p['worse']}/{p['tied']}, p={p['p_value']:.3g}"
         lines.append(f"| {arm} | {passed}/{total} ({100 * passed / max(1, total):.0f}%) | {full}/{len(rs)} | "
                      f"{100 * recall:.0f}% | {residency:.3f} | {gap} | {paired} |")
     return "\n".join(lines)
 
 
 def plot(records: list[dict], out_dir: Path) -> list[Path]:
-    """Accuracy against definition distance and against rotary gap, one line per arm."""
+    """Accuracy against definition distance and against rotary gap, one line per arm (probes without a
+    rotary gap are left out of the second)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -231,77 +366,233 @@ def plot(records: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pace-bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--arms", default="h2o,pace", help=f"comma-separated, from {', '.join(ARMS)}")
-    ap.add_argument("--sessions", type=int, default=1)
-    ap.add_argument("--tokens", type=int, default=8192, help="context tokens before the first probe")
-    ap.add_argument("--distance", type=int, nargs="*", default=[None], help="definition distances to sweep")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--filler-mode", default="non-repeating")
-    ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--limit", type=int, default=8192)
-    ap.add_argument("--chunk", type=int, default=4096, help="prefill_chunk_size")
-    ap.add_argument("--reference-arm", default="h2o")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="cap the per-probe answer length")
-    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
-    ap.add_argument("--out", default="runs/bench")
+# -- the command line -----------------------------------------------------------------------------------
+
+_EPILOG = """\
+terms:
+  B (--budget)  resident tokens per layer and KV head after each forward.
+  H (--chunk)   prefill chunk size: tokens per forward while prefilling (generate's prefill_chunk_size);
+                bounded arms need L > B + H.
+  L (--limit)   the largest rotary position a bounded arm ever uses (positions_only, pace,
+                streaming_bounded); residents are renumbered before a chunk would pass it.
+  arms          full (no eviction), h2o, snapkv, streaming, positions_only (h2o + L),
+                retention_only (h2o + foresight), pace (h2o + foresight + L), snapkv_foresight,
+                streaming_bounded.
+
+code execution:
+  The checks run the model's code. It runs in a sandbox, but it is untrusted: opt in with
+  PACE_ALLOW_CODE_EVAL=1 (or HF_ALLOW_CODE_EVAL=1, as for HF's code_eval), on a machine you can
+  afford to lose.
+
+example:
+  PACE_ALLOW_CODE_EVAL=1 pace-bench --arms h2o,pace --sessions 3 --tokens 49152 --out runs/48k
+"""
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def _model_name(text: str) -> str:
+    """A model the project can load without a hub: a packaged name, or a local directory."""
+    from pace_hf.bench.models import model_names
+
+    if text.lower() in model_names() or Path(text).is_dir():
+        return text
+    raise argparse.ArgumentTypeError(f"unknown model {text!r}: choose from {', '.join(model_names())}, or give a "
+                                     "local model directory (no hub is reached)")
+
+
+def _arm_list(text: str) -> list[str]:
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        raise argparse.ArgumentTypeError(f"unknown arm(s) {', '.join(bad) or '(none given)'}: choose from "
+                                         f"{', '.join(ARMS)}")
+    return list(dict.fromkeys(arms))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pace_hf.bench.filler import FILLER_MODES
+    from pace_hf.bench.models import DEFAULT_MODEL, model_names
+
+    ap = argparse.ArgumentParser(prog="pace-bench", description=__doc__.split("\n\n")[0], epilog=_EPILOG,
+                                 formatter_class=_Formatter)
+    ap.add_argument("--model", type=_model_name, default=DEFAULT_MODEL, metavar="NAME",
+                    help=f"one of {{{', '.join(model_names())}}}, or a local model directory")
+    ap.add_argument("--arms", type=_arm_list, default="h2o,pace", metavar="ARM[,ARM...]",
+                    help=f"comma-separated, from {{{', '.join(ARMS)}}}")
+    ap.add_argument("--sessions", type=_int_at_least(1), default=1, help="sessions per distance")
+    ap.add_argument("--tokens", type=_int_at_least(1), default=8192, help="context tokens before the first probe")
+    ap.add_argument("--distance", type=_int_at_least(0), nargs="+", default=None, metavar="D",
+                    help="definition distances to sweep: tokens of filler between the definitions and the first "
+                         "probe; none: all the filler after the definitions")
+    ap.add_argument("--seed", type=int, default=0, help="the sessions' seed (session i of seed s is s<s>-<i>)")
+    ap.add_argument("--filler-mode", choices=FILLER_MODES, default="non-repeating",
+                    help="non-repeating: no stdlib file twice; repeating: four small files, cycled")
+    ap.add_argument("--budget", type=_int_at_least(1), default=2048, help="B: resident tokens per layer and KV head")
+    ap.add_argument("--limit", type=_int_at_least(1), default=8192,
+                    help="L: rotary positions of bounded arms stay below it; needs L > B + H")
+    ap.add_argument("--chunk", type=_int_at_least(1), default=4096, help="H: prefill chunk size (tokens per forward)")
+    ap.add_argument("--reference-arm", choices=ARMS, default="h2o",
+                    help="the arm the table pairs the others against (if it is not run: the first arm run)")
+    ap.add_argument("--max-new-tokens", type=_int_at_least(1), default=None, help="cap the per-probe answer length")
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                    help="auto: bfloat16 where the CPU or GPU runs it fast, else float32")
+    ap.add_argument("--planner", choices=PLANNERS, default="oracle",
+                    help="what foresight arms plan with: the session's oracle blueprint, SymbolPlanner's from "
+                         "the session's text, or no plan")
+    ap.add_argument("--drop-edges", type=_fraction, default=0.0, metavar="P",
+                    help="drop a seeded fraction P of the oracle blueprint's (span, reader) edges")
+    ap.add_argument("--store", choices=STORES, default="none",
+                    help="spill evicted tokens to this tier (planned spans are restored from it)")
+    ap.add_argument("--store-path", default=None, help="the disk tier's folder; none: OUT/kv")
+    ap.add_argument("--valkey-url", default="valkey://127.0.0.1:6379", help="the valkey tier's server")
+    ap.add_argument("--rehydrate", action=argparse.BooleanOptionalAction, default=False,
+                    help="before each probe, restore the evicted turns its prompt names (needs --store)")
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                    help="a per-chunk progress bar for each prefill")
+    ap.add_argument("--out", default="runs/bench", help="folder for probes.jsonl, table.md and the plots")
     ap.add_argument("--resume", action="store_true",
                     help="keep the (arm, session) pairs already complete in OUT/probes.jsonl and run the rest")
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """Checks across arguments, before anything loads (``ap.error`` exits with a usage message)."""
+    bounded = [a for a in args.arms if ARM_PARTS[a][2]]
+    protected = max((DEFAULT_SINKS + (0 if ARM_PARTS[a][0] is Recency else DEFAULT_RECENT)
+                     for a in args.arms if ARM_PARTS[a][0] is not None), default=0)
+    if args.budget < protected:
+        ap.error(f"--budget {args.budget} cannot hold the {protected} sink and recent tokens that these arms protect")
+    if bounded and args.limit <= args.budget + args.chunk:
+        ap.error(f"bounded arms ({', '.join(bounded)}) need --limit > --budget + --chunk (L > B + H): "
+                 f"{args.limit} <= {args.budget} + {args.chunk}")
+    if args.drop_edges and args.planner != "oracle":
+        ap.error("--drop-edges drops edges of the oracle blueprint: it needs --planner oracle")
+    if args.rehydrate and args.store == "none":
+        ap.error("--rehydrate restores evicted turns from a store: give --store host, disk or valkey")
+    if args.store_path and args.store != "disk":
+        ap.error("--store-path is the disk tier's folder: it needs --store disk")
+
+
+def make_store(args, out_dir: Path):
+    """The TieredStore of ``--store``, or None."""
+    if args.store == "none":
+        return None
+    from pace_hf.tiers import DiskTier, HostTier, TieredStore, ValkeyTier
+
+    tier = {"host": lambda: HostTier(),
+            "disk": lambda: DiskTier(args.store_path or out_dir / "kv"),
+            "valkey": lambda: ValkeyTier(args.valkey_url)}[args.store]()
+    return TieredStore([tier])
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
+    check_args(ap, args)
 
-    from pace_hf.metrics.pace_coding.sandbox import require_opt_in
+    from pace_hf.metrics.pace_coding.sandbox import CodeExecutionNotAllowed, SandboxUnavailable, opted_in
 
-    require_opt_in()
+    if not opted_in():
+        raise SystemExit("pace-bench: the checks execute model-generated code; opt in with PACE_ALLOW_CODE_EVAL=1 "
+                         "(or HF_ALLOW_CODE_EVAL=1) on a machine you can afford to lose (see --help)")
+    try:
+        return _run(args)
+    except (CodeExecutionNotAllowed, SandboxUnavailable) as e:
+        raise SystemExit(f"pace-bench: {type(e).__name__}: {e}") from None
+
+
+def _run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
     import evaluate
     from tqdm.auto import tqdm
 
     from pace_hf.bench import load_sessions
+    from pace_hf.bench.build import SYSTEM_PROMPT
+    from pace_hf.bench.models import load_model, load_tokenizer, preferred_dtype
+    from pace_hf.chat import ChatTemplate
     from pace_hf.metrics import PACE_CODING
-    from pace_hf.bench.models import load_model
 
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    for arm in arms:
-        if arm not in ARMS:
-            raise SystemExit(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
+    # The sessions first: a knob that does not fit (say, a distance longer than the session) is an
+    # error before the model loads.
+    tokenizer = load_tokenizer(args.model)
+    rows = []
+    for distance in args.distance or [None]:
+        try:
+            rows += list(load_sessions(tokenizer, n_sessions=args.sessions, total_tokens=args.tokens,
+                                       distance=distance, seed=args.seed, filler_mode=args.filler_mode))
+        except ValueError as e:
+            raise SystemExit(f"pace-bench: {e}") from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = preferred_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
     metric = evaluate.load(PACE_CODING)
-    stop_ids = [i for i in {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
-                if isinstance(i, int) and i >= 0]
+    stop_ids = ChatTemplate(tokenizer, SYSTEM_PROMPT).stop_ids()
     settings = ArmSettings(budget=args.budget, limit=args.limit)
-    rows = []
-    for distance in args.distance:
-        rows += list(load_sessions(tokenizer, n_sessions=args.sessions, total_tokens=args.tokens,
-                                   distance=distance, seed=args.seed, filler_mode=args.filler_mode))
+    store = make_store(args, out_dir)
     log_path = out_dir / "probes.jsonl"
     records = completed_records(log_path, {len(r["probes"]) for r in rows}.pop()) if args.resume else []
     same_sessions = {(r["session_id"], r["context_len"]) for r in rows}
     records = [r for r in records if (r["session_id"], r["context_len"]) in same_sessions]
     done = {(r["arm"], r["session_id"]) for r in records}
-    with open(log_path, "w") as log:
-        for record in records:
-            log.write(json.dumps(record) + "\n")
-        log.flush()  # the kept records are on disk before the first new pair starts
-        # session-major, so that a run cut short still holds paired results
-        pairs = [(row, arm) for row in rows for arm in arms if (arm, row["session_id"]) not in done]
-        for row, arm in tqdm(pairs, desc="sessions x arms", unit="run"):
-            for record in play_session(model, tokenizer, row, arm, settings, metric, args.chunk, stop_ids,
-                                       args.max_new_tokens):
+    try:
+        with open(log_path, "w") as log:
+            for record in records:
                 log.write(json.dumps(record) + "\n")
-                log.flush()
-                records.append(record)
-                tqdm.write(progress_line(record))
+            log.flush()  # the kept records are on disk before the first new pair starts
+            # session-major, so that a run cut short still holds paired results
+            pairs = [(row, arm) for row in rows for arm in args.arms if (arm, row["session_id"]) not in done]
+            blueprints: dict[str, Blueprint] = {}
+            for row, arm in tqdm(pairs, desc="sessions x arms", unit="run"):
+                if row["session_id"] not in blueprints:
+                    blueprints[row["session_id"]] = session_blueprint(row, tokenizer, args.planner, args.drop_edges,
+                                                                      args.seed)
+                for record in play_session(model, tokenizer, row, arm, settings, metric, args.chunk, stop_ids,
+                                           args.max_new_tokens, blueprint=blueprints[row["session_id"]],
+                                           store=store, rehydrate=args.rehydrate, progress=args.progress):
+                    record.update(planner=args.planner, drop_edges=args.drop_edges, store=args.store)
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                    records.append(record)
+                    tqdm.write(progress_line(record))
+    finally:
+        if store is not None:
+            store.close()
     table = summarize(records, args.reference_arm)
     header = (f"model {args.model} ({dtype}), {len(rows)} sessions x {len(rows[0]['probes'])} probes, "
-              f"~{args.tokens:,} context tokens, B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}\n\n")
+              f"~{args.tokens:,} context tokens, B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, "
+              f"planner {args.planner}" + (f" (edges dropped: {args.drop_edges:g})" if args.drop_edges else "")
+              + (f", store {args.store}" if args.store != "none" else "") + "\n\n")
     (out_dir / "table.md").write_text(header + table + "\n")
     plots = plot(records, out_dir)
     print(header + table)
