@@ -29,6 +29,8 @@ from pace_hf import Blueprint, EvictionCache, Span
 from pace_hf.cache import DEFAULT_RECENT, DEFAULT_SINKS
 from pace_hf.scoring import CumulativeAttention, Foresight, ObservationWindow, Recency
 
+from .sessions import session_messages
+
 # Each arm is a composition: a scoring policy, with or without foresight, with or without a limit.
 # name -> (base scorer or None for the full cache, foresight, bounded)
 ARM_PARTS = {
@@ -84,22 +86,6 @@ def oracle_blueprint(row, drop_edges: float = 0.0, seed: int = 0) -> Blueprint:
     dropped = set(rng.sample(edges, round(drop_edges * len(edges))))
     kept = [(b, [r for r in b["readers"] if (k, r) not in dropped]) for k, b in enumerate(spans)]
     return Blueprint(Span(b["start"], b["end"], readers) for b, readers in kept if readers)
-
-
-def session_messages(row, tokenizer) -> list:
-    """The session's turns (system prompt excluded) as ``pace_hf.session.Message`` objects: exact token
-    spans, and the text each turn's ids decode to, without template tokens or the role line."""
-    from pace_hf.session import Message
-
-    out = []
-    for turn in row["turns"]:
-        if turn["role"] == "system":
-            continue
-        text = tokenizer.decode(row["context_ids"][turn["start"]:turn["end"]], skip_special_tokens=True)
-        head, _, rest = text.partition("\n")
-        content = rest if head.strip() == turn["role"] else text
-        out.append(Message(len(out), turn["role"], content, turn["start"], turn["end"], turn["step"]))
-    return out
 
 
 def probe_plan(row) -> dict[int, str]:

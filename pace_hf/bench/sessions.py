@@ -81,6 +81,7 @@ __all__ = [
     "reference_solution",
     "answer_suffix_ids",
     "session_fingerprint",
+    "session_messages",
     "tokenizer_identity",
     "to_parquet",
 ]
@@ -201,6 +202,22 @@ def load_sessions(
         )
     finally:
         _TOKENIZERS.pop(fp, None)
+
+
+def session_messages(row, tokenizer) -> list:
+    """The session's turns (system prompt excluded) as ``pace_hf.session.Message`` objects: exact token
+    spans, and the text each turn's ids decode to, without template tokens or the role line."""
+    from pace_hf.session import Message
+
+    out = []
+    for turn in row["turns"]:
+        if turn["role"] == "system":
+            continue
+        text = tokenizer.decode(row["context_ids"][turn["start"]:turn["end"]], skip_special_tokens=True)
+        head, _, rest = text.partition("\n")
+        content = rest if head.strip() == turn["role"] else text
+        out.append(Message(len(out), turn["role"], content, turn["start"], turn["end"], turn["step"]))
+    return out
 
 
 def to_parquet(dataset, path) -> str:
