@@ -27,7 +27,7 @@ def smollm2():
 def test_smollm2_loads_and_generates(smollm2):
     model, tok = smollm2
     assert not model.training
-    assert model.dtype == torch.bfloat16
+    assert model.dtype == models.preferred_dtype()  # the dtype this machine runs fast, never a fixed one
     text = _greedy(model, tok, "Say hello.", max_new_tokens=5)
     assert isinstance(text, str) and text.strip()
 
