@@ -19,7 +19,7 @@ itself; inline code (single backquotes) is read as a code fragment for mentions.
 * Dependencies (for the planner's closure): the free names a top-level definition uses (loads minus
   its parameters and locals) and the attribute names it uses (``record.status`` uses member
   ``status``).
-* Code that does not parse (a fragment of a file cut mid-function, as in the benchmark's filler) is
+* Code that does not parse (a fragment of a file cut mid-function, as pasted source often is) is
   split into column-0 blocks and each block is parsed on its own; a block that still fails gives only
   regex definitions (column-0 ``def``/``class``/``NAME =``) and no dependencies.
 

@@ -1,6 +1,6 @@
 """``SymbolPlanner``: a blueprint from the session's own text, with no oracle and no model.
 
-Why: every PACE result used the benchmark's oracle blueprint; a real agent has none. But an agent
+Why: a hand-written blueprint is an oracle; a real agent has none. But an agent
 does know its plan (the next steps' descriptions), and code sessions name things literally: a step
 that says "write `settle(record)`" needs the message that defined ``settle``. So the planner matches
 the identifiers each planned step mentions against the identifiers each earlier message defines
@@ -16,7 +16,7 @@ Rules:
   before that message), to more messages, up to ``depth`` hops. ``settle`` reads ``record.status``,
   so a step that names ``settle`` also reads the dataclass that defines ``status``. Forward references
   (a use of a name defined only later) are not followed; the step reaches them only by naming them.
-  ``depth=0`` is pure literal matching (see ``bench/planner_recall.py`` for what each part is worth).
+  ``depth=0`` is pure literal matching.
 * ``plan(session)`` keeps the cache's blueprint equal to ``blueprint_for(messages, steps)`` for the spans
   it added: it adds what is new and removes its own spans that a redefinition or a new step made stale
   (never spans that anyone else added, such as restores). A span equal to one the blueprint already
