@@ -21,7 +21,7 @@ test: setup
 	$(PY) -m pytest -q
 
 # One session of the coding benchmark on the default model (Qwen2.5-Coder-0.5B-Instruct), H2O against
-# PACE, definitions 8K tokens before the probes. It runs model-written code in pace_hf.sandbox, so it
+# PACE, definitions 8K tokens before the probes. It runs model-written code in the metric's sandbox, so it
 # opts in to code execution for its own run. Prints the table and the paths of the plots.
 DEMO_ARGS ?= --arms h2o,pace --sessions 1 --tokens 12288 --distance 8192 --out runs/demo
 demo: setup
