@@ -30,23 +30,9 @@ import argparse
 import json
 import time
 
-from pace_hf.bench import load_sessions
+from pace_hf.bench import load_sessions, session_messages
 from pace_hf.bench.models import load_tokenizer
 from pace_hf.planner import SymbolPlanner, read
-from pace_hf.session import Message
-
-
-def session_messages(row, tokenizer) -> list[Message]:
-    """The session's messages (system prompt excluded) with their exact spans and decoded contents."""
-    out = []
-    for turn in row["turns"]:
-        if turn["role"] == "system":
-            continue
-        text = tokenizer.decode(row["context_ids"][turn["start"]:turn["end"]], skip_special_tokens=True)
-        head, _, rest = text.partition("\n")
-        content = rest if head.strip() == turn["role"] else text
-        out.append(Message(len(out), turn["role"], content, turn["start"], turn["end"], turn["step"]))
-    return out
 
 
 def mention_edges(messages, steps) -> set[tuple[int, int, int]]:
