@@ -249,29 +249,6 @@ def _apply_mask(logits: torch.Tensor, attention_mask: torch.Tensor | None, start
         logits[..., first:].add_(tail.float())
 
 
-def _apply_mask(logits: torch.Tensor, attention_mask: torch.Tensor | None, start: int, stop: int, q_len: int) -> None:
-    """Mask the logits ``[b, kv_heads, group, n, kv]`` of queries ``start:stop`` in place. Only the
-    columns from the first masked one on are touched: under a causal mask, the tail of the keys."""
-    kv_len = logits.shape[-1]
-    if attention_mask is None:  # causal, aligned to the end of the keys
-        first = kv_len - q_len + start + 1
-        q_pos = torch.arange(start, stop, device=logits.device)[:, None] + (kv_len - q_len)
-        cols = torch.arange(first, kv_len, device=logits.device)[None, :]
-        logits[..., first:].masked_fill_(cols > q_pos, float("-inf"))
-        return
-    m = attention_mask[:, :, start:stop, :kv_len]  # [b or 1, 1, n, kv]
-    blocked = ~m if m.dtype == torch.bool else m != 0
-    hit = blocked.flatten(0, -2).any(dim=0).nonzero()
-    if hit.numel() == 0:
-        return
-    first = int(hit[0])
-    tail = m[..., first:].unsqueeze(2)  # [b, 1, 1, n, kv - first]
-    if m.dtype == torch.bool:
-        logits[..., first:].masked_fill_(~tail, float("-inf"))
-    else:
-        logits[..., first:].add_(tail.float())
-
-
 _warned_attentions = False
 
 
