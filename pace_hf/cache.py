@@ -148,12 +148,14 @@ class EvictingLayer(DynamicLayer):
         return {"head": head, "logical": self.logical[head, pos], "ref_pos": ref_pos[head, pos],
                 "score": scores, "ref_key": ref_keys[0, head, pos], "value": self.values[0, head, pos]}
 
-    def keep(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Keep the tokens at ``index`` ([kv_heads, m], sorted per head); return the dropped ones flat."""
-        dropped = torch.ones(self.logical.shape, dtype=torch.bool, device=index.device)
-        dropped.scatter_(1, index, False)
-        head, pos = dropped.nonzero(as_tuple=True)
-        evicted = self.tokens_at(head, pos)
+    def keep(self, index: torch.Tensor, collect: bool = True) -> dict[str, torch.Tensor] | None:
+        """Keep the tokens at ``index`` ([kv_heads, m], sorted per head); return the dropped ones flat
+        (when ``collect``: only a cache that spills needs them)."""
+        evicted = None
+        if collect:
+            dropped = torch.ones(self.logical.shape, dtype=torch.bool, device=index.device)
+            dropped.scatter_(1, index, False)
+            evicted = self.tokens_at(*dropped.nonzero(as_tuple=True))
         gather = index[None, :, :, None].expand(self.keys.shape[0], -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gather)
         self.values = self.values.gather(2, gather.expand(-1, -1, -1, self.values.shape[-1]))
@@ -497,7 +499,9 @@ class EvictionCache(DynamicCache):
             self.progress.update(q_len)
         for layer_idx, layer in enumerate(self.layers):
             if layer.is_initialized and layer.stored > self.budget:
-                self.evicted(layer_idx, layer.keep(self._keep_index(layer)))
+                evicted = layer.keep(self._keep_index(layer), collect=self.spill is not None)
+                if evicted is not None:
+                    self.evicted(layer_idx, evicted)
 
     def evicted(self, layer_idx: int, tokens: dict[str, torch.Tensor]) -> None:
         """Every token a layer evicts (flat, see ``EvictingLayer.tokens_at``): spilled with a store,
@@ -725,4 +729,4 @@ class StreamingLLMCache(EvictionCache):
 
 
 __all__ = ["EvictingLayer", "EvictionCache", "H2OCache", "PACECache", "SnapKVCache", "StreamingLLMCache",
-           "Span", "keep_index"]
+           "keep_index"]
