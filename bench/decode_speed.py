@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -34,6 +35,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    ap.add_argument("--out", help="folder to write the report to (decode.json)")
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
@@ -76,6 +78,10 @@ def main(argv=None):
     report = {"model": args.model, "resident_tokens": n, "steps_per_round": args.steps, "rounds": args.rounds,
               "dtype": str(dtype), "threads": torch.get_num_threads(), "arms": results}
     print(json.dumps(report, indent=2))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "decode.json"), "w") as f:
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":
