@@ -144,7 +144,7 @@ class EvictingLayer(DynamicLayer):
         restore needs (value, reference key and position, logical position, score)."""
         ref_keys = self.ref_keys if self.keep_reference else self.keys
         ref_pos = self.ref_pos if self.keep_reference else self.physical
-        scores = self.scores[head, pos] if self.scores.numel() else torch.zeros(head.shape, dtype=torch.float32)
+        scores = self.scores[head, pos] if self.scores.numel() else torch.zeros(head.shape, dtype=torch.float32, device=head.device)
         return {"head": head, "logical": self.logical[head, pos], "ref_pos": ref_pos[head, pos],
                 "score": scores, "ref_key": ref_keys[0, head, pos], "value": self.values[0, head, pos]}
 

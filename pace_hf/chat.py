@@ -89,5 +89,6 @@ class ChatTemplate:
 
     def stop_ids(self) -> list[int]:
         """Token ids that end a generated reply: the first id of the turn end, and EOS."""
-        ids = {self.turn_end_ids()[0] if self.turn_end_ids() else None, self.tok.eos_token_id}
+        turn_end = self.turn_end_ids()
+        ids = {turn_end[0] if turn_end else None, self.tok.eos_token_id}
         return sorted(i for i in ids if isinstance(i, int) and i >= 0)

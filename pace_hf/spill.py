@@ -48,6 +48,7 @@ class SpillLog:
         self.store, self.session_id, self.fingerprint = store, session_id, fingerprint
         self.entry_tokens = entry_tokens
         self.buffers: list[list[dict]] = [[] for _ in range(n_layers)]
+        self.buffered = [0] * n_layers  # tokens in each layer's buffer
         self.index: list[list[list]] = [[] for _ in range(n_layers)]  # [key, lowest, highest logical]
         self.next_entry = 0
         self.spilled_tokens = 0
@@ -58,8 +59,9 @@ class SpillLog:
             return
         self.buffers[layer_idx].append({k: v.detach().to("cpu", copy=True) for k, v in tokens.items()})
         self.spilled_tokens += tokens["logical"].numel()
+        self.buffered[layer_idx] += tokens["logical"].numel()
         heads = int(tokens["head"].max()) + 1
-        if sum(b["logical"].numel() for b in self.buffers[layer_idx]) >= self.entry_tokens * heads:
+        if self.buffered[layer_idx] >= self.entry_tokens * heads:
             self.flush_layer(layer_idx)
 
     def flush_layer(self, layer_idx: int) -> None:
@@ -73,6 +75,7 @@ class SpillLog:
                        fingerprint=self.fingerprint, session_id=self.session_id)
         self.index[layer_idx].append([key, low, high])
         self.buffers[layer_idx] = []
+        self.buffered[layer_idx] = 0
 
     def flush(self) -> None:
         for layer_idx in range(len(self.buffers)):
