@@ -129,7 +129,7 @@ def main(argv=None) -> int:
               "--sessions", str(args.sessions), "--seed", str(args.seed), "--budget", str(args.budget),
               "--limit", str(args.limit), "--chunk", str(args.chunk), "--no-progress", "--resume"]
     if not args.plot_only:
-        points = [(d, r) for r in (False, True) for d in drops]
+        points = [(d, r) for d in drops for r in (False, True)]
         for drop, rehydrate in points:
             extra = ["--store", "host", "--rehydrate"] if rehydrate else []
             rc = run_bench(common + ["--arms", "pace", "--planner", "oracle", "--drop-edges", str(drop),
