@@ -101,3 +101,23 @@ def test_arms_match_the_runner():
     assert figures.FORESIGHT_ARMS == tuple(a for a, (_, foresight, _) in ARM_PARTS.items() if foresight)
     styles = {(figures.arm_style(a)["color"], figures.arm_style(a)["marker"]) for a in ARMS}
     assert len(styles) == len(ARMS)  # every arm is told apart
+
+
+def _point(passed_per_probe, recall=(1, 1), residency=1.0):
+    return [dict(_rec("pace", "s2-0", 6144, p, total=5, residency=residency), probe=f"p{i}",
+                 recall_hits=recall[0], recall_total=recall[1]) for i, p in enumerate(passed_per_probe)]
+
+
+def test_the_robustness_curve_pools_each_point_and_draws_the_reference(tmp_path):
+    points = {(0.0, False): _point([5, 5, 5]), (0.0, True): _point([5, 5, 4]),
+              (1.0, False): _point([0, 0, 1], recall=(0, 1), residency=0.1), (1.0, True): _point([5, 3, 0]),
+              (0.5, False): []}  # not run yet: no row
+    h2o = [dict(r, arm="h2o") for r in _point([0, 0, 0], recall=(0, 1), residency=0.05)]
+    table = figures.robustness_table(points, h2o).splitlines()
+    assert len(table) == 2 + 4 + 1
+    assert table[2] == "| 0 | no | 15/15 (100%) | 3/3 | 100% | 1.000 |"
+    assert table[4] == "| 1 | no | 1/15 (7%) | 0/3 | 0% | 0.100 |"
+    assert table[5] == "| 1 | yes | 8/15 (53%) | 1/3 | 100% | 1.000 |"
+    assert table[6].startswith("| (h2o) | - | 0/15 (0%) | 0/3 | 0% |")
+    path = figures.figure_robustness(points, {"model": "qwen2.5-coder-0.5b", "budget": 2048}, tmp_path / "r.png", h2o)
+    assert path.stat().st_size > 10_000

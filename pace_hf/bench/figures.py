@@ -9,6 +9,10 @@
   with the probes in each bin in a panel below. A probe with nothing resident has no gap: it is left
   out (and counted in the footnote), never put at 0.
 
+* **The planner-robustness curve** (``robustness.png``, with ``robustness_table``): checks passed
+  against the fraction of the oracle blueprint's edges dropped, with and without rehydration, beside
+  H2O on the same sessions (``bench/robustness.py`` runs the points).
+
 Each figure's title names the model, B, L, H, the session length and n. The settings come from the
 command line, else from the run's ``run.json`` (the runner writes it beside ``probes.jsonl``), else from
 the records; the session length and n always come from the records.
@@ -30,6 +34,7 @@ import pandas as pd
 
 FIGURE_1 = "fig1_checks_vs_distance.png"
 FIGURE_3 = "fig3_checks_vs_rotary_gap.png"
+FIGURE_ROBUSTNESS = "robustness.png"
 
 # The runner's arms in its order (tests/test_figures.py checks that this matches runner.ARMS), so that an
 # arm has the same color and marker in every figure of every run.
@@ -227,6 +232,70 @@ def figure_gap(records: list[dict], settings: dict, path: Path, arms=FORESIGHT_A
     fig.text(0.01, -0.01, f"Left out: {below} probe(s) of these arms below full residency, {no_gap} with no gap "
              f"(nothing resident); other arms are not shown.", fontsize=7, color="0.35", ha="left", va="top")
     return _save(fig, path)
+
+
+def _robustness_frame(points: dict[tuple[float, bool], list[dict]]) -> pd.DataFrame:
+    """One pooled row per (dropped fraction, rehydration) point that has records."""
+    rows = []
+    for (drop, rehydrate), records in sorted(points.items()):
+        if records:
+            df = _frame(records)
+            rows.append({"drop": drop, "rehydrate": rehydrate, "passed": df["checks_passed"].sum(),
+                         "total": df["checks_total"].sum(), "probes": len(df),
+                         "full": int((df["checks_passed"] == df["checks_total"]).sum()),
+                         "recall": df["recall_hits"].sum() / max(1, df["recall_total"].sum()),
+                         "residency": df["residency"].mean()})
+    g = pd.DataFrame(rows, columns=["drop", "rehydrate", "passed", "total", "probes", "full", "recall", "residency"])
+    g["rate"] = g["passed"] / g["total"].where(g["total"] > 0)
+    g["low"], g["high"] = wilson(g["passed"], g["total"])
+    return g
+
+
+def robustness_table(points: dict[tuple[float, bool], list[dict]], reference: list[dict] | None = None,
+                     reference_arm: str = "h2o") -> str:
+    """A markdown table: one row per (dropped fraction, rehydration) point, then the reference arm."""
+    lines = ["| oracle edges dropped | rehydration | checks | full probes | recall | residency |",
+             "|---|---|---|---|---|---|"]
+    for r in _robustness_frame(points).itertuples():
+        lines.append(f"| {r.drop:g} | {'yes' if r.rehydrate else 'no'} | {r.passed}/{r.total} ({r.rate:.0%}) "
+                     f"| {r.full}/{r.probes} | {r.recall:.0%} | {r.residency:.3f} |")
+    if reference:
+        df = _frame(reference)
+        passed, total = df["checks_passed"].sum(), df["checks_total"].sum()
+        full = int((df["checks_passed"] == df["checks_total"]).sum())
+        recall = df["recall_hits"].sum() / max(1, df["recall_total"].sum())
+        lines.append(f"| ({reference_arm}) | - | {passed}/{total} ({passed / total:.0%}) | {full}/{len(df)} "
+                     f"| {recall:.0%} | {df['residency'].mean():.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def figure_robustness(points: dict[tuple[float, bool], list[dict]], settings: dict, path: Path,
+                      reference: list[dict] | None = None, reference_arm: str = "h2o") -> Path:
+    """Checks passed (95% Wilson interval) against the dropped fraction of oracle edges: one line
+    without and one with rehydration, and the reference arm as a dashed line."""
+    import matplotlib.pyplot as plt
+
+    g = _robustness_frame(points)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for rehydrate, marker, label in ((False, "o", "PACE, plan only"), (True, "s", "PACE + rehydration")):
+        line = g[g["rehydrate"] == rehydrate]
+        if len(line):
+            ax.errorbar(line["drop"], line["rate"], yerr=[line["rate"] - line["low"], line["high"] - line["rate"]],
+                        marker=marker, capsize=3, label=label, color=arm_style("pace")["color"],
+                        linestyle="-" if rehydrate else ":")
+    if reference:
+        df = _frame(reference)
+        ax.axhline(df["checks_passed"].sum() / df["checks_total"].sum(), linestyle="--",
+                   color=arm_style(reference_arm)["color"], label=reference_arm)
+    ax.set_xlabel("fraction of the oracle blueprint's (span, reader) edges dropped")
+    ax.set_ylabel("checks passed")
+    ax.set_ylim(-0.03, 1.03)
+    # each point counts as its own arm in the title's n
+    records = [dict(r, arm=f"{drop:g}/{rehydrate}") for (drop, rehydrate), rs in points.items() for r in rs]
+    records += list(reference or [])
+    ax.set_title(title_for(_frame(records), settings) if records else str(settings.get("model", "")), fontsize=9)
+    ax.legend(loc="lower left", fontsize=8)
+    return _save(fig, Path(path))
 
 
 def make_figures(records: list[dict], out_dir: Path, settings: dict) -> list[Path]:
