@@ -205,6 +205,13 @@ def test_rehydrate_restores_evicted_definitions_the_turn_names():
     cache = FakeCache(resident=(), seen=310)
     session = SimpleNamespace(messages=msgs, cache=cache, step=4)
     assert SymbolPlanner(max_restore_tokens=150).rehydrate(session, msgs[3]) == [Span(210, 310, [4])]
+    # messages not prefilled yet: the evicted prefix is restored, the rest is planned for this step
+    cache = FakeCache(resident=(), seen=60)
+    session = SimpleNamespace(messages=msgs, cache=cache, step=4)
+    assert SymbolPlanner().rehydrate(session, msgs[3]) == [Span(210, 310, [4]), Span(10, 110, [4])]
+    assert cache.restored == [(10, 60, 4)]
+    assert sorted((s.start, s.end, s.readers) for s in cache.blueprint) == [(10, 60, (4,)), (60, 110, (4,)),
+                                                                             (210, 310, (4,))]
 
 
 # ------------------------------------------------------------------------------------------ real model

@@ -307,6 +307,32 @@ def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progr
         store.close()
 
 
+def test_rehydration_restores_what_the_history_evicted_before_the_first_probe():
+    """No plan: the definition the first probe names is evicted while the history is prefilled, and
+    rehydration brings it back from the store before the probe's turn (as in a live session)."""
+    from pace_hf.tiers import HostTier, TieredStore
+
+    model, row = tiny_model("qwen2"), _synthetic_row()
+    definition = row["context_ids"][48:96]
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "user\nfee_for = 3" if list(ids) == definition else "user\nsome text"
+
+    readings = {}
+    for rehydrate in (False, True):
+        store = TieredStore([HostTier()])
+        try:
+            records = runner.play_session(model, Tokenizer(), row, "pace", ArmSettings(budget=192, limit=400),
+                                          _Metric(), 64, [0], blueprint=Blueprint(), store=store,
+                                          rehydrate=rehydrate)
+            readings[rehydrate] = records[0]
+        finally:
+            store.close()
+    assert readings[False]["residency"] < 0.5  # the history's prefill evicted it
+    assert readings[True]["rehydrated_tokens"] > 0 and readings[True]["residency"] == 1.0
+
+
 # -- sessions sharded across processes (issue 14 section 4) ------------------------------------------------
 
 

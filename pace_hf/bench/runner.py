@@ -116,14 +116,16 @@ def session_blueprint(row, tokenizer, planner: str = "oracle", drop_edges: float
 
 def rehydrate_for_probe(cache, row, tokenizer, probe, messages) -> int:
     """Restore, from the cache's store, the evicted turns that define what the probe's prompt names
-    (``SymbolPlanner.rehydrate``); returns the tokens restored."""
+    (``SymbolPlanner.rehydrate``); returns the tokens restored (layer 0)."""
     from pace_hf.planner import SymbolPlanner
     from pace_hf.session import Message
 
     turn = Message(len(messages), "user", probe["prompt"], cache.get_seq_length(),
                    cache.get_seq_length() + len(probe["prompt_ids"]), probe["step"])
     session = SimpleNamespace(messages=messages, cache=cache, step=probe["step"])
-    return sum(s.end - s.start for s in SymbolPlanner().rehydrate(session, turn))
+    before = cache.tier_stats["restored_tokens"]
+    SymbolPlanner().rehydrate(session, turn)
+    return cache.tier_stats["restored_tokens"] - before
 
 
 # -- the ledger at each probe ----------------------------------------------------------------------------
@@ -228,11 +230,15 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
     records = []
     try:
         for probe in row["probes"]:
+            start = time.perf_counter()
             if evicting:
                 cache.step = probe["step"]
+            if can_rehydrate and cache.get_seq_length() < len(ids):
+                # Rehydration answers a turn's arrival: as in a live session, the history is in the cache
+                # (and what it evicted is in the store) before the probe's turn comes.
+                generate_answer(model, ids, cache, 1, stop_ids, chunk)
             restored = rehydrate_for_probe(cache, row, tokenizer, probe, messages) if can_rehydrate else None
             ids += probe["prompt_ids"]
-            start = time.perf_counter()
             reading = ReadAtFirstQuery(cache, needed_positions(row, probe))
             budget = min(probe["max_new_tokens"], max_new_tokens or probe["max_new_tokens"])
             answer = generate_answer(model, ids, cache, budget, stop_ids, chunk, [reading])

@@ -24,7 +24,8 @@ Rules:
   planner does not own those spans, so it will not remove them if they go stale).
 * ``rehydrate(session, message)``: when a user turn arrives, the identifiers it names resolve the same
   way (against the messages before it); each defining message that is not fully resident is restored
-  from the tiers before the turn is prefilled, read at the current step. Restores stop at
+  from the tiers before the turn is prefilled, read at the current step (a message not prefilled yet
+  is planned for the current step instead, so the prefill that brings it in keeps it). Restores stop at
   ``max_restore_tokens`` (default: half the cache budget) so one turn cannot flush the cache;
   the most recent definitions go first.
 
@@ -168,8 +169,10 @@ class SymbolPlanner:
 
     # -- rehydration --------------------------------------------------------------------------------------
     def rehydrate(self, session, message) -> list[Span]:
-        """Restore the evicted messages that define what the new turn ``message`` names (see the module
-        docstring); returns the restored spans."""
+        """Bring back the messages that define what the new turn ``message`` names (see the module
+        docstring): the evicted part of one already prefilled is restored from the tiers; a part still
+        to be prefilled (messages added since the last forward) is planned for the current step, so that
+        prefill keeps it. Returns the spans planned for this step, most recent first."""
         messages = session.messages
         before = next((i for i, m in enumerate(messages) if m is message), None)
         if before is None:
@@ -180,15 +183,18 @@ class SymbolPlanner:
         seen = cache.get_seq_length()
         cache.step = session.step
         cap = self.max_restore_tokens if self.max_restore_tokens is not None else cache.budget // 2
-        restored, used = [], 0
+        planned, used = [], 0
         for i in sorted(needed, reverse=True):
             m = messages[i]
-            end = min(m.end, seen)  # tokens not prefilled yet are on their way anyway
-            if m.start >= end or cache.residency(range(m.start, end)) >= 1.0:
+            end = min(m.end, seen)  # [m.start, end) is prefilled, [end, m.end) is not yet
+            evicted = m.start < end and cache.residency(range(m.start, end)) < 1.0
+            pending = m.end > end
+            if not (evicted or pending) or used + (m.end - m.start) > cap:
                 continue
-            if used + (end - m.start) > cap:
-                continue
-            cache.restore(m.start, end)
-            used += end - m.start
-            restored.append(Span(m.start, end, [cache.step]))
-        return restored
+            if evicted:
+                cache.restore(m.start, end)  # plans [m.start, end) for this step
+            if pending:
+                cache.blueprint.add(Span(end if evicted else m.start, m.end, [cache.step]))
+            used += m.end - m.start
+            planned.append(Span(m.start, m.end, [cache.step]))
+        return planned
