@@ -62,6 +62,7 @@ def main(argv=None) -> int:
             rc = run_bench(common + ["--arms", "h2o", "--out", str(out / "h2o")])
             if rc:
                 return rc
+    out.mkdir(parents=True, exist_ok=True)
     records = {p: read_jsonl(point_dir(out, *p) / "probes.jsonl") for p in points}
     h2o = read_jsonl(out / "h2o" / "probes.jsonl")
     settings = {k: getattr(args, k) for k in ("model", "budget", "limit", "chunk")}
