@@ -234,17 +234,18 @@ def figure_gap(records: list[dict], settings: dict, path: Path, arms=FORESIGHT_A
     return _save(fig, path)
 
 
+def _pool(records: list[dict]) -> dict:
+    """Checks, full probes, recall and residency pooled over ``records``."""
+    df = _frame(records)
+    return {"passed": df["checks_passed"].sum(), "total": df["checks_total"].sum(), "probes": len(df),
+            "full": int((df["checks_passed"] == df["checks_total"]).sum()),
+            "recall": df["recall_hits"].sum() / max(1, df["recall_total"].sum()), "residency": df["residency"].mean()}
+
+
 def _robustness_frame(points: dict[tuple[float, bool], list[dict]]) -> pd.DataFrame:
     """One pooled row per (dropped fraction, rehydration) point that has records."""
-    rows = []
-    for (drop, rehydrate), records in sorted(points.items()):
-        if records:
-            df = _frame(records)
-            rows.append({"drop": drop, "rehydrate": rehydrate, "passed": df["checks_passed"].sum(),
-                         "total": df["checks_total"].sum(), "probes": len(df),
-                         "full": int((df["checks_passed"] == df["checks_total"]).sum()),
-                         "recall": df["recall_hits"].sum() / max(1, df["recall_total"].sum()),
-                         "residency": df["residency"].mean()})
+    rows = [{"drop": drop, "rehydrate": rehydrate, **_pool(records)}
+            for (drop, rehydrate), records in sorted(points.items()) if records]
     g = pd.DataFrame(rows, columns=["drop", "rehydrate", "passed", "total", "probes", "full", "recall", "residency"])
     g["rate"] = g["passed"] / g["total"].where(g["total"] > 0)
     g["low"], g["high"] = wilson(g["passed"], g["total"])
@@ -260,12 +261,9 @@ def robustness_table(points: dict[tuple[float, bool], list[dict]], reference: li
         lines.append(f"| {r.drop:g} | {'yes' if r.rehydrate else 'no'} | {r.passed}/{r.total} ({r.rate:.0%}) "
                      f"| {r.full}/{r.probes} | {r.recall:.0%} | {r.residency:.3f} |")
     if reference:
-        df = _frame(reference)
-        passed, total = df["checks_passed"].sum(), df["checks_total"].sum()
-        full = int((df["checks_passed"] == df["checks_total"]).sum())
-        recall = df["recall_hits"].sum() / max(1, df["recall_total"].sum())
-        lines.append(f"| ({reference_arm}) | - | {passed}/{total} ({passed / total:.0%}) | {full}/{len(df)} "
-                     f"| {recall:.0%} | {df['residency'].mean():.3f} |")
+        r = _pool(reference)
+        lines.append(f"| ({reference_arm}) | - | {r['passed']}/{r['total']} ({r['passed'] / r['total']:.0%}) "
+                     f"| {r['full']}/{r['probes']} | {r['recall']:.0%} | {r['residency']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -284,8 +282,8 @@ def figure_robustness(points: dict[tuple[float, bool], list[dict]], settings: di
                         marker=marker, capsize=3, label=label, color=arm_style("pace")["color"],
                         linestyle="-" if rehydrate else ":")
     if reference:
-        df = _frame(reference)
-        ax.axhline(df["checks_passed"].sum() / df["checks_total"].sum(), linestyle="--",
+        r = _pool(reference)
+        ax.axhline(r["passed"] / r["total"], linestyle="--",
                    color=arm_style(reference_arm)["color"], label=reference_arm)
     ax.set_xlabel("fraction of the oracle blueprint's (span, reader) edges dropped")
     ax.set_ylabel("checks passed")
