@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pace_hf import attention
+from pace_hf.cache import cache_nbytes
 from pace_hf.kernels import attention_with_column_sums_triton, rerotate_triton
 from pace_hf.rope import RotaryParams, rerotate_reference
 
@@ -151,17 +152,6 @@ def attention_speed(q_len=4096, kv_len=6144, hq=32, hkv=8, d=128, reps=10) -> di
 
 
 # -- 3. a long PACE session -------------------------------------------------------------------------
-def _cache_bytes(cache) -> int:
-    """Bytes of every tensor the cache's layers hold (keys, values, reference keys, ledger, scores)."""
-    seen, total = set(), 0
-    for layer in cache.layers:
-        for value in vars(layer).values():
-            if torch.is_tensor(value) and value.data_ptr() not in seen:
-                seen.add(value.data_ptr())
-                total += value.numel() * value.element_size()
-    return total
-
-
 def session(tokens: int, dynamic_tokens: int, layers: int, deadline_s: float) -> dict:
     import transformers as tf
 
@@ -185,7 +175,7 @@ def session(tokens: int, dynamic_tokens: int, layers: int, deadline_s: float) ->
         peak = {"kv": 0}
 
         def on_last_layer(*_):  # inside the forward: budget + chunk tokens are resident
-            peak["kv"] = max(peak["kv"], _cache_bytes(cache))
+            peak["kv"] = max(peak["kv"], cache_nbytes(cache))
 
         hook = model.model.layers[-1].register_forward_hook(on_last_layer)
         torch.cuda.reset_peak_memory_stats()

@@ -17,18 +17,7 @@ import torch
 import transformers as tf
 
 from pace_hf import Blueprint, PACECache
-
-
-def cache_bytes(cache) -> int:
-    total = 0
-    for layer in cache.layers:
-        tensors = layer.tensors().values() if hasattr(layer, "tensors") else (layer.keys, layer.values)
-        seen = set()
-        for t in tensors:
-            if t is not None and t.data_ptr() not in seen:  # ref_keys may share storage with keys
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total
+from pace_hf.cache import cache_nbytes
 
 
 def peak_bytes(model, make_cache, tokens: int, chunk: int) -> int:
@@ -38,7 +27,7 @@ def peak_bytes(model, make_cache, tokens: int, chunk: int) -> int:
     with torch.no_grad():
         for piece in ids.split(chunk, dim=1):
             model(piece, cache=cache)
-            peak = max(peak, cache_bytes(cache))
+            peak = max(peak, cache_nbytes(cache))
     if hasattr(cache, "unbind"):
         cache.unbind()
     return peak

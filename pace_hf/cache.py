@@ -57,6 +57,19 @@ def keep_index(priority: torch.Tensor, budget: int, sinks: int, recent: int) -> 
     return score.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
+def cache_nbytes(cache) -> int:
+    """Bytes held by every tensor of a cache's layers: keys and values and, for the eviction caches,
+    reference keys, ledger and scores (storage shared by two of them counts once). Works for any
+    transformers cache with ``layers``; it is what a memory comparison against DynamicCache reads."""
+    seen, total = set(), 0
+    for layer in getattr(cache, "layers", []):
+        for value in vars(layer).values():
+            if torch.is_tensor(value) and value.numel() and value.data_ptr() not in seen:
+                seen.add(value.data_ptr())
+                total += value.numel() * value.element_size()
+    return total
+
+
 def _flat_rows(index: torch.Tensor, n: int) -> torch.Tensor:
     """Per-head token indices ``[kv_heads, m]`` as rows of a ``[kv_heads * n, d]`` view."""
     offsets = torch.arange(index.shape[0], device=index.device)[:, None] * n

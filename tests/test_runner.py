@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import transformers as tf
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, EvictionCache, ObservationWindow, Span
@@ -421,3 +422,43 @@ def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, monkeypa
     assert json.loads((out / "run.json").read_text())["num_processes"] == 2
     assert "| pace |" in (out / "table.md").read_text()
     assert (out / "fig1_checks_vs_distance.png").stat().st_size > 0
+
+
+# -- peak cache memory (issue 14 section 3, the length study) ----------------------------------------------
+
+
+def test_cache_nbytes_counts_every_layer_tensor_once():
+    from pace_hf.cache import cache_nbytes
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 128, (1, 200))
+    dynamic = tf.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=dynamic)
+    assert cache_nbytes(dynamic) == runner.full_cache_bytes(model, 200)  # keys and values, nothing else
+    pace = runner.make_cache("pace", model, Blueprint(), ArmSettings(budget=160, limit=400))
+    with torch.no_grad():
+        model(ids, cache=pace)
+    layer = pace.layers[0]
+    per_layer = sum(t.numel() * t.element_size() for t in layer.tensors().values() if t is not None)
+    assert cache_nbytes(pace) == per_layer * len(pace.layers)  # ledger, scores and reference keys too
+    assert cache_nbytes(object()) == 0
+
+
+def test_play_session_records_the_peak_cache_against_the_full_cache():
+    """The full cache's peak is its whole size; PACE's stays near B + H tokens, below it."""
+    model, row = tiny_model("qwen2"), _synthetic_row()
+    settings = ArmSettings(budget=192, limit=400)
+    full = runner.play_session(model, _Tokenizer(), row, "full", settings, _Metric(), 64, [0])
+    pace = runner.play_session(model, _Tokenizer(), row, "pace", settings, _Metric(), 64, [0],
+                               blueprint=runner.oracle_blueprint(row))
+    for r in full:
+        assert r["peak_cache_bytes"] == r["full_cache_bytes"] > 0
+    assert [r["full_cache_bytes"] for r in pace] == [r["full_cache_bytes"] for r in full]  # same tokens
+    per_token = runner.full_cache_bytes(model, 1)
+    assert pace[-1]["peak_cache_bytes"] < pace[-1]["full_cache_bytes"]
+    assert pace[-1]["peak_cache_bytes"] >= (192 + 64) * per_token  # budget + a chunk, before the eviction
+    assert not model.model.layers[-1]._forward_hooks  # the measuring hook is gone
+    table = summarize(full + pace, "full")
+    assert "peak KV (vs full cache)" in table and "(1.00x) |" in table.splitlines()[2]
+    assert "peak KV" not in summarize([_rec("h2o", "a", 1)], "h2o")  # older logs: no column

@@ -19,6 +19,7 @@ figures:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -33,7 +34,8 @@ import torch
 from transformers import StoppingCriteria
 
 from pace_hf import Blueprint, EvictionCache, Span
-from pace_hf.cache import DEFAULT_RECENT, DEFAULT_SINKS
+from pace_hf.binding import decoder_of
+from pace_hf.cache import DEFAULT_RECENT, DEFAULT_SINKS, cache_nbytes
 from pace_hf.scoring import CumulativeAttention, Foresight, ObservationWindow, Recency
 
 from .sessions import session_messages
@@ -168,6 +170,37 @@ def tier_reading(cache) -> dict:
                      for k in TIER_FIELDS}}
 
 
+@contextlib.contextmanager
+def peak_cache_bytes(model, cache):
+    """Yields ``{"bytes": n}``, the most the cache held (:func:`pace_hf.cache.cache_nbytes`) at the end
+    of any forward's last decoder layer. Why there: every layer holds the chunk it just appended and
+    the eviction caches evict only after the forward, so that is each forward's peak. A model whose
+    decoder has no ``layers`` list yields ``{"bytes": None}``: not measured."""
+    layers = getattr(decoder_of(model), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        yield {"bytes": None}
+        return
+    peak = {"bytes": 0}
+
+    def on_last_layer(*_):
+        peak["bytes"] = max(peak["bytes"], cache_nbytes(cache))
+
+    handle = layers[-1].register_forward_hook(on_last_layer)
+    try:
+        yield peak
+    finally:
+        handle.remove()
+
+
+def full_cache_bytes(model, tokens: int) -> int:
+    """What DynamicCache would hold for ``tokens`` tokens: keys and values of every layer and KV head,
+    in the model's dtype."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * tokens * model.dtype.itemsize
+
+
 def generate_answer(model, ids: list[int], cache, max_new_tokens: int, stop_ids: list[int], chunk: int,
                     stopping_criteria=None) -> list[int]:
     """Greedy answer to the conversation ``ids``; ``cache`` holds a prefix of it. No trailing EOS."""
@@ -228,7 +261,11 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
     messages = session_messages(row, tokenizer) if can_rehydrate else None
     ids = list(row["context_ids"])
     records = []
-    try:
+    with contextlib.ExitStack() as cleanup:
+        peak = cleanup.enter_context(peak_cache_bytes(model, cache))
+        cleanup.callback(lambda: bar.close() if bar is not None else None)
+        if store is not None:  # the spilled KV served this run only
+            cleanup.callback(store.delete_session, session_id)
         for probe in row["probes"]:
             start = time.perf_counter()
             if evicting:
@@ -255,12 +292,10 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
                 "checks": score["checks"], "seconds": round(seconds, 1), **(reading.reading or {}),
                 **tier_reading(cache), **({"rehydrated_tokens": restored} if restored is not None else {}),
                 **({"scoring_error": score["scoring_error"]} if "scoring_error" in score else {}),
+                # the session's peak so far, and what the full cache would hold at the same length
+                **({"peak_cache_bytes": peak["bytes"], "full_cache_bytes": full_cache_bytes(
+                    model, cache.get_seq_length())} if peak["bytes"] is not None else {}),
             })
-    finally:
-        if bar is not None:
-            bar.close()
-        if store is not None:
-            store.delete_session(session_id)  # the spilled KV served this run only
     return records
 
 
@@ -354,8 +389,10 @@ def summarize(records: list[dict], reference_arm: str | None) -> str:
     arms = list(dict.fromkeys(r["arm"] for r in records))
     by_arm = {a: [r for r in records if r["arm"] == a] for a in arms}
     key = lambda r: (*session_key(r), r["probe"])  # noqa: E731
+    memory = all("peak_cache_bytes" in r for r in records)  # logs written before it was recorded lack it
     lines = [f"| arm | checks | full probes | recall | residency | mean rotary gap | vs {reference_arm} "
-             "(better/worse/tied, p) |", "|---|---|---|---|---|---|---|"]
+             "(better/worse/tied, p) |" + (" peak KV (vs full cache) |" if memory else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if memory else "")]
     ref = {key(r): r for r in by_arm.get(reference_arm, [])}
     for arm, rs in by_arm.items():
         passed, total = sum(r["checks_passed"] for r in rs), sum(r["checks_total"] for r in rs)
@@ -372,8 +409,15 @@ def summarize(records: list[dict], reference_arm: str | None) -> str:
             p = paired_comparison([a for a, _ in pairs], [b for _, b in pairs])
             paired = f"{p['better']}/{p['worse']}/{p['tied']}, p={p['p_value']:.3g}"
         lines.append(f"| {arm} | {passed}/{total} ({100 * passed / max(1, total):.0f}%) | {full}/{len(rs)} | "
-                     f"{100 * recall:.0f}% | {residency:.3f} | {gap} | {paired} |")
+                     f"{100 * recall:.0f}% | {residency:.3f} | {gap} | {paired} |"
+                     + (f" {_peak_memory(rs)} |" if memory else ""))
     return "\n".join(lines)
+
+
+def _peak_memory(records: list[dict]) -> str:
+    """An arm's largest cache peak, in MiB, and its ratio to the full cache's size at the same length."""
+    peak = max(records, key=lambda r: r["peak_cache_bytes"])
+    return f"{peak['peak_cache_bytes'] / 2**20:,.0f} MiB ({peak['peak_cache_bytes'] / peak['full_cache_bytes']:.2f}x)"
 
 
 def plot(records: list[dict], out_dir: Path, settings: dict | None = None) -> list[Path]:
