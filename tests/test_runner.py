@@ -65,6 +65,23 @@ def test_resume_keeps_only_complete_arm_session_pairs(tmp_path):
     assert completed_records(tmp_path / "absent.jsonl", 2) == []
 
 
+def test_resume_refuses_a_log_of_other_sessions_instead_of_dropping_it(tmp_path):
+    """Resuming with other knobs would rewrite the log without the results it cannot continue: an error
+    that names them, and the log untouched. More sessions of the same run is a resume."""
+    rec = lambda sid, d, n: {"arm": "pace", "session_id": sid, "probe": "p", "distance": d, "context_len": n}  # noqa: E731
+    row = lambda sid, d, n: {"session_id": sid, "distance": d, "context_len": n, "probes": [{}]}  # noqa: E731
+    log = tmp_path / "probes.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in [rec("s0-0", 2000, 9000), rec("s0-0", 30000, 9000)]))
+    before = log.read_text()
+    kept = runner.resumable_records([log], [row("s0-0", 2000, 9000), row("s0-0", 30000, 9000), row("s0-1", 2000, 9000)])
+    assert [r["distance"] for r in kept] == [2000, 30000]
+    with pytest.raises(SystemExit, match=r"1 session\(s\) this run does not build \(s0-0 \(D=30000\)\).*another --out"):
+        runner.resumable_records([log], [row("s0-0", 2000, 9000)])  # only one of the distances
+    with pytest.raises(SystemExit, match="2 session"):  # the same ids, another session generator
+        runner.resumable_records([log], [row("s0-0", 2000, 9100), row("s0-0", 30000, 9100)])
+    assert log.read_text() == before
+
+
 def test_progress_line_names_the_failed_facts():
     record = {"arm": "pace", "session_id": "s0-0", "probe": "settle", "checks_passed": 1, "checks_total": 2,
               "recall_hits": 3, "recall_total": 6, "seconds": 12.0, "residency": 1.0, "rotary_gap": 4000,

@@ -362,6 +362,21 @@ def completed_records(paths, probes_per_session: int) -> list[dict]:
     return [r for r in records if count[pair_key(r["arm"], r)] == probes_per_session]
 
 
+def resumable_records(paths, rows) -> list[dict]:
+    """The complete (arm, session) pairs of the logs ``paths`` that this run's sessions ``rows`` can
+    continue. A log that also holds results of sessions this run does not build (another --tokens,
+    --distance, --seed or session generator) is an error: rewriting the log would lose them."""
+    same_sessions = {(*session_key(r), r["context_len"]) for r in rows}
+    foreign = {session_key(r) for r in read_jsonl(paths) if (*session_key(r), r.get("context_len")) not in same_sessions}
+    if foreign:
+        listed = ", ".join(f"{sid} (D={d})" if d is not None else sid for sid, d in sorted(foreign, key=str)[:4])
+        raise SystemExit(
+            f"pace-bench: --resume: {Path(paths[0]).parent} holds results of {len(foreign)} session(s) this run "
+            f"does not build ({listed}{', ...' if len(foreign) > 4 else ''}); resume with the same --tokens, "
+            "--distance, --seed and --filler-mode (more --sessions is fine), or use another --out")
+    return completed_records(paths, {len(r["probes"]) for r in rows}.pop())
+
+
 def shard_paths(out_dir: Path) -> list[Path]:
     """The per-process logs of a sharded run, ``probes.rank{N}.jsonl``, by rank."""
     return sorted(Path(out_dir).glob("probes.rank*.jsonl"),
@@ -647,6 +662,12 @@ def _run(args) -> int:
                                        distance=distance, seed=args.seed, filler_mode=args.filler_mode)]
             except ValueError as e:
                 raise SystemExit(f"pace-bench: {e}") from None
+    log_path = out_dir / "probes.jsonl"
+    # --resume keeps the complete pairs of the merged log and of any shards a sharded run left behind
+    # (however many processes it had); every process reads them before the main one rewrites them, and
+    # before the model loads, so that a log this run cannot continue is an error at once.
+    records = resumable_records([log_path, *shard_paths(out_dir)], rows) if args.resume else []
+    done = {pair_key(r["arm"], r) for r in records}
     dtype = preferred_dtype(state.device.type) if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
     model.to(state.device)
@@ -656,14 +677,6 @@ def _run(args) -> int:
     if sharded and args.store == "disk":  # each process its own folder
         args.store_path = str(Path(args.store_path or out_dir / "kv") / f"rank{state.process_index}")
     store = make_store(args, out_dir)
-    log_path = out_dir / "probes.jsonl"
-    # --resume keeps the complete pairs of the merged log and of any shards a sharded run left behind
-    # (however many processes it had); every process reads them before the main one rewrites them.
-    records = (completed_records([log_path, *shard_paths(out_dir)], {len(r["probes"]) for r in rows}.pop())
-               if args.resume else [])
-    same_sessions = {(*session_key(r), r["context_len"]) for r in rows}
-    records = [r for r in records if (*session_key(r), r["context_len"]) in same_sessions]
-    done = {pair_key(r["arm"], r) for r in records}
     state.wait_for_everyone()
     if state.is_main_process:
         write_jsonl(log_path, records)  # the kept records are on disk before the first new pair starts
