@@ -13,7 +13,7 @@ from pace_hf.bench.figures import FIGURE_1, FIGURE_3, distance_groups, settings_
 def _rec(arm, sid, distance, passed, total=4, residency=1.0, gap=1000, target=None, context_len=49152):
     return {"arm": arm, "session_id": sid, "probe": f"p{passed}{total}", "distance": distance,
             "target_distance": target, "context_len": context_len, "checks_passed": passed, "checks_total": total,
-            "residency": residency, "rotary_gap": gap}
+            "recall_hits": passed, "recall_total": total, "residency": residency, "rotary_gap": gap}
 
 
 def _sweep():
@@ -92,6 +92,27 @@ def test_the_cli_regenerates_the_figures_of_a_run_dir(tmp_path, capsys):
     assert "model, budget, limit, chunk unknown" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no probe records"):
         figures.main([str(tmp_path / "again")])
+
+
+def test_the_cli_draws_several_runs_of_one_setting_as_one(tmp_path, capsys):
+    """A sweep and an arm run later at two of its distances: one table, one pair of figures."""
+    sweep = [r for r in _sweep() if r["arm"] != "h2o"]
+    h2o = [r for r in _sweep() if r["arm"] == "h2o"]
+    settings = {"model": "qwen2.5-coder-0.5b", "budget": 2048, "limit": 8192, "chunk": 4096}
+    for name, records in (("sweep", sweep), ("h2o", h2o)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (tmp_path / name / "run.json").write_text(json.dumps(settings))
+    with pytest.raises(SystemExit):  # where would the merged figures go?
+        figures.main([str(tmp_path / "sweep"), str(tmp_path / "h2o")])
+    assert "--out" in capsys.readouterr().err
+    assert figures.main([str(tmp_path / "sweep"), str(tmp_path / "h2o"), "--out", str(tmp_path / "all")]) == 0
+    table = (tmp_path / "all" / "table.md").read_text()
+    assert "| h2o | 0/16 (0%)" in table and "| pace | 32/32 (100%)" in table and "| retention_only | 16/32 (50%)" in table
+    assert (tmp_path / "all" / FIGURE_1).exists() and (tmp_path / "all" / FIGURE_3).exists()
+    (tmp_path / "h2o" / "run.json").write_text(json.dumps(dict(settings, budget=1024)))
+    with pytest.raises(SystemExit, match="differ in budget"):
+        figures.main([str(tmp_path / "sweep"), str(tmp_path / "h2o"), "--out", str(tmp_path / "all")])
 
 
 def test_arms_match_the_runner():

@@ -19,6 +19,11 @@ the records; the session length and n always come from the records.
 
     python -m pace_hf.bench.figures runs/48k
     python -m pace_hf.bench.figures bench/results/48k --model qwen2.5-coder-0.5b --budget 2048 --limit 8192 --chunk 4096
+
+Several run folders of one setting (say, a sweep and an arm added later at two of its distances) are
+drawn as one, with their merged table (``--out`` is then required):
+
+    python -m pace_hf.bench.figures bench/results/sweep bench/results/sweep-h2o --out bench/results/sweep-all
 """
 
 from __future__ import annotations
@@ -320,21 +325,38 @@ def read_records(run_dir: Path) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pace_hf.bench.figures", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("run_dir", type=Path, help="a run's folder: probes.jsonl (and run.json, if the runner wrote it)")
+    ap.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR",
+                    help="a run's folder: probes.jsonl (and run.json, if the runner wrote it); several are merged")
     ap.add_argument("--model", default=None, help="the model named in the titles (default: from run.json)")
     ap.add_argument("--budget", type=int, default=None, help="B (default: from run.json)")
     ap.add_argument("--limit", type=int, default=None, help="L (default: from run.json)")
     ap.add_argument("--chunk", type=int, default=None, help="H (default: from run.json)")
-    ap.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: RUN_DIR)")
+    ap.add_argument("--reference-arm", default="h2o", help="the arm the merged table pairs the others against")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for the PNGs (default: RUN_DIR; required with several RUN_DIRs)")
     args = ap.parse_args(argv)
-    records = read_records(args.run_dir)
-    settings = settings_for(args.run_dir, records, {k: getattr(args, k) for k in SETTINGS})
+    if len(args.run_dirs) > 1 and args.out is None:
+        ap.error("several RUN_DIRs are drawn as one: pass --out for the merged figures and table")
+    overrides = {k: getattr(args, k) for k in SETTINGS}
+    runs = [(run_dir, read_records(run_dir)) for run_dir in args.run_dirs]
+    per_run = [settings_for(run_dir, records, overrides) for run_dir, records in runs]
+    differ = [k for k in SETTINGS if len({str(s.get(k)) for s in per_run}) > 1]
+    if differ:
+        raise SystemExit(f"figures: the runs differ in {', '.join(differ)}: they cannot be drawn as one")
+    records, settings = [r for _, rs in runs for r in rs], per_run[0]
     missing = [k for k in SETTINGS if k not in settings]
     if missing:
         print(f"figures: {', '.join(missing)} unknown (no run.json): pass --{' --'.join(missing)}; titles show '?'",
               file=sys.stderr)
-    (args.out or args.run_dir).mkdir(parents=True, exist_ok=True)
-    for path in make_figures(records, args.out or args.run_dir, settings):
+    out = args.out or args.run_dirs[0]
+    out.mkdir(parents=True, exist_ok=True)
+    if len(runs) > 1:
+        from pace_hf.bench.runner import summarize
+
+        sources = ", ".join(str(d) for d in args.run_dirs)
+        (out / "table.md").write_text(f"merged from {sources}\n\n{summarize(records, args.reference_arm)}\n")
+        print(out / "table.md")
+    for path in make_figures(records, out, settings):
         print(path)
     return 0
 
