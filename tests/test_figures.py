@@ -109,10 +109,19 @@ def test_the_cli_draws_several_runs_of_one_setting_as_one(tmp_path, capsys):
     assert figures.main([str(tmp_path / "sweep"), str(tmp_path / "h2o"), "--out", str(tmp_path / "all")]) == 0
     table = (tmp_path / "all" / "table.md").read_text()
     assert "| h2o | 0/16 (0%)" in table and "| pace | 32/32 (100%)" in table and "| retention_only | 16/32 (50%)" in table
+    assert "| 46K | 2 | 0/8 (0%)" in table.split("By definition distance D")[1]
     assert (tmp_path / "all" / FIGURE_1).exists() and (tmp_path / "all" / FIGURE_3).exists()
     (tmp_path / "h2o" / "run.json").write_text(json.dumps(dict(settings, budget=1024)))
     with pytest.raises(SystemExit, match="differ in budget"):
         figures.main([str(tmp_path / "sweep"), str(tmp_path / "h2o"), "--out", str(tmp_path / "all")])
+
+
+def test_the_distance_table_has_a_row_per_d_and_a_column_per_arm():
+    lines = figures.distance_table(_sweep()).splitlines()
+    assert lines[0] == "| D | sessions | h2o | retention_only | pace |"
+    assert lines[2].startswith("| 2K | 2 | 0/8 (0%), gap 2.5K | 8/8 (100%), gap 2.4K | 8/8 (100%), gap 5.9K |")
+    assert lines[3] == "| 16K | 2 | - | 8/8 (100%), gap 16.4K | 8/8 (100%), gap 5.9K |"  # h2o not run there
+    assert lines[5].startswith("| 46K | 2 | 0/8 (0%), gap 46.5K | 0/8 (0%)")  # one h2o probe had no gap: left out
 
 
 def test_arms_match_the_runner():

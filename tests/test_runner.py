@@ -479,3 +479,19 @@ def test_play_session_records_the_peak_cache_against_the_full_cache():
     table = summarize(full + pace, "full")
     assert "peak KV (vs full cache)" in table and "(1.00x) |" in table.splitlines()[2]
     assert "peak KV" not in summarize([_rec("h2o", "a", 1)], "h2o")  # older logs: no column
+
+
+def test_a_sweep_run_writes_the_table_by_distance_and_the_peak_memory(tmp_path, monkeypatch):
+    model = _tiny_model_dir(tmp_path / "model")
+    out = tmp_path / "sweep"
+    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+    assert main(["--model", model, "--arms", "pace,full", "--reference-arm", "pace", "--tokens", "1200", "--distance", "200", "600",
+                 "--budget", "256", "--limit", "1024", "--chunk", "128", "--max-new-tokens", "4", "--no-progress",
+                 "--out", str(out)]) == 0
+    table = (out / "table.md").read_text()
+    by_d = table.split("By definition distance D:")[1].strip().splitlines()
+    assert by_d[0] == "| D | sessions | full | pace |" and len(by_d) == 4  # header, rule, one row per D
+    assert "peak KV (vs full cache)" in table and "(1.00x) |" in table  # the full cache's peak is its size
+    records = [json.loads(line) for line in (out / "probes.jsonl").read_text().splitlines()]
+    pace = [r for r in records if r["arm"] == "pace"]
+    assert all(0 < r["peak_cache_bytes"] < r["full_cache_bytes"] for r in pace)

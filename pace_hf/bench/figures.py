@@ -239,6 +239,30 @@ def figure_gap(records: list[dict], settings: dict, path: Path, arms=FORESIGHT_A
     return _save(fig, path)
 
 
+def distance_table(records: list[dict]) -> str:
+    """The sweep's table (the paper's Table 3 shape): one row per definition distance D, one column per
+    arm, each cell the checks passed there and the mean rotary gap at the probes (probes with nothing
+    resident have no gap and are left out of the mean)."""
+    df = _frame(records)
+    df["D"] = distance_groups(df)
+    arms = _arms(df)
+    g = df.groupby(["D", "arm"]).agg(passed=("checks_passed", "sum"), total=("checks_total", "sum"),
+                                     gap=("rotary_gap", "mean"))
+    sessions = df.groupby("D")["session_id"].nunique()
+    lines = ["| D | sessions | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
+    for d in sorted(df["D"].unique()):
+        cells = []
+        for arm in arms:
+            if (d, arm) not in g.index:
+                cells.append("-")
+                continue
+            r = g.loc[(d, arm)]
+            gap = "" if np.isnan(r["gap"]) else f", gap {_tokens(r['gap'])}"
+            cells.append(f"{int(r['passed'])}/{int(r['total'])} ({r['passed'] / max(1, r['total']):.0%}){gap}")
+        lines.append(f"| {_tick(d)} | {sessions[d]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _pool(records: list[dict]) -> dict:
     """Checks, full probes, recall and residency pooled over ``records``."""
     df = _frame(records)
@@ -354,7 +378,10 @@ def main(argv=None) -> int:
         from pace_hf.bench.runner import summarize
 
         sources = ", ".join(str(d) for d in args.run_dirs)
-        (out / "table.md").write_text(f"merged from {sources}\n\n{summarize(records, args.reference_arm)}\n")
+        table = summarize(records, args.reference_arm)
+        if distance_groups(_frame(records)).nunique() > 1:
+            table += "\n\nBy definition distance D:\n\n" + distance_table(records)
+        (out / "table.md").write_text(f"merged from {sources}\n\n{table}\n")
         print(out / "table.md")
     for path in make_figures(records, out, settings):
         print(path)
