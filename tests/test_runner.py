@@ -68,14 +68,20 @@ def test_resume_keeps_only_complete_arm_session_pairs(tmp_path):
 def test_resume_refuses_a_log_of_other_sessions_instead_of_dropping_it(tmp_path):
     """Resuming with other knobs would rewrite the log without the results it cannot continue: an error
     that names them, and the log untouched. More sessions of the same run is a resume."""
-    rec = lambda sid, d, n: {"arm": "pace", "session_id": sid, "probe": "p", "distance": d, "context_len": n}  # noqa: E731
-    row = lambda sid, d, n: {"session_id": sid, "distance": d, "context_len": n, "probes": [{}]}  # noqa: E731
+    def rec(sid, d, n):
+        return {"arm": "pace", "session_id": sid, "probe": "p", "distance": d, "context_len": n}
+
+    def row(sid, d, n):
+        return {"session_id": sid, "distance": d, "context_len": n, "probes": [{}]}
+
     log = tmp_path / "probes.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in [rec("s0-0", 2000, 9000), rec("s0-0", 30000, 9000)]))
     before = log.read_text()
-    kept = runner.resumable_records([log], [row("s0-0", 2000, 9000), row("s0-0", 30000, 9000), row("s0-1", 2000, 9000)])
+    rows = [row("s0-0", 2000, 9000), row("s0-0", 30000, 9000), row("s0-1", 2000, 9000)]  # one session more
+    kept = runner.resumable_records([log], rows)
     assert [r["distance"] for r in kept] == [2000, 30000]
-    with pytest.raises(SystemExit, match=r"1 session\(s\) this run does not build \(s0-0 \(D=30000\)\).*another --out"):
+    refusal = r"1 session\(s\) this run does not build \(s0-0 \(D=30000\)\).*another --out"
+    with pytest.raises(SystemExit, match=refusal):
         runner.resumable_records([log], [row("s0-0", 2000, 9000)])  # only one of the distances
     with pytest.raises(SystemExit, match="2 session"):  # the same ids, another session generator
         runner.resumable_records([log], [row("s0-0", 2000, 9100), row("s0-0", 30000, 9100)])
@@ -485,7 +491,8 @@ def test_a_sweep_run_writes_the_table_by_distance_and_the_peak_memory(tmp_path, 
     model = _tiny_model_dir(tmp_path / "model")
     out = tmp_path / "sweep"
     monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
-    assert main(["--model", model, "--arms", "pace,full", "--reference-arm", "pace", "--tokens", "1200", "--distance", "200", "600",
+    assert main(["--model", model, "--arms", "pace,full", "--reference-arm", "pace", "--tokens", "1200",
+                 "--distance", "200", "600",
                  "--budget", "256", "--limit", "1024", "--chunk", "128", "--max-new-tokens", "4", "--no-progress",
                  "--out", str(out)]) == 0
     table = (out / "table.md").read_text()

@@ -367,7 +367,8 @@ def resumable_records(paths, rows) -> list[dict]:
     continue. A log that also holds results of sessions this run does not build (another --tokens,
     --distance, --seed or session generator) is an error: rewriting the log would lose them."""
     same_sessions = {(*session_key(r), r["context_len"]) for r in rows}
-    foreign = {session_key(r) for r in read_jsonl(paths) if (*session_key(r), r.get("context_len")) not in same_sessions}
+    foreign = {session_key(r) for r in read_jsonl(paths)
+               if (*session_key(r), r.get("context_len")) not in same_sessions}
     if foreign:
         listed = ", ".join(f"{sid} (D={d})" if d is not None else sid for sid, d in sorted(foreign, key=str)[:4])
         raise SystemExit(
