@@ -263,6 +263,13 @@ def distance_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def with_distance_table(table: str, records: list[dict]) -> str:
+    """``table`` followed by the table by definition distance, when the records span more than one D."""
+    if distance_groups(_frame(records)).nunique() < 2:
+        return table
+    return table + "\n\nBy definition distance D:\n\n" + distance_table(records)
+
+
 def _pool(records: list[dict]) -> dict:
     """Checks, full probes, recall and residency pooled over ``records``."""
     df = _frame(records)
@@ -378,9 +385,7 @@ def main(argv=None) -> int:
         from pace_hf.bench.runner import summarize
 
         sources = ", ".join(str(d) for d in args.run_dirs)
-        table = summarize(records, args.reference_arm)
-        if distance_groups(_frame(records)).nunique() > 1:
-            table += "\n\nBy definition distance D:\n\n" + distance_table(records)
+        table = with_distance_table(summarize(records, args.reference_arm), records)
         (out / "table.md").write_text(f"merged from {sources}\n\n{table}\n")
         print(out / "table.md")
     for path in make_figures(records, out, settings):

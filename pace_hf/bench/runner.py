@@ -720,11 +720,9 @@ def _run(args) -> int:
             write_jsonl(log_path, records)
             for path in shard_paths(out_dir):
                 path.unlink()
-        table = summarize(records, args.reference_arm)
-        if len(args.distance or []) > 1:  # a sweep: the paper's Table 3 shape too
-            from pace_hf.bench.figures import distance_table
+        from pace_hf.bench.figures import with_distance_table
 
-            table += "\n\nBy definition distance D:\n\n" + distance_table(records)
+        table = with_distance_table(summarize(records, args.reference_arm), records)  # a sweep: Table 3 too
         header = (f"model {args.model} ({dtype}), {len(rows)} sessions x {len(rows[0]['probes'])} probes, "
                   f"~{args.tokens:,} context tokens, B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, "
                   f"planner {args.planner}" + (f" (edges dropped: {args.drop_edges:g})" if args.drop_edges else "")
