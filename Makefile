@@ -25,7 +25,7 @@ test: setup
 # opts in to code execution for its own run. Prints the table and the paths of the plots.
 DEMO_ARGS ?= --arms h2o,pace --sessions 1 --tokens 12288 --distance 8192 --out runs/demo
 demo: setup
-	PACE_ALLOW_CODE_EVAL=1 $(PY) -m pace_hf.bench $(DEMO_ARGS)
+	PACE_ALLOW_CODE_EVAL=1 $(PY) -m pace_bench $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from pace_hf import Blueprint, H2OCache, PACECache, Span
 
-from pace_hf.bench.models import load_model, preferred_dtype
+from pace_bench.models import load_model, preferred_dtype
 
 from prefill_overhead import stdlib_tokens
 

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from pace_hf import Blueprint, H2OCache, PACECache, Span
-from pace_hf.bench.models import load_model, preferred_dtype
+from pace_bench.models import load_model, preferred_dtype
 
 
 def stdlib_tokens(tokenizer, n: int) -> torch.Tensor:
@@ -34,7 +34,7 @@ def stdlib_tokens(tokenizer, n: int) -> torch.Tensor:
     import json as json_mod
     import typing
 
-    from pace_hf.bench.filler import stdlib_files
+    from pace_bench.filler import stdlib_files
 
     parts = [inspect.getsource(m) for m in (typing, collections, json_mod.decoder, inspect)]
     files = iter(stdlib_files())

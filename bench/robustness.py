@@ -6,7 +6,7 @@ missing; with rehydration (the evicted turns a probe's prompt names come back fr
 the probe is prefilled) it should stay near the oracle. Each point is one ``pace-bench`` run in its own
 folder under ``--out`` (``drop<P>`` or ``drop<P>-rehydrate``, and ``h2o``), run with ``--resume``, so an
 interrupted curve continues where it stopped. Then ``robustness.md`` and ``robustness.png`` are written
-(``pace_hf.bench.figures``).
+(``pace_bench.figures``).
 
     PACE_ALLOW_CODE_EVAL=1 python bench/robustness.py --tokens 8192 --distance 6144 --seed 2 \\
         --drops 0,0.25,0.5,1 --out bench/results/robustness
@@ -18,9 +18,9 @@ import argparse
 import json
 from pathlib import Path
 
-from pace_hf.bench.figures import FIGURE_ROBUSTNESS, figure_robustness, robustness_table
-from pace_hf.bench.runner import main as run_bench
-from pace_hf.bench.runner import read_jsonl
+from pace_bench.figures import FIGURE_ROBUSTNESS, figure_robustness, robustness_table
+from pace_bench.runner import main as run_bench
+from pace_bench.records import read_jsonl
 
 
 def point_dir(out: Path, drop: float, rehydrate: bool) -> Path:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextvars
 import warnings
 import weakref
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -37,8 +38,22 @@ _SCORE_BLOCK_ELEMS = 1 << 22  # masked column pass: logits per block, 16 MiB of 
 _DIRECT_ROWS = 64  # scored queries up to which the plain blocked pass beats the swapped kernel (decode, SnapKV)
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
-# The cache whose forward is running (set by its forward hooks on the bound model).
-ACTIVE_CACHE: contextvars.ContextVar = contextvars.ContextVar("pace_active_cache", default=None)
+
+
+class ScoreSink(Protocol):
+    """What ``pace_sdpa`` asks of the running cache: how many queries to score, and where the
+    column sums go."""
+
+    def score_query_window(self, q_len: int) -> int | None:
+        """How many of the forward's last queries feed the scores: None = all, 0 = none."""
+
+    def record_attention(self, layer_idx: int, column_sums: torch.Tensor) -> None:
+        """Take one layer's column sums ``[batch, kv_heads, kv_len]`` (fp32)."""
+
+
+# The score sink whose forward is running: set by the binding's pre-hook, reset with its token by
+# the post-hook (which runs even when the forward raises).
+ACTIVE_CACHE: contextvars.ContextVar[ScoreSink | None] = contextvars.ContextVar("pace_active_cache", default=None)
 
 
 def attention_with_column_sums(

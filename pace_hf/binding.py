@@ -15,6 +15,9 @@ its original attention implementation.
 While a bounded cache keeps every rotary position below the model's maximum, transformers' "exceeded
 the model's predefined maximum length" reminder would be wrong, so ``generate`` is wrapped to drop
 that one check for generations that use such a cache, and only for them.
+
+The binding knows caches only through ``ForwardBracket``, the few members its hooks call, and the
+attention function only through ``attention.ScoreSink``: integration imports no cache class.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import weakref
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -32,10 +36,28 @@ _ATTR = "_pace_hf_binding"
 _POSITIONS_BOUNDED: contextvars.ContextVar = contextvars.ContextVar("pace_positions_bounded", default=False)
 
 
-def _is_pace_cache(obj) -> bool:
-    from .cache import EvictionCache
+@runtime_checkable
+class ForwardBracket(Protocol):
+    """What the hooks call on a cache around each forward of the model it is bound to."""
 
-    return isinstance(obj, EvictionCache)
+    binding: "Binding | None"
+    limit: int | None  # rotary positions stay below it (None: unbounded)
+
+    @property
+    def in_forward(self) -> bool: ...
+
+    def begin_forward(self, q_len: int) -> int:
+        """Prepare for ``q_len`` new tokens; return the first rotary position they get."""
+
+    def end_forward(self, q_len: int) -> None:
+        """The forward finished: evict at the chunk boundary."""
+
+    def abort_forward(self) -> None:
+        """The forward raised: undo its partial writes."""
+
+
+def _is_pace_cache(obj) -> bool:
+    return isinstance(obj, ForwardBracket)
 
 
 def cache_from_kwargs(kwargs):
@@ -71,6 +93,7 @@ class Binding:
             self.decoder.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             self.decoder.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
         ]
+        self.active_tokens: list = []  # one per running forward: how to reset ACTIVE_CACHE after it
         self.wrapped = {}
         for method in ("generate", "_get_stopping_criteria"):
             if hasattr(model, method):
@@ -104,9 +127,15 @@ class Binding:
 
     # -- hooks -------------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
+        self.active_tokens.append(None)  # the post-hook runs even when this one raises
         cache = cache_from_kwargs(kwargs)
         if not _is_pace_cache(cache):
             return None
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"torch.compile is not supported with {type(cache).__name__}: its counters change every "
+                "forward, so a compiled forward would recompile on each one. Run the model uncompiled."
+            )
         if cache.binding is not self:
             raise RuntimeError(
                 f"this {type(cache).__name__} is not bound to this model"
@@ -121,11 +150,13 @@ class Binding:
             )
         start = cache.begin_forward(q_len)
         kwargs["position_ids"] = torch.arange(start, start + q_len, device=tokens.device)[None]
-        attention.ACTIVE_CACHE.set(cache)
+        self.active_tokens[-1] = attention.ACTIVE_CACHE.set(cache)
         return args, kwargs
 
     def _post_forward(self, module, args, kwargs, output):
-        attention.ACTIVE_CACHE.set(None)
+        token = self.active_tokens.pop() if self.active_tokens else None
+        if token is not None:
+            attention.ACTIVE_CACHE.reset(token)
         cache = cache_from_kwargs(kwargs)
         if not _is_pace_cache(cache) or cache.binding is not self or not cache.in_forward:
             return None

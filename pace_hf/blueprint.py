@@ -17,6 +17,8 @@ from typing import Iterable
 
 import torch
 
+from .chat import TokenOffsets
+
 
 def as_index(value, what: str) -> int:
     """``value`` as an int, refusing floats, strings and bools (which ``int()`` would silently bend)."""
@@ -104,18 +106,17 @@ class Blueprint:
         ``text`` is tokenized as the model will see it (no special tokens added); each range covers
         every token that overlaps it. ``offset`` is the logical position of the text's first token
         (the number of tokens before it in the session)."""
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        offsets = enc["offset_mapping"]
+        offsets, _ = TokenOffsets.of(tokenizer, text)
         out = []
         for start_char, end_char, readers in spans:
             start_char, end_char = as_index(start_char, "start_char"), as_index(end_char, "end_char")
             if not 0 <= start_char < end_char <= len(text):
                 raise ValueError(f"character range [{start_char}, {end_char}) is not inside the text "
                                  f"of {len(text)} characters")
-            tokens = [i for i, (s, e) in enumerate(offsets) if s < end_char and e > start_char and e > s]
-            if not tokens:
+            tokens = offsets.span(start_char, end_char)
+            if tokens is None:
                 raise ValueError(f"character range [{start_char}, {end_char}) covers no token")
-            out.append(Span(offset + tokens[0], offset + tokens[-1] + 1, readers))
+            out.append(Span(offset + tokens[0], offset + tokens[1], readers))
         return cls(out)
 
     def to_dicts(self) -> list[dict]:

@@ -35,13 +35,10 @@ from .binding import Binding
 from .blueprint import Blueprint, Span, as_index
 from .rope import RotaryParams, rerotate
 from .rope.params import is_nested
+from . import persist
 from .scoring import (CumulativeAttention, Foresight, ForesightBonus, ObservationWindow, Recency, ScoringPolicy,
-                      describe, rebuild)
+                      rebuild)
 from .spill import SpillLog, concat
-
-SAVE_FORMAT = 1
-# The manifest of a saved session is readable whatever the model: it says which model saved it.
-MANIFEST_KEY, MANIFEST_FINGERPRINT = "manifest", "pace-session-manifest"
 
 DEFAULT_SINKS = 4
 DEFAULT_RECENT = 128
@@ -58,55 +55,98 @@ def keep_index(priority: torch.Tensor, budget: int, sinks: int, recent: int) -> 
 
 
 def cache_nbytes(cache) -> int:
-    """Bytes held by every tensor of a cache's layers: keys and values and, for the eviction caches,
-    reference keys, ledger and scores (storage shared by two of them counts once). Works for any
-    transformers cache with ``layers``; it is what a memory comparison against DynamicCache reads."""
+    """Bytes held by the tensors of a cache's layers: keys and values and, for the eviction caches,
+    reference keys, ledger and scores. A buffer counts whole, room to spare included (it is held),
+    and storage shared by two tensors counts once. Works for any transformers cache with ``layers``;
+    it is what a memory comparison against DynamicCache reads."""
     seen, total = set(), 0
     for layer in getattr(cache, "layers", []):
         for value in vars(layer).values():
-            if torch.is_tensor(value) and value.numel() and value.data_ptr() not in seen:
-                seen.add(value.data_ptr())
-                total += value.numel() * value.element_size()
+            if torch.is_tensor(value) and value.numel():
+                storage = value.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
     return total
 
 
-def _flat_rows(index: torch.Tensor, n: int) -> torch.Tensor:
-    """Per-head token indices ``[kv_heads, m]`` as rows of a ``[kv_heads * n, d]`` view."""
-    offsets = torch.arange(index.shape[0], device=index.device)[:, None] * n
-    return (index + offsets).reshape(-1)
-
-
-def _take_rows(states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``states`` ([1, kv_heads, n, d]) at the flat ``rows``: one ``index_select`` of whole rows. Why:
-    ``gather`` with an index expanded over d copies element by element, about 10x slower, and a
-    decode step evicts (so compacts every layer) once per token."""
-    _, heads, n, d = states.shape
-    return states.reshape(heads * n, d).index_select(0, rows).view(1, heads, -1, d)
+_ROWS = ("keys", "values", "ref_keys")  # [1, kv_heads, capacity, head_dim]
+_LEDGER = ("logical", "physical", "ref_pos", "scores")  # [kv_heads, capacity]
 
 
 class EvictingLayer(DynamicLayer):
     """One layer's resident tokens, ledger and scores. Batch size 1.
 
-    Stored tokens are kept in logical order per KV head (eviction gathers sorted indices; new tokens
-    are appended), so the ledger's columns follow the stored keys.
+    Counters (the layer owns them, as ``DynamicSlidingWindowLayer`` owns ``cumulative_length``):
+    ``cumulative_length`` tokens were given to the layer (logical positions ``0..cumulative_length-1``;
+    what ``get_seq_length`` returns), ``resident_count`` of them are held, and the scores of the first
+    ``scored`` are up to date.
+
+    Storage: each per-token tensor is a buffer with room to spare (it grows geometrically, up to
+    ``budget`` plus the chunk), and ``keys``, ``values``, ``logical``, ``physical``, ``scores`` and
+    (bounded positions) ``ref_keys``, ``ref_pos`` are views of its first ``resident_count`` slots, in
+    logical order per KV head, so the ledger's columns follow the stored keys. Why this design:
+    - Append writes the chunk in place; ``torch.cat`` copied the whole layer for every decoded token.
+    - Eviction compacts in place and moves, per KV head, only the tokens after its first evicted one:
+      the least that keeping logical order allows. H2O mostly evicts the newest unprotected token
+      (fresh tokens have had the fewest queries to score them), so a decode step moves about
+      ``recent`` tokens, not the layer (``bench/decode_speed.py`` reports the fraction moved).
+    - Why not refill evicted slots from the tail, with the ledger ordered through a permutation? It
+      moves less, but attention then sums the keys in another order: outputs and scores change in
+      their last bits, and the kept sets drift from the schedule of a cache in logical order. Logical
+      order keeps every step bit-identical to plain compaction (``tests/test_cache.py`` holds the two
+      equal over hundreds of decode steps), and torch's flash kernel and matmul give the same bits on
+      these strided views as on contiguous copies.
     """
 
-    def __init__(self, keep_reference: bool):
+    def __init__(self, keep_reference: bool, budget: int):
         super().__init__()
         self.keep_reference = keep_reference
-        self.seen = 0
+        self.budget = budget
+        self.cumulative_length = self.resident_count = self.scored = 0
+        self.capacity = self.moved = 0  # moved: tokens the last eviction moved, over heads (a reading)
+        self._buffers: dict[str, torch.Tensor] = {}
         self.logical = self.physical = self.scores = None
         self.ref_keys = self.ref_pos = None
 
     def lazy_initialization(self, key_states, value_states):
-        super().lazy_initialization(key_states, value_states)
-        heads, dev = key_states.shape[1], key_states.device
-        self.logical = torch.empty(heads, 0, dtype=torch.long, device=dev)
-        self.physical = torch.empty(heads, 0, dtype=torch.long, device=dev)
-        self.scores = torch.empty(heads, 0, dtype=torch.float32, device=dev)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        _, heads, _, key_dim = key_states.shape
+        value_dim = value_states.shape[-1]
+        rows = {"keys": (key_dim, key_states.dtype), "values": (value_dim, value_states.dtype)}
+        ledger = {"logical": torch.long, "physical": torch.long, "scores": torch.float32}
         if self.keep_reference:
-            self.ref_keys = self.keys
-            self.ref_pos = self.physical
+            rows["ref_keys"], ledger["ref_pos"] = (key_dim, key_states.dtype), torch.long
+        self._buffers = {name: torch.empty(1, heads, 0, dim, dtype=dtype, device=self.device)
+                         for name, (dim, dtype) in rows.items()}
+        self._buffers.update({name: torch.empty(heads, 0, dtype=dtype, device=self.device)
+                              for name, dtype in ledger.items()})
+        self.capacity = 0
+        self.is_initialized = True
+        self._view()
+
+    def _view(self) -> None:
+        """Point the public tensors at the first ``resident_count`` slots of the buffers."""
+        n = self.resident_count
+        for name, buffer in self._buffers.items():
+            setattr(self, name, buffer[:, :, :n] if name in _ROWS else buffer[:, :n])
+
+    def _reserve(self, needed: int) -> None:
+        """Room for ``needed`` tokens: grow geometrically, but not past what the steady state needs
+        (``budget`` plus this chunk), so a layer at its budget holds no more than it uses."""
+        if needed <= self.capacity:
+            return
+        chunk = needed - self.resident_count
+        capacity = max(needed, min(2 * self.capacity, self.budget + chunk))
+        n = self.resident_count
+        for name, old in self._buffers.items():
+            dim = -2 if name in _ROWS else -1
+            shape = list(old.shape)
+            shape[dim] = capacity
+            new = torch.empty(shape, dtype=old.dtype, device=old.device)
+            new.narrow(dim, 0, n).copy_(old.narrow(dim, 0, n))
+            self._buffers[name] = new
+        self.capacity = capacity
 
     # -- the transformers layer contract -------------------------------------------------------
     def update(self, key_states, value_states, *args, logical_start=None, physical_start=None, **kwargs):
@@ -114,29 +154,34 @@ class EvictingLayer(DynamicLayer):
             raise RuntimeError("EvictingLayer.update needs chunk positions; call it through its cache")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        q, heads, dev = key_states.shape[-2], key_states.shape[1], key_states.device
-        new_logical = torch.arange(logical_start, logical_start + q, device=dev).expand(heads, q)
-        new_physical = torch.arange(physical_start, physical_start + q, device=dev).expand(heads, q)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.logical = torch.cat([self.logical, new_logical], dim=-1)
-        self.physical = torch.cat([self.physical, new_physical], dim=-1)
+        q, n = key_states.shape[-2], self.resident_count
+        self._reserve(n + q)
+        new = torch.arange(q, device=self.device)
+        b = self._buffers
+        b["keys"][:, :, n:n + q].copy_(key_states)
+        b["values"][:, :, n:n + q].copy_(value_states)
+        b["logical"][:, n:n + q] = new + logical_start
+        b["physical"][:, n:n + q] = new + physical_start
+        b["scores"][:, n:n + q] = 0.0
         if self.keep_reference:  # keys arrive rotated at their physical position: that is the reference
-            self.ref_keys = torch.cat([self.ref_keys, key_states], dim=-2)
-            self.ref_pos = torch.cat([self.ref_pos, new_physical], dim=-1)
-        self.seen += q
+            b["ref_keys"][:, :, n:n + q].copy_(key_states)
+            b["ref_pos"][:, n:n + q] = new + physical_start
+        self.resident_count += q
+        self.cumulative_length += q
+        self._view()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.seen
+        return self.cumulative_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        stored = self.stored
-        return stored + query_length, self.seen - stored
+        return self.resident_count + query_length, self.cumulative_length - self.resident_count
 
-    @property
-    def stored(self) -> int:
-        return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
+    def reset(self) -> None:
+        """Forget every token (the buffers are kept for reuse)."""
+        self.cumulative_length = self.resident_count = self.scored = 0
+        if self.is_initialized:
+            self._view()
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("pace_hf caches do not support beam search yet (num_beams must be 1)")
@@ -150,70 +195,87 @@ class EvictingLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int):
         raise NotImplementedError("pace_hf caches cannot be cropped (assisted decoding is not supported)")
 
-    # -- eviction, restore and renumbering -----------------------------------------------------------
+    # -- scores, eviction, restore and renumbering ---------------------------------------------------
+    def record_scores(self, fresh: torch.Tensor, policy) -> None:
+        """Fold this forward's column sums ``[kv_heads, resident_count]`` into the scores, in place."""
+        out = policy.accumulate(self.scores, fresh)
+        if out.data_ptr() != self.scores.data_ptr():
+            self.scores.copy_(out)
+        self.scored = self.resident_count
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every per-token tensor of the layer (for save and for bit-exact checks)."""
-        out = {"keys": self.keys, "values": self.values, "logical": self.logical,
-               "physical": self.physical, "scores": self.scores}
-        if self.keep_reference:
-            out.update(ref_keys=self.ref_keys, ref_pos=self.ref_pos)
-        return out
+        """Every per-token tensor of the layer, compact (for save and for bit-exact checks)."""
+        return {name: getattr(self, name).contiguous() for name in self._buffers}
 
     def load(self, tensors: dict[str, torch.Tensor], seen: int) -> None:
-        for name, value in tensors.items():
-            setattr(self, name, value)
-        self.is_initialized = True
-        self.dtype, self.device = self.keys.dtype, self.keys.device
-        self.seen = seen
+        """Hold ``tensors`` (as :meth:`tensors` gives them) after ``seen`` tokens. Scores saved by a
+        policy that keeps none (an empty tensor) load as zeros."""
+        keys, values = tensors["keys"], tensors["values"]
+        self.resident_count = 0
+        self.lazy_initialization(keys, values)
+        n = keys.shape[-2]
+        self._reserve(n)
+        self.resident_count = n
+        self._view()
+        for name in self._buffers:
+            saved = tensors.get(name)
+            if name == "scores" and saved.shape[-1] != n:
+                self.scores.zero_()
+                continue
+            getattr(self, name).copy_(saved)
+        self.scored = tensors["scores"].shape[-1]
+        self.cumulative_length = seen
 
     def tokens_at(self, head: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
         """The stored tokens at (head, slot) pairs, flat, as a spill entry holds them: what an exact
         restore needs (value, reference key and position, logical position, score)."""
         ref_keys = self.ref_keys if self.keep_reference else self.keys
         ref_pos = self.ref_pos if self.keep_reference else self.physical
-        scores = self.scores[head, pos] if self.scores.numel() else torch.zeros(head.shape, dtype=torch.float32, device=head.device)
         return {"head": head, "logical": self.logical[head, pos], "ref_pos": ref_pos[head, pos],
-                "score": scores, "ref_key": ref_keys[0, head, pos], "value": self.values[0, head, pos]}
+                "score": self.scores[head, pos], "ref_key": ref_keys[0, head, pos], "value": self.values[0, head, pos]}
 
     def keep(self, index: torch.Tensor, collect: bool = True) -> dict[str, torch.Tensor] | None:
-        """Keep the tokens at ``index`` ([kv_heads, m], sorted per head); return the dropped ones flat
-        (when ``collect``: only a cache that spills needs them)."""
+        """Keep the tokens at ``index`` ([kv_heads, m], sorted per head) and return the dropped ones
+        flat (when ``collect``: only a cache that spills needs them). In place: per head, the kept
+        tokens after the first dropped one move up; nothing before it is touched."""
+        heads, n = self.logical.shape
+        m = index.shape[-1]
         evicted = None
         if collect:
-            dropped = torch.ones(self.logical.shape, dtype=torch.bool, device=index.device)
+            dropped = torch.ones((heads, n), dtype=torch.bool, device=index.device)
             dropped.scatter_(1, index, False)
             evicted = self.tokens_at(*dropped.nonzero(as_tuple=True))
-        rows = _flat_rows(index, self.keys.shape[-2])
-        self.keys = _take_rows(self.keys, rows)
-        self.values = _take_rows(self.values, rows)
-        self.logical = self.logical.gather(1, index)
-        self.physical = self.physical.gather(1, index)
-        if self.scores.numel():  # policies that score from positions keep no scores
-            self.scores = self.scores.gather(1, index)
-        if self.keep_reference:
-            self.ref_keys = _take_rows(self.ref_keys, rows)
-            self.ref_pos = self.ref_pos.gather(1, index)
+        # sorted and distinct: once a head's index passes its rank, every later token moves
+        head, rank = (index != torch.arange(m, device=index.device)).nonzero(as_tuple=True)
+        if rank.numel():
+            base = head * self.capacity
+            src, dst = base + index[head, rank], base + rank
+            for name, buffer in self._buffers.items():
+                flat = buffer.view(heads * self.capacity, -1) if name in _ROWS else buffer.view(-1)
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+        self.moved = rank.numel()
+        self.resident_count = m
+        self.scored = min(self.scored, m)
+        self._view()
         return evicted
 
     def drop_last(self, count: int) -> None:
         """Forget the ``count`` newest tokens (the partial writes of a failed forward)."""
-        keep = self.stored - count
-        self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
-        self.logical, self.physical = self.logical[:, :keep], self.physical[:, :keep]
-        self.scores = self.scores[:, : min(keep, self.scores.shape[-1])]
-        if self.keep_reference:
-            self.ref_keys, self.ref_pos = self.ref_keys[:, :, :keep], self.ref_pos[:, :keep]
-        self.seen -= count
+        self.resident_count -= count
+        self.cumulative_length -= count
+        self.scored = min(self.scored, self.resident_count)
+        self._view()
 
-    def insert(self, tokens: dict[str, torch.Tensor], priority, budget: int, sinks: int, recent: int) -> dict[str, torch.Tensor]:
+    def insert(self, tokens: dict[str, torch.Tensor], policy, step: int, budget: int, sinks: int,
+               recent: int) -> dict[str, torch.Tensor]:
         """Insert restored ``tokens`` (flat, as ``tokens_at`` gives them) in logical order, then keep the
-        ``budget`` tokens of highest ``priority(view)`` per head, where ``view`` has one head's
-        ``logical`` and ``scores`` as ``[1, n]``. Returns the resident tokens pushed out, flat.
+        ``budget`` tokens of highest ``policy.priority`` at ``step`` per head. Returns the resident
+        tokens pushed out, flat.
 
         A restored token comes back with its reference key and position, and its stored key is that
         reference: unbounded layers keep keys at their logical position, and the caller renumbers
         bounded layers, which re-rotates every key from its reference."""
-        dev, has_scores = self.logical.device, self.scores.numel() > 0
+        dev = self.logical.device
         ref_keys = self.ref_keys if self.keep_reference else self.keys
         ref_pos = self.ref_pos if self.keep_reference else self.physical
         candidates = []
@@ -225,7 +287,7 @@ class EvictingLayer(DynamicLayer):
             sel = sel[newest.scatter_reduce(0, inverse, torch.arange(sel.numel()), "amax")]
             sel = sel[~torch.isin(logical, resident.cpu())]
             cand = {"logical": resident, "ref_pos": ref_pos[h], "ref_key": ref_keys[0, h], "value": self.values[0, h],
-                    "score": self.scores[h] if has_scores else torch.zeros(resident.shape, device=dev)}
+                    "score": self.scores[h]}
             cand = {k: torch.cat([v, tokens[k][sel].to(dev, v.dtype)]) for k, v in cand.items()}
             was_resident = torch.arange(cand["logical"].numel(), device=dev) < resident.numel()
             order = cand["logical"].argsort()
@@ -233,33 +295,81 @@ class EvictingLayer(DynamicLayer):
         keep = min(budget, min(c["logical"].numel() for c, _ in candidates))  # every head keeps as many
         rows, pushed = [], []
         for h, (cand, was_resident) in enumerate(candidates):
-            view = _HeadView(cand["logical"][None], cand["score"][None] if has_scores else None)
-            index = keep_index(priority(view), keep, sinks, recent)[0]
+            priority = policy.priority(cand["logical"][None], cand["score"][None], step)
+            index = keep_index(priority, keep, sinks, recent)[0]
             out = was_resident.clone()
             out[index] = False
             pushed.append({"head": torch.full((int(out.sum()),), h, dtype=torch.long), **{k: v[out] for k, v in cand.items()}})
             rows.append({k: v[index] for k, v in cand.items()})
         stack = lambda name: torch.stack([r[name] for r in rows])  # noqa: E731
-        self.logical, self.values = stack("logical"), stack("value")[None]
-        self.keys, self.physical = stack("ref_key")[None], stack("ref_pos")
-        if has_scores:
-            self.scores = stack("score")
+        self._reserve(keep)
+        self.resident_count = keep
+        self._view()
+        self.logical.copy_(stack("logical"))
+        self.values.copy_(stack("value")[None])
+        self.keys.copy_(stack("ref_key")[None])
+        self.physical.copy_(stack("ref_pos"))
+        self.scores.copy_(stack("score"))
+        self.scored = keep
         if self.keep_reference:
-            self.ref_keys, self.ref_pos = self.keys, self.physical
+            self.ref_keys.copy_(self.keys)
+            self.ref_pos.copy_(self.physical)
         return {k: torch.cat([p[k] for p in pushed]) for k in pushed[0]}
 
     def renumber(self, params: RotaryParams) -> None:
         """Physical positions become 0..n-1 in logical order; keys are re-rotated from the reference."""
-        n = self.stored
-        self.physical = torch.arange(n, device=self.keys.device).expand(self.physical.shape[0], n).contiguous()
-        self.keys = rerotate(self.ref_keys, self.ref_pos[None], self.physical[None], params, out_dtype=self.keys.dtype)
+        self.physical.copy_(torch.arange(self.resident_count, device=self.device).expand_as(self.physical))
+        self.keys.copy_(rerotate(self.ref_keys, self.ref_pos[None], self.physical[None], params,
+                                 out_dtype=self.keys.dtype))
 
 
-class _HeadView:
-    """What a scoring policy reads of a layer (``logical``, ``scores``), for one head's candidates."""
+class CompactingLayer(EvictingLayer):
+    """The plain twin of ``EvictingLayer``, as eviction was first written: a chunk is appended with
+    ``torch.cat`` and an eviction gathers the kept tokens into new tensors, so a decoded token copies
+    the layer twice. ``EvictingLayer`` must keep exactly what this keeps, bit for bit; the tests and
+    ``bench/decode_speed.py`` hold it to that (``cache.layer_class = CompactingLayer`` before binding)."""
 
-    def __init__(self, logical: torch.Tensor, scores: torch.Tensor | None):
-        self.logical, self.scores = logical, scores
+    def update(self, key_states, value_states, *args, logical_start=None, physical_start=None, **kwargs):
+        if logical_start is None:
+            raise RuntimeError("EvictingLayer.update needs chunk positions; call it through its cache")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q, heads = key_states.shape[-2], key_states.shape[1]
+        new = torch.arange(q, device=self.device).expand(heads, q)
+        parts = {"keys": key_states, "values": value_states, "logical": new + logical_start,
+                 "physical": new + physical_start, "scores": torch.zeros(heads, q, device=self.device)}
+        if self.keep_reference:
+            parts.update(ref_keys=key_states, ref_pos=new + physical_start)
+        for name, part in parts.items():
+            setattr(self, name, torch.cat([getattr(self, name), part], dim=-2 if name in _ROWS else -1))
+        self.resident_count += q
+        self.cumulative_length += q
+        return self.keys, self.values
+
+    def keep(self, index: torch.Tensor, collect: bool = True) -> dict[str, torch.Tensor] | None:
+        heads, n = self.logical.shape
+        evicted = None
+        if collect:
+            dropped = torch.ones((heads, n), dtype=torch.bool, device=index.device)
+            dropped.scatter_(1, index, False)
+            evicted = self.tokens_at(*dropped.nonzero(as_tuple=True))
+        rows = (index + torch.arange(heads, device=index.device)[:, None] * n).reshape(-1)
+        for name in self._buffers:
+            t = getattr(self, name)
+            kept = t.reshape(heads * n, -1).index_select(0, rows).view(1, heads, -1, t.shape[-1]) if name in _ROWS \
+                else t.gather(1, index)
+            setattr(self, name, kept)
+        self.resident_count = index.shape[-1]
+        self.scored = min(self.scored, self.resident_count)
+        return evicted
+
+    def drop_last(self, count: int) -> None:
+        self.resident_count -= count
+        self.cumulative_length -= count
+        self.scored = min(self.scored, self.resident_count)
+        for name in self._buffers:
+            t = getattr(self, name)
+            setattr(self, name, t[:, :, :self.resident_count] if name in _ROWS else t[:, :self.resident_count])
 
 
 class EvictionCache(DynamicCache):
@@ -279,7 +389,13 @@ class EvictionCache(DynamicCache):
             planned spans that are not resident are restored when their reader step comes (fetched
             ``prefetch_steps`` steps ahead, in the background). ``save()`` / ``resume()`` persist the
             session there. ``spill_tokens``: tokens per KV head in one spill entry.
+
+    ``torch.compile(model.forward)`` is not supported: the cache's counters change every forward, so
+    a compiled forward would recompile on each; a forward traced by ``torch.compile`` raises a clear
+    error instead.
     """
+
+    layer_class = EvictingLayer  # what ``bind`` builds the layers from
 
     def __init__(
         self,
@@ -357,12 +473,7 @@ class EvictionCache(DynamicCache):
     @property
     def blueprint(self) -> Blueprint | None:
         """The blueprint of the foresight policy, if the scoring has one."""
-        policy = self.scoring
-        while policy is not None:
-            if isinstance(policy, Foresight):
-                return policy.blueprint
-            policy = getattr(policy, "inner", None)
-        return None
+        return self.scoring.blueprint
 
     # -- binding to a model ------------------------------------------------------------------------
     def bind(self, model) -> "EvictionCache":
@@ -380,7 +491,7 @@ class EvictionCache(DynamicCache):
             nested = is_nested(rope)
             self.rotary = [RotaryParams.from_config(config, layer_type=t if nested else None) for t in layer_types]
         if not self.layers:
-            self.layers = [EvictingLayer(keep_reference=self.bounded) for _ in layer_types]
+            self.layers = [self.layer_class(keep_reference=self.bounded, budget=self.budget) for _ in layer_types]
         elif len(self.layers) != len(layer_types):
             raise ValueError(f"this cache holds {len(self.layers)} layers; the model has {len(layer_types)}")
         if self.store is not None and self.spill is None:
@@ -440,7 +551,20 @@ class EvictionCache(DynamicCache):
         )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].seen if self.layers else 0
+        return self.layers[layer_idx].cumulative_length if self.layers else 0
+
+    def reset(self) -> None:
+        """Forget every token, as a new cache would, keeping the binding, the policy and the buffers:
+        the next forward starts again at logical and rotary position 0. With a store, the spill index
+        starts afresh too (the new tokens' entries overwrite the old ones)."""
+        if self.in_forward:
+            raise RuntimeError("reset cannot run inside a forward")
+        for layer in self.layers:
+            layer.reset()
+        self._step = self.renumbers = self.next_physical = 0
+        self._restores.clear()
+        if self.spill is not None:
+            self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens)
 
     # -- public readings ---------------------------------------------------------------------------
     def ledger(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,7 +577,7 @@ class EvictionCache(DynamicCache):
         return layer.logical, layer.physical
 
     def resident_count(self) -> int:
-        return self.layers[0].stored if self.layers else 0
+        return self.layers[0].resident_count if self.layers else 0
 
     @property
     def next_position(self) -> int:
@@ -516,8 +640,8 @@ class EvictionCache(DynamicCache):
         logical_start, _ = self._chunk
         self._chunk = None
         for layer in self.layers:
-            if layer.is_initialized and layer.seen > logical_start:
-                layer.drop_last(layer.seen - logical_start)
+            if layer.is_initialized and layer.cumulative_length > logical_start:
+                layer.drop_last(layer.cumulative_length - logical_start)
 
     def end_forward(self, q_len: int) -> None:
         self._chunk = None
@@ -525,7 +649,7 @@ class EvictionCache(DynamicCache):
         if self.progress is not None and q_len > 1:
             self.progress.update(q_len)
         for layer_idx, layer in enumerate(self.layers):
-            if layer.is_initialized and layer.stored > self.budget:
+            if layer.is_initialized and layer.resident_count > self.budget:
                 evicted = layer.keep(self._keep_index(layer), collect=self.spill is not None)
                 if evicted is not None:
                     self.evicted(layer_idx, evicted)
@@ -604,8 +728,7 @@ class EvictionCache(DynamicCache):
                 continue
             inserted = True
             before = layer.logical
-            pushed = layer.insert(tokens, lambda view: self.scoring.priority(view, self.step),
-                                  self.budget, self.sinks, self.recent)
+            pushed = layer.insert(tokens, self.scoring, self.step, self.budget, self.sinks, self.recent)
             self.evicted(layer_idx, pushed)
             if layer_idx == 0:
                 restored = sum(int((~torch.isin(new, old)).sum()) for new, old in zip(layer.logical, before))
@@ -619,45 +742,25 @@ class EvictionCache(DynamicCache):
         stats["stall_seconds"] += waited
         stats["last_stall_seconds"] = waited
 
-    def save(self) -> None:
-        """Write everything needed to continue this session to the store, durably: every layer's
-        tensors (resident and reference keys, ledger, scores), the step, the renumber state, the
-        policy with its blueprint, and the spill index. ``resume`` continues it in another process."""
-        if self.spill is None:
-            raise ValueError("save needs a cache with a store (store=..., session_id=...) bound to a model")
-        if self.in_forward:
-            raise RuntimeError("save cannot run inside a forward")
-        self.spill.flush()
-        for i, layer in enumerate(self.layers):
-            if layer.is_initialized:
-                self.store.put(f"L{i}/state", layer.tensors(), {"seen": layer.seen},
-                               fingerprint=self.fingerprint, session_id=self.session_id)
-        manifest = {
-            "format": SAVE_FORMAT, "class": type(self).__name__, "model_fingerprint": self.fingerprint,
-            "layers": [layer.is_initialized for layer in self.layers], "budget": self.budget,
-            "sinks": self.sinks, "recent": self.recent, "limit": self.limit, "scoring": describe(self.scoring),
-            "step": self.step, "renumbers": self.renumbers, "next_physical": self.next_physical,
-            "prefetch_steps": self.prefetch_steps, "spill": self.spill.state(),
-        }
-        self.store.put(MANIFEST_KEY, {}, manifest, fingerprint=MANIFEST_FINGERPRINT, session_id=self.session_id)
-        self.store.flush()
+    def save(self) -> str:
+        """Write everything needed to continue this session to the store, as one new generation: every
+        layer's tensors (resident and reference keys, ledger, scores), the step, the renumber state, the
+        policy with its blueprint, and the spill index, tied together by a manifest of digests. All or
+        nothing (``pace_hf.persist``): it returns the generation once it is on every durable tier, or
+        raises ``SaveFailed`` / ``WriterConflict`` and the previous save stays the one ``resume`` gives."""
+        return persist.save(self)
 
     @classmethod
     def resume(cls, session_id: str, *, store, model, scoring: ScoringPolicy | None = None) -> "EvictionCache":
         """Continue a session saved with :meth:`save`, possibly in another process, bound to ``model``.
-        A session saved by another model, config or dtype is refused."""
-        from .tiers import model_fingerprint
+        Every entry is checked against the save's manifest first: a session saved by another model,
+        config or dtype, or with an entry missing or from another save, is refused, naming it."""
+        return persist.resume(cls, session_id, store=store, model=model, scoring=scoring)[0]
 
-        got = store.get(MANIFEST_KEY, fingerprint=MANIFEST_FINGERPRINT, session_id=session_id)
-        if got is None:
-            raise KeyError(f"no saved session {session_id!r} in this store (or its manifest failed verification)")
-        m = got[1]
-        if m.get("format") != SAVE_FORMAT:
-            raise ValueError(f"session {session_id!r} was saved in format {m.get('format')}; this is {SAVE_FORMAT}")
-        fingerprint = model_fingerprint(model)
-        if m["model_fingerprint"] != fingerprint:
-            raise ValueError(f"session {session_id!r} was saved by another model, config or dtype "
-                             f"(fingerprint {m['model_fingerprint']}, this model {fingerprint}): its KV cannot be restored")
+    @classmethod
+    def _from_manifest(cls, m: dict, states: dict, *, store, session_id: str, model,
+                       scoring: ScoringPolicy | None = None) -> "EvictionCache":
+        """The cache a verified save describes (``persist.resume`` checked every entry of ``states``)."""
         cache = cls.__new__(cls)
         EvictionCache.__init__(cache, budget=m["budget"], sinks=m["sinks"], recent=m["recent"],
                                scoring=scoring or rebuild(m["scoring"]), limit=m["limit"], store=store,
@@ -665,15 +768,11 @@ class EvictionCache(DynamicCache):
                                spill_tokens=m["spill"]["entry_tokens"])
         cache.bind(model)
         if len(m["layers"]) != len(cache.layers):
+            cache.unbind()
             raise ValueError(f"session {session_id!r} has {len(m['layers'])} layers; the model has {len(cache.layers)}")
-        for i, (layer, saved) in enumerate(zip(cache.layers, m["layers"])):
-            if not saved:
-                continue
-            state = store.get(f"L{i}/state", fingerprint=fingerprint, session_id=session_id)
-            if state is None:
-                raise ValueError(f"session {session_id!r}: layer {i}'s state is missing or failed verification")
-            layer.load({k: v.to(model.device) for k, v in state[0].items()}, state[1]["seen"])
-        cache.spill.load(m["spill"])
+        for i, (tensors, meta) in states.items():
+            cache.layers[i].load({k: v.to(model.device) for k, v in tensors.items()}, meta["seen"])
+        cache.spill.load(m["spill"], m["generation"])
         cache._step, cache.renumbers, cache.next_physical = m["step"], m["renumbers"], m["next_physical"]
         return cache
 
@@ -681,21 +780,33 @@ class EvictionCache(DynamicCache):
         return self.scoring.query_window(q_len) if self.scoring.needs_attention else 0
 
     def record_attention(self, layer_idx: int, column_sums: torch.Tensor) -> None:
-        layer = self.layers[layer_idx]
-        fresh = column_sums[0]  # batch 1
-        n_new = fresh.shape[-1] - layer.scores.shape[-1]
-        layer.scores = self.scoring.accumulate(layer.scores, fresh, n_new)
+        self.layers[layer_idx].record_scores(column_sums[0], self.scoring)  # batch 1
 
     def _keep_index(self, layer) -> torch.Tensor:
         """Indices ([kv_heads, budget], sorted) of the tokens to keep in ``layer``."""
-        n = layer.logical.shape[-1]
-        if self.scoring.needs_attention and layer.scores.shape[-1] != n:
+        n = layer.resident_count
+        if self.scoring.needs_attention and layer.scored != n:
             raise RuntimeError(
                 "attention scores were not recorded for every token: the model must run its attention "
-                f"through {attention.ATTN_NAME!r} (got {layer.scores.shape[-1]} scores for {n} tokens)"
+                f"through {attention.ATTN_NAME!r} (got {layer.scored} scores for {n} tokens)"
             )
-        priority = self.scoring.priority(layer, self.step)
+        priority = self.scoring.priority(layer.logical, layer.scores, self.step)
         return keep_index(priority, min(self.budget, n), self.sinks, self.recent)
+
+    # -- retrieval: evicted context found by what a new turn asks (pace_hf.retrieval) ----------------
+    def rehydrate(self, text: str, ids, tokenizer=None, *, retriever=None) -> list[Span]:
+        """Rank the evicted pages of the context against the new turn ``text`` and restore the best
+        ones, within ``budget // 4`` tokens per KV head, exactly re-rotated and planned for the current
+        step (see :mod:`pace_hf.retrieval`). ``ids``: the ids of everything this cache has seen (the
+        cache keeps no ids). The first call builds a ``PageRetriever(tokenizer)`` (or keeps
+        ``retriever``); later calls reuse it. No store, or nothing spilled: a no-op."""
+        from .retrieval import PageRetriever
+
+        if retriever is not None:
+            self.retriever = retriever
+        elif getattr(self, "retriever", None) is None:
+            self.retriever = PageRetriever(tokenizer)
+        return self.retriever.rehydrate(self, text, ids)
 
 
 class H2OCache(EvictionCache):
@@ -755,5 +866,5 @@ class StreamingLLMCache(EvictionCache):
         super().__init__(model, budget=budget, sinks=sinks, scoring=Recency(), **kwargs)
 
 
-__all__ = ["EvictingLayer", "EvictionCache", "H2OCache", "PACECache", "SnapKVCache", "StreamingLLMCache",
+__all__ = ["CompactingLayer", "EvictingLayer", "EvictionCache", "H2OCache", "PACECache", "SnapKVCache", "StreamingLLMCache",
            "keep_index"]

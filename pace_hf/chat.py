@@ -5,11 +5,41 @@ message at a time under the tokenizer's own chat template, so that the concatena
 exactly the ids of the rendered conversation and every message's token span is known. It finds each
 block by rendering a conversation with and without the message, so it works for any template that is
 prefix-stable (each message only appends text); others get a clear error.
+
+``TokenOffsets`` is the one character -> token lookup of the library (marks here, character spans in
+``Blueprint.from_char_spans``, definitions in the planner).
 """
 
 from __future__ import annotations
 
+import bisect
+
 DEFAULT_SYSTEM = "You are a helpful assistant."
+
+
+class TokenOffsets:
+    """Which tokens of a tokenized text cover a character range (from a fast tokenizer's
+    ``offset_mapping``; zero-width tokens such as added special tokens cover nothing)."""
+
+    def __init__(self, offsets):
+        kept = [(i, int(s), int(e)) for i, (s, e) in enumerate(offsets) if e > s]
+        self.index = [i for i, _, _ in kept]
+        self.starts = [s for _, s, _ in kept]
+        self.ends = [e for _, _, e in kept]
+
+    @classmethod
+    def of(cls, tokenizer, text: str) -> tuple["TokenOffsets", list[int]]:
+        """Tokenize ``text`` as the model sees it (no special tokens added): its lookup and its ids."""
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return cls(enc["offset_mapping"]), list(enc["input_ids"])
+
+    def span(self, start_char: int, end_char: int) -> tuple[int, int] | None:
+        """``(first, last + 1)``: the tokens that overlap ``[start_char, end_char)``; None if none do."""
+        lo = bisect.bisect_right(self.ends, start_char)   # first token ending after start_char
+        hi = bisect.bisect_left(self.starts, end_char)    # tokens starting before end_char
+        if lo >= hi:
+            return None
+        return self.index[lo], self.index[hi - 1] + 1
 
 
 class ChatTemplate:
@@ -69,16 +99,20 @@ class ChatTemplate:
                 content += text
             else:
                 content += p
-        block = self.block(role, content)
-        at = block.index(content)
-        enc = self.tok(block, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        offsets, ids, at = self.content_offsets(role, content)
         spans = {}
         for name, (cs, ce) in marks.items():
-            cs, ce = cs + at, ce + at
-            toks = [i for i, (s, e) in enumerate(offsets) if s < ce and e > cs and e > s]
-            spans[name] = (toks[0], toks[-1] + 1)
+            spans[name] = offsets.span(cs + at, ce + at)
         return ids, content, spans
+
+    def content_offsets(self, role: str, content: str) -> tuple[TokenOffsets, list[int], int]:
+        """The lookup and ids of one message's block, and where its content starts in the block: the
+        tokens of content characters ``[a, b)`` are ``offsets.span(a + at, b + at)``, relative to the
+        block's first token."""
+        block = self.block(role, content)
+        at = block.rfind(content) if content else len(block)
+        offsets, ids = TokenOffsets.of(self.tok, block)
+        return offsets, ids, at
 
     def user_pieces(self, pieces) -> tuple[list[int], str, dict[str, tuple[int, int]]]:
         return self.message_ids("user", pieces)

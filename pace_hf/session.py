@@ -20,10 +20,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .blueprint import Span, as_steps
+from . import persist
 from .cache import PACECache
 from .chat import DEFAULT_SYSTEM, ChatTemplate
 
-SESSION_KEY, SESSION_FINGERPRINT = "session", "pace-session-messages"
+SESSION_KEY = "session"  # the conversation, an attachment of each save
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,15 @@ class PACESession:
             (see ``pace_hf.planner``).
         rehydrate: restore evicted spans whose identifiers the new user turn names (needs a planner
             with ``identifiers(text)`` and a store).
+        retrieval: ``True`` or a ``pace_hf.retrieval.PageRetriever``: each user turn restores the evicted
+            pages its text matches, before it is prefilled (a no-op without a store).
         cache_kwargs: passed to ``PACECache`` (sinks, recent, phi, prefetch_steps, ...).
     """
 
     def __init__(self, model, tokenizer, *, budget: int = 2048, limit: int | None = 8192, store=None,
                  session_id: str | None = None, system: str = DEFAULT_SYSTEM, chunk: int | None = None,
-                 planner=None, rehydrate: bool = False, cache: PACECache | None = None, **cache_kwargs):
+                 planner=None, rehydrate: bool = False, cache: PACECache | None = None, retrieval=None,
+                 **cache_kwargs):
         self.model, self.tokenizer = model, tokenizer
         self.template = ChatTemplate(tokenizer, system)
         self.system = system
@@ -72,6 +76,11 @@ class PACESession:
         if rehydrate and (planner is None or self.cache.store is None):
             raise ValueError("rehydrate=True needs a planner (to read identifiers) and a store (to restore from)")
         self.ids: list[int] = list(self.template.system_ids)
+        if retrieval is True:
+            from .retrieval import PageRetriever
+
+            retrieval = PageRetriever(tokenizer)
+        self.retrieval = retrieval or None
         self.messages: list[Message] = []
         self.step = 0
 
@@ -94,6 +103,9 @@ class PACESession:
         if role == "user" and self.rehydrate:
             self.cache.step = self.step  # restored spans are read at this step
             self.planner.rehydrate(self, message)
+        if role == "user" and self.retrieval is not None:
+            self.cache.step = self.step
+            self.cache.rehydrate(content, self.ids[:message.start], retriever=self.retrieval)
         return message
 
     def plan(self, message: Message | int, readers=None, *, reader_steps=None) -> Span:
@@ -114,57 +126,118 @@ class PACESession:
             self.planner.plan(self)
         self.cache.step = self.step
         header = self.template.encode(self.template.gen_header)
-        input_ids = torch.tensor([self.ids + header], dtype=torch.long, device=self.model.device)
-        stop = self.template.stop_ids()
-        generate_kwargs.setdefault("do_sample", False)
-        if not generate_kwargs["do_sample"]:
-            generate_kwargs.update(temperature=None, top_p=None, top_k=None)
-        self.cache.progress = _progress_bar(input_ids.shape[1] - self.cache.get_seq_length()) if progress else None
+        ids = self.ids + header
+        self.cache.progress = _progress_bar(len(ids) - self.cache.get_seq_length()) if progress else None
         try:
-            with torch.no_grad():
-                out = self.model.generate(
-                    input_ids, cache=self.cache, attention_mask=torch.ones_like(input_ids),
-                    max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=stop[0],
-                    prefill_chunk_size=self.chunk, **generate_kwargs)
+            reply = generate_reply(self.model, ids, self.cache, max_new_tokens=max_new_tokens,
+                                   stop_ids=self.template.stop_ids(), chunk=self.chunk, **generate_kwargs)
         finally:
             if self.cache.progress is not None:
                 self.cache.progress.close()
             self.cache.progress = None
-        reply = out[0, input_ids.shape[1]:].tolist()
-        while reply and reply[-1] in stop:
-            reply.pop()
         text = self.tokenizer.decode(reply, skip_special_tokens=True)
         self._append("assistant", text, header + reply + self.template.turn_end_ids())
         return text
 
     # -- persistence --------------------------------------------------------------------------------
-    def save(self) -> None:
-        """Save the cache and the conversation to the store, durably."""
-        store = self.cache.store
-        if store is None:
+    def save(self) -> str:
+        """Save the cache and the conversation to the store as one generation, all or nothing (see
+        ``pace_hf.persist``): returns the generation, or raises and the previous save stays whole."""
+        if self.cache.store is None:
             raise ValueError("save needs a session with a store")
         meta = {"messages": [asdict(m) for m in self.messages], "step": self.step, "system": self.system,
                 "chunk": self.chunk}
-        store.put(SESSION_KEY, {"ids": torch.tensor(self.ids, dtype=torch.long)}, meta,
-                  fingerprint=SESSION_FINGERPRINT, session_id=self.cache.session_id)
-        self.cache.save()
+        return persist.save(self.cache, {SESSION_KEY: ({"ids": torch.tensor(self.ids, dtype=torch.long)}, meta)})
 
     @classmethod
-    def resume(cls, session_id: str, model, tokenizer, *, store, planner=None, rehydrate: bool = False) -> "PACESession":
-        """Continue a saved session, possibly in another process."""
-        got = store.get(SESSION_KEY, fingerprint=SESSION_FINGERPRINT, session_id=session_id)
-        if got is None:
-            raise KeyError(f"no saved session {session_id!r} in this store (or it failed verification)")
-        cache = PACECache.resume(session_id, store=store, model=model)
-        tensors, meta = got
+    def resume(cls, session_id: str, model, tokenizer, *, store, planner=None, rehydrate: bool = False,
+               retrieval=None) -> "PACESession":
+        """Continue a saved session, possibly in another process: the conversation and the cache of
+        one save, verified together."""
+        cache, attachments = persist.resume(PACECache, session_id, store=store, model=model)
+        if SESSION_KEY not in attachments:
+            cache.unbind()
+            raise KeyError(f"session {session_id!r} was saved by a bare cache (cache.save()), without a conversation: "
+                           "resume it with PACECache.resume")
+        tensors, meta = attachments[SESSION_KEY]
         session = cls(model, tokenizer, system=meta["system"], chunk=meta["chunk"], cache=cache,
-                      planner=planner, rehydrate=rehydrate)
+                      planner=planner, rehydrate=rehydrate, retrieval=retrieval)
         session.ids = tensors["ids"].tolist()
         session.messages = [Message(**m) for m in meta["messages"]]
         session.step = meta["step"]
         if cache.get_seq_length() > len(session.ids):
             raise ValueError(f"session {session_id!r}: the cache has seen more tokens than the conversation holds")
         return session
+
+    # -- rewinding ----------------------------------------------------------------------------------
+    def rewind(self, keep: int) -> None:
+        """Keep the first ``keep`` messages and crop the cache to them, exactly.
+
+        Why: an agent that edits its history, or a client that retries a turn, must never be answered
+        from the KV of a conversation that no longer exists. The crop is exact only while no token past
+        the cut was evicted (an evicted one would sit in the spill log and could come back); otherwise
+        this raises ``ValueError`` and the caller starts a new session from the messages. Planned spans
+        that reach past the cut and pending restores there are dropped; a planner that tracks the spans
+        it added (``SymbolPlanner``) should be replaced after a rewind."""
+        keep = int(keep)
+        if not 0 <= keep <= len(self.messages):
+            raise ValueError(f"keep must be in [0, {len(self.messages)}], got {keep}")
+        if keep == len(self.messages):
+            return
+        cache, cut = self.cache, self.messages[keep].start
+        if cache.in_forward:
+            raise RuntimeError("rewind cannot run inside a forward")
+        seen = cache.get_seq_length()
+        if seen > cut:
+            tail = seen - cut
+            for layer in cache.layers:
+                if layer.is_initialized and not bool(((layer.logical >= cut).sum(-1) == tail).all()):
+                    raise ValueError(f"cannot rewind to token {cut}: tokens past it were evicted")
+            for layer in cache.layers:
+                if layer.is_initialized:
+                    layer.drop_last(tail)
+            if cache.bounded:
+                tops = [int(layer.physical.max()) + 1 for layer in cache.layers
+                        if layer.is_initialized and layer.physical.numel()]
+                cache.next_physical = max(tops, default=0)
+        cache._restores = {k: v for k, v in cache._restores.items() if k[1] <= cut}
+        if cache.blueprint is not None:
+            for span in [s for s in cache.blueprint if s.end > cut]:
+                cache.blueprint.remove(span)
+        self.ids, self.messages = self.ids[:cut], self.messages[:keep]
+        self.step = self.messages[-1].step if self.messages else 0
+        cache.step = self.step
+
+    def sync(self, messages) -> int:
+        """Make the session's messages equal ``messages`` (``(role, content)`` pairs after the system
+        prompt): rewind to the first difference (see ``rewind``, which may raise ``ValueError``), then
+        add the rest, unprefilled. Returns how many of the session's messages were kept."""
+        messages = [(role, content) for role, content in messages]
+        held = [(m.role, m.content) for m in self.messages]
+        keep = next((i for i, (a, b) in enumerate(zip(held, messages)) if a != b), min(len(held), len(messages)))
+        self.rewind(keep)
+        for role, content in messages[keep:]:
+            self.add(role, content)
+        return keep
+
+
+def generate_reply(model, ids: list[int], cache, *, max_new_tokens: int, stop_ids: list[int], chunk: int | None = None,
+                   **generate_kwargs) -> list[int]:
+    """The new tokens ``model.generate`` answers the conversation ``ids`` with (``cache`` holds a prefix of
+    it, and only the rest is prefilled, ``chunk`` tokens per forward), without trailing stop tokens.
+    Greedy unless ``generate_kwargs`` sets ``do_sample=True``."""
+    generate_kwargs.setdefault("do_sample", False)
+    if not generate_kwargs["do_sample"]:
+        generate_kwargs.update(temperature=None, top_p=None, top_k=None)
+    input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        out = model.generate(input_ids, cache=cache, attention_mask=torch.ones_like(input_ids),
+                             max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=stop_ids[0],
+                             prefill_chunk_size=chunk, **generate_kwargs)
+    reply = out[0, len(ids):].tolist()
+    while reply and reply[-1] in stop_ids:
+        reply.pop()
+    return reply
 
 
 def _progress_bar(total: int):

@@ -13,14 +13,22 @@ position, reference key and reference position (the key as rotated at that posit
 re-rotates it exactly, never from an already re-rotated copy), value and score.
 
 Buffered tokens are readable at once; written entries are found through an index of each entry's
-logical range, which ``state()`` hands to ``cache.save()``.
+logical range and digest, which ``state()`` hands to ``cache.save()`` (``pace_hf.persist``).
+
+Keys are never reused: ``L3/spill/<writer>-17``, where ``writer`` is new for every log (every cache, every
+resume). A session resumed twice, or by two processes, never overwrites an entry that a save indexes. Each
+written entry's confirmation (``TieredStore.put``) is kept in ``unconfirmed`` until a save has checked that
+it reached every durable tier: the manifest indexes only entries that are durable.
 """
 
 from __future__ import annotations
 
+import secrets
 from concurrent.futures import Future
 
 import torch
+
+from .tiers.entry import digest
 
 FIELDS = ("head", "logical", "ref_pos", "score", "ref_key", "value")
 
@@ -49,9 +57,12 @@ class SpillLog:
         self.entry_tokens = entry_tokens
         self.buffers: list[list[dict]] = [[] for _ in range(n_layers)]
         self.buffered = [0] * n_layers  # tokens in each layer's buffer
-        self.index: list[list[list]] = [[] for _ in range(n_layers)]  # [key, lowest, highest logical]
+        self.index: list[list[list]] = [[] for _ in range(n_layers)]  # [key, lowest, highest logical, digest]
+        self.writer = secrets.token_hex(4)
         self.next_entry = 0
         self.spilled_tokens = 0
+        self.unconfirmed: dict[str, Future] = {}  # key -> its write's confirmation, until a save checks it
+        self.generation: str | None = None  # the save this log continues (set by save and resume)
 
     def add(self, layer_idx: int, tokens: dict[str, torch.Tensor]) -> None:
         """Buffer evicted tokens (copied to the CPU); write the layer's entry once it is full."""
@@ -68,12 +79,13 @@ class SpillLog:
         if not self.buffers[layer_idx]:
             return
         tokens = concat(self.buffers[layer_idx])
-        key = f"L{layer_idx}/spill/{self.next_entry}"
+        key = f"L{layer_idx}/spill/{self.writer}-{self.next_entry}"
         self.next_entry += 1
         low, high = int(tokens["logical"].min()), int(tokens["logical"].max())
-        self.store.put(key, tokens, {"layer": layer_idx, "low": low, "high": high},
-                       fingerprint=self.fingerprint, session_id=self.session_id)
-        self.index[layer_idx].append([key, low, high])
+        meta = {"layer": layer_idx, "low": low, "high": high}
+        self.unconfirmed[key] = self.store.put(key, tokens, meta, fingerprint=self.fingerprint,
+                                               session_id=self.session_id)
+        self.index[layer_idx].append([key, low, high, digest(tokens, meta)])
         self.buffers[layer_idx] = []
         self.buffered[layer_idx] = 0
 
@@ -84,7 +96,7 @@ class SpillLog:
     def keys_for(self, start: int, end: int) -> list[tuple[int, str]]:
         """(layer, key) of every written entry that may hold logical positions in ``[start, end)``."""
         return [(layer_idx, key) for layer_idx, entries in enumerate(self.index)
-                for key, low, high in entries if low < end and high >= start]
+                for key, low, high, _digest in entries if low < end and high >= start]
 
     def fetch(self, start: int, end: int) -> tuple[list, Future]:
         """Start fetching the written entries that may hold ``[start, end)`` in the background. Pass
@@ -111,11 +123,15 @@ class SpillLog:
             parts[layer_idx] += [select(b, start, end) for b in buffers]
         return {layer_idx: concat(p) for layer_idx, p in enumerate(parts)}
 
-    def state(self) -> dict:
-        return {"index": self.index, "next_entry": self.next_entry, "spilled_tokens": self.spilled_tokens,
-                "entry_tokens": self.entry_tokens}
+    def entries(self) -> dict[str, tuple[int, str]]:
+        """Every written entry: key -> (layer, digest)."""
+        return {key: (layer_idx, dig) for layer_idx, entries in enumerate(self.index) for key, _lo, _hi, dig in entries}
 
-    def load(self, state: dict) -> None:
+    def state(self) -> dict:
+        """The index and counters a save records (the writer is not: a resumed log writes under a new one)."""
+        return {"index": self.index, "spilled_tokens": self.spilled_tokens, "entry_tokens": self.entry_tokens}
+
+    def load(self, state: dict, generation: str) -> None:
         self.index = [list(map(list, layer)) for layer in state["index"]]
-        self.next_entry, self.spilled_tokens = state["next_entry"], state["spilled_tokens"]
-        self.entry_tokens = state["entry_tokens"]
+        self.spilled_tokens, self.entry_tokens = state["spilled_tokens"], state["entry_tokens"]
+        self.generation = generation

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import tiny_model  # noqa: E402
 
-from pace_hf.bench.models import load_tokenizer  # noqa: E402
+from pace_bench.models import load_tokenizer  # noqa: E402
 from pace_hf.session import PACESession  # noqa: E402
 from pace_hf.tiers import DiskTier, TieredStore, ValkeyTier  # noqa: E402
 

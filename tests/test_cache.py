@@ -79,7 +79,7 @@ def test_positions_stay_bounded_during_a_long_generate():
     seen_positions, resident = [], []
     h1 = model.model.rotary_emb.register_forward_pre_hook(
         lambda m, args, kwargs: seen_positions.append(int(kwargs.get("position_ids", args[-1]).max())), with_kwargs=True)
-    h2 = model.model.layers[-1].register_forward_hook(lambda m, a, o: resident.append(cache.layers[0].stored))
+    h2 = model.model.layers[-1].register_forward_hook(lambda m, a, o: resident.append(cache.layers[0].resident_count))
     model.generate(prompt(3 * limit, seed=2), max_new_tokens=limit, min_new_tokens=limit, do_sample=False,
                    cache=cache, prefill_chunk_size=chunk)
     h1.remove(), h2.remove()
@@ -138,7 +138,7 @@ def test_foresight_keeps_planned_spans_until_their_last_reader():
         with_bonus = pace._keep_index(layer)
         kept = layer.logical.gather(1, with_bonus)
         span_kept = all(set(span) <= set(row.tolist()) for row in kept)
-        without = keep_index(h2o_only.priority(layer, pace.step), pace.budget, pace.sinks, pace.recent)
+        without = keep_index(h2o_only.priority(layer.logical, layer.scores, pace.step), pace.budget, pace.sinks, pace.recent)
         decisions.append((pace.step, span_kept, torch.equal(with_bonus, without)))
 
     handle = model.model.layers[-1].register_forward_hook(probe)
@@ -372,14 +372,14 @@ def test_public_readings():
 
 
 def test_policies_keep_what_they_promise():
-    class Layer:  # a hand-built attention pattern: scores and positions of 12 tokens, one head
-        logical = torch.arange(12)[None]
-        scores = torch.tensor([[9., 1, 1, 8, 1, 1, 7, 1, 1, 1, 1, 1]])
+    # a hand-built attention pattern: scores and positions of 12 tokens, one head
+    logical = torch.arange(12)[None]
+    scores = torch.tensor([[9., 1, 1, 8, 1, 1, 7, 1, 1, 1, 1, 1]])
 
-    kept = lambda policy, budget: keep_index(policy.priority(Layer, 0), budget, 1, 2)[0].tolist()  # noqa: E731
+    kept = lambda policy, budget: keep_index(policy.priority(logical, scores, 0), budget, 1, 2)[0].tolist()  # noqa: E731
     assert kept(CumulativeAttention(), 5) == [0, 3, 6, 10, 11]  # heavy hitters + sink + recent
     assert kept(Recency(), 5) == [0, 8, 9, 10, 11]
-    pooled = ObservationWindow(window=4, kernel=3).accumulate(None, Layer.scores, 0)
+    pooled = ObservationWindow(window=4, kernel=3).accumulate(torch.zeros_like(scores), scores)
     assert pooled[0].tolist() == [9, 9, 8, 8, 8, 7, 7, 7, 1, 1, 1, 1]  # a heavy token keeps its neighbours
     assert ObservationWindow(window=4).query_window(100) == 4
     bp = Blueprint([Span(7, 9, [3])])
@@ -399,3 +399,64 @@ def test_foresight_bonus_formula():
     assert values[7] == 0
     with pytest.raises(ValueError, match="phi"):
         ForesightBonus(phi=0)
+
+
+def ledgers_after_every_forward(model, cache, log):
+    """After every forward (and its eviction), record every layer's per-token tensors."""
+    def hook(module, args, kwargs, output):
+        log.append([{k: v.clone() for k, v in layer.tensors().items()} for layer in cache.layers])
+    return model.model.register_forward_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: H2OCache(budget=40, recent=8),
+    lambda: PACECache(Blueprint([Span(30, 50, [1]), Span(100, 140, [1])]), budget=40, limit=80, recent=8),  # renumbers
+    lambda: SnapKVCache(budget=40, recent=8),  # max-pooled scores: ties, so the order topk sees matters
+])
+def test_in_place_eviction_keeps_exactly_what_plain_compaction_keeps(make):
+    from pace_hf.cache import CompactingLayer, EvictingLayer
+
+    model = tiny_model("qwen2")
+    runs = []
+    for layer_class in (EvictingLayer, CompactingLayer):
+        cache = make()
+        cache.layer_class = layer_class
+        cache.bind(model)
+        log = []
+        handle = ledgers_after_every_forward(model, cache, log)
+        out = model.generate(prompt(150, seed=11), max_new_tokens=300, min_new_tokens=300, do_sample=False,
+                             cache=cache, prefill_chunk_size=32)
+        handle.remove()
+        cache.unbind()
+        assert all(type(layer) is layer_class for layer in cache.layers)
+        runs.append((out, log, cache))
+    (out, log, cache), (ref_out, ref_log, ref_cache) = runs
+    assert torch.equal(out, ref_out)
+    assert len(log) == len(ref_log) == 5 + 299  # 5 prefill chunks, then one forward per later token
+    for step, (layers, ref_layers) in enumerate(zip(log, ref_log)):  # kept sets, keys, scores: bit for bit
+        for layer, ref in zip(layers, ref_layers):
+            assert layer.keys() == ref.keys()
+            for name in layer:
+                assert torch.equal(layer[name], ref[name]), (step, name)
+    assert cache.renumbers == ref_cache.renumbers
+    if cache.bounded:
+        assert cache.renumbers > 5
+    # in place: the buffers were not reallocated during decode, and an eviction moved few tokens
+    layer = cache.layers[0]
+    assert layer.capacity <= 40 + 32 and layer.keys.untyped_storage().nbytes() == layer._buffers["keys"].untyped_storage().nbytes()
+
+
+def test_reset_forgets_every_token():
+    model = tiny_model("llama")
+    ids = prompt(120, seed=3)
+    fresh = PACECache(Blueprint([Span(10, 20, [1])]), model=model, budget=32, limit=96, recent=8)
+    want = model.generate(ids, max_new_tokens=12, do_sample=False, cache=fresh, prefill_chunk_size=16)
+    cache = PACECache(Blueprint([Span(10, 20, [1])]), model=model, budget=32, limit=96, recent=8)
+    model.generate(prompt(200, seed=4), max_new_tokens=5, do_sample=False, cache=cache, prefill_chunk_size=16)
+    assert cache.get_seq_length() > 0 and cache.renumbers > 0
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.resident_count() == 0 and cache.next_position == 0
+    assert cache.renumbers == 0 and cache.step == 0
+    again = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache, prefill_chunk_size=16)
+    assert torch.equal(again, want)
+    assert cache.get_seq_length() == fresh.get_seq_length() and torch.equal(cache.ledger(0)[0], fresh.ledger(0)[0])

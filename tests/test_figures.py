@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pace_hf.bench import figures
-from pace_hf.bench.figures import FIGURE_1, FIGURE_3, distance_groups, settings_for, title_for, wilson
+from pace_bench import figures
+from pace_bench.figures import FIGURE_1, FIGURE_3, distance_groups, settings_for, title_for, wilson
 
 
 def _rec(arm, sid, distance, passed, total=4, residency=1.0, gap=1000, target=None, context_len=49152):
@@ -125,13 +125,13 @@ def test_the_distance_table_has_a_row_per_d_and_a_column_per_arm():
     assert lines[5].startswith("| 46K | 2 | 0/8 (0%), gap 46.5K | 0/8 (0%)")  # one h2o probe had no gap: left out
 
 
-def test_arms_match_the_runner():
-    from pace_hf.bench.runner import ARM_PARTS, ARMS
+def test_every_registered_arm_is_told_apart_in_the_registry_order():
+    from pace_bench.arms import ARMS, FORESIGHT_ARMS
 
-    assert figures.ARM_ORDER == ARMS
-    assert figures.FORESIGHT_ARMS == tuple(a for a, (_, foresight, _) in ARM_PARTS.items() if foresight)
     styles = {(figures.arm_style(a)["color"], figures.arm_style(a)["marker"]) for a in ARMS}
     assert len(styles) == len(ARMS)  # every arm is told apart
+    assert figures._arms(pd.DataFrame({"arm": ["pace", "new_arm", "h2o", "full"]})) == ["full", "h2o", "pace", "new_arm"]
+    assert set(FORESIGHT_ARMS) == {"retention_only", "pace", "snapkv_foresight"}
 
 
 def _point(passed_per_probe, recall=(1, 1), residency=1.0):

@@ -3,11 +3,11 @@ import math
 
 import pytest
 
-from pace_hf.bench import facts as S
-from pace_hf.bench.sessions import build_session, reference_solution
+from pace_bench import facts as S
+from pace_bench.sessions import build_session, reference_solution
 from pace_hf.metrics import PACE_CODING
 from pace_hf.metrics.pace_coding import pace_coding as M
-from pace_hf.bench.models import load_tokenizer
+from pace_bench.models import load_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -378,7 +378,7 @@ def test_random_values_through_the_real_sandbox():
 
 def test_runner_records_a_probe_whose_scoring_fails_and_goes_on(monkeypatch, rows):
     """Defect 2: one probe's scoring failure is recorded with every check failed; the run goes on."""
-    from pace_hf.bench import runner
+    from pace_bench import runner
 
     class Handle:
         def remove(self):
@@ -409,7 +409,7 @@ def test_runner_records_a_probe_whose_scoring_fails_and_goes_on(monkeypatch, row
 
     monkeypatch.setattr(runner, "Blueprint", type("B", (), {"from_dicts": staticmethod(lambda d: None)}))
     monkeypatch.setattr(runner, "make_cache", lambda *a, **k: object())
-    monkeypatch.setattr(runner, "generate_answer", lambda *a, **k: [])
+    monkeypatch.setattr(runner, "generate_reply", lambda *a, **k: [])
     row = rows[0]
     records = runner.play_session(Model(), Tokenizer(), row, "h2o", None, Metric(), 16, [])
     assert len(records) == len(row["probes"]) == 3

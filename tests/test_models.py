@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from pace_hf.bench import models
+from pace_bench import models
 
 
 def _greedy(model, tok, text, max_new_tokens=8):

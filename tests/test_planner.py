@@ -218,7 +218,7 @@ def test_rehydrate_restores_evicted_definitions_the_turn_names():
 
 @pytest.mark.slow
 def test_rehydration_restores_a_missed_span_before_the_turns_first_forward():
-    from pace_hf.bench.models import load_model
+    from pace_bench.models import load_model
     from pace_hf.session import PACESession
     from pace_hf.tiers import HostTier, TieredStore
 

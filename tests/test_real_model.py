@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm():
-    from pace_hf.bench.models import load_model
+    from pace_bench.models import load_model
 
     return load_model("smollm2-135m")
 

@@ -8,8 +8,8 @@ import transformers as tf
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, EvictionCache, ObservationWindow, Span
-from pace_hf.bench import runner
-from pace_hf.bench.runner import (ARMS, ArmSettings, completed_records, ledger_at_probe, main, make_cache,
+from pace_bench import runner
+from pace_bench.runner import (ARMS, ArmSettings, completed_records, ledger_at_probe, main, make_cache,
                                   progress_line, summarize)
 
 
@@ -124,7 +124,7 @@ def test_runner_plays_a_short_session_on_the_smoke_model(tmp_path, monkeypatch):
 
 @pytest.fixture
 def nothing_loads(monkeypatch):
-    from pace_hf.bench import models
+    from pace_bench import models
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model or tokenizer was loaded")
@@ -135,7 +135,7 @@ def nothing_loads(monkeypatch):
 
 
 def test_help_shows_defaults_choices_h_and_the_opt_in(capsys):
-    from pace_hf.bench.models import MODELS
+    from pace_bench.models import MODELS
 
     with pytest.raises(SystemExit) as e:
         main(["--help"])
@@ -154,7 +154,8 @@ def test_help_shows_defaults_choices_h_and_the_opt_in(capsys):
     (["--model", "gpt2"], "unknown model 'gpt2': choose from qwen2.5-coder-0.5b, smollm2-135m"),
     (["--arms", "h2o,nonsense"], "unknown arm(s) nonsense"),
     (["--arms", "pace", "--budget", "4096", "--chunk", "4096"], "need --limit > --budget + --chunk"),
-    (["--arms", "h2o", "--budget", "64"], "cannot hold the 132 sink and recent tokens"),
+    # the cache's own refusal, named with the arm and the settings
+    (["--arms", "h2o", "--budget", "64"], "--arms h2o with --budget 64 --limit 8192: budget 64 cannot hold"),
     (["--drop-edges", "1.5"], "--drop-edges: must be in [0, 1]"),
     (["--drop-edges", "0.5", "--planner", "symbols"], "needs --planner oracle"),
     (["--rehydrate"], "give --store host, disk or valkey"),
@@ -168,7 +169,7 @@ def test_bad_arguments_get_clear_errors_before_anything_loads(nothing_loads, cap
 
 
 def test_a_session_that_does_not_fit_is_an_error_before_the_model_loads(monkeypatch, tmp_path):
-    from pace_hf.bench import models
+    from pace_bench import models
 
     monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
@@ -244,8 +245,8 @@ def test_drop_edges_drops_a_seeded_fraction_of_the_oracle_edges():
 
 
 def test_symbols_planner_blueprint_from_the_session_text():
-    from pace_hf.bench import build_session
-    from pace_hf.bench.models import load_tokenizer
+    from pace_bench import build_session
+    from pace_bench.models import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")
     row = build_session(tok, seed=0, total_tokens=1500, distance=400)
@@ -293,21 +294,22 @@ class _Metric:
 
 
 def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progress(monkeypatch):
-    from pace_hf.tiers import HostTier, TieredStore
-
-    updates = []
-
-    class Bar:
-        def __init__(self, total, **kwargs):
-            self.total = total
-
-        def update(self, n):
-            updates.append(n)
-
-        def close(self):
-            updates.append("closed")
+    import io
 
     import tqdm.auto
+    from tqdm.std import tqdm as real_tqdm
+
+    from pace_hf.tiers import HostTier, TieredStore
+
+    seen = []  # (tokens counted, total, phase) at every redraw
+
+    class Bar(real_tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, file=io.StringIO(), mininterval=0, **kwargs)
+
+        def refresh(self, *args, **kwargs):
+            seen.append((self.n, self.total, self.postfix))
+            return super().refresh(*args, **kwargs)
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
     model, row = tiny_model("qwen2"), _synthetic_row()
@@ -321,7 +323,12 @@ def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progr
         for r in records:
             assert set(r["tier"]) == set(runner.TIER_FIELDS) and r["tier"]["spilled_tokens"] > 0
             assert r["rehydrated_tokens"] == 0 and r["residency"] == 1.0  # foresight kept the planned span
-        assert sum(n for n in updates if n != "closed") >= row["context_len"] and updates[-1] == "closed"
+        assert all(n <= total for n, total, _ in seen)  # never past its total
+        assert seen[-1][0] == seen[-1][1] >= row["context_len"] + sum(len(p["prompt_ids"]) for p in row["probes"])
+        phases = list(dict.fromkeys(str(p).split(":")[0] for _, _, p in seen if p))
+        assert phases == ["prefill history 1/2", "rehydrate 1/2", "prefill probe 1/2", "answer 1/2", "scoring 1/2",
+                          "prefill history 2/2", "rehydrate 2/2", "prefill probe 2/2", "answer 2/2", "scoring 2/2"]
+        assert any(str(p).startswith("answer 1/2: 1/") for _, _, p in seen)  # the answer's tokens, as they come
         store.flush()
         assert len(host) == 0  # the session's spilled KV is dropped when it ends
         plain = runner.play_session(model, _Tokenizer(), row, "h2o", ArmSettings(budget=256, limit=400), _Metric(),
@@ -329,6 +336,33 @@ def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progr
         assert all("tier" not in r and "rehydrated_tokens" not in r for r in plain)
     finally:
         store.close()
+
+
+def test_the_full_arm_counts_its_prefill_when_the_answer_starts(monkeypatch):
+    """DynamicCache reports no chunks: each phase's tokens are counted when its answer starts, and the
+    bar still ends at its total, never past it."""
+    import io
+
+    import tqdm.auto
+    from tqdm.std import tqdm as real_tqdm
+
+    bars = []
+
+    class Bar(real_tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, file=io.StringIO(), **kwargs)
+            bars.append(self)
+
+        def update(self, n=1):
+            assert self.n + n <= self.total
+            return super().update(n)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    row = _synthetic_row()
+    runner.play_session(tiny_model("qwen2"), _Tokenizer(), row, "full", ArmSettings(), _Metric(), 64, [0],
+                        progress=True)
+    (bar,) = bars
+    assert bar.n == bar.total >= row["context_len"]
 
 
 def test_rehydration_restores_what_the_history_evicted_before_the_first_probe():
@@ -390,7 +424,7 @@ def _tiny_model_dir(path):
     """A random 2-layer Llama with SmolLM2's tokenizer (and chat template), saved as a local model."""
     import transformers as tf
 
-    from pace_hf.bench.models import load_tokenizer
+    from pace_bench.models import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")
     torch.manual_seed(0)
@@ -431,7 +465,7 @@ def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, monkeypa
         port = s.getsockname()[1]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-              str(port), "-m", "pace_hf.bench", *argv, "--resume"]
+              str(port), "-m", "pace_bench", *argv, "--resume"]
     done = subprocess.run(launch, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 processes" in done.stdout

@@ -59,14 +59,20 @@ def _children():
     return found
 
 
-def _gone(pid):
-    """The sandbox child (its pid is also its process group) and its group no longer exist."""
-    for probe in (os.kill, os.killpg):
+def _gone(uid):
+    """No process of the sandbox's fresh uid is left on the host (the program reports its uid:
+    its pid is that of its own pid namespace, which means nothing here). Without root there is no
+    fresh uid to look for, and the pid namespace's end is the only guarantee."""
+    if os.geteuid() != 0:
+        return True
+    assert uid >= 100_000, uid  # a fresh uid, not root's or a user's
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            probe(pid, 0)
-            return False
-        except ProcessLookupError:
-            pass
+            with open(f"/proc/{pid}/status") as f:
+                if any(line.split()[1:2] == [str(uid)] for line in f if line.startswith("Uid:")):
+                    return False
+        except OSError:
+            continue
     return True
 
 
@@ -232,8 +238,10 @@ def test_limits_are_validated_and_os_layers_reported():
         SandboxLimits(memory_mb=1.5)
     layers = isolation_layers()
     assert "rlimits" in layers
-    if os.geteuid() == 0:  # this container: namespaces and the uid drop must all work
-        assert {"netns", "mountns", "tmpfs"} <= set(layers)
+    assert {"netns", "mountns", "pidns", "ipcns", "utsns", "seccomp allowlist"} <= set(layers), layers
+    assert any(layer.startswith("tmpfs") and "inodes" in layer for layer in layers)
+    assert {"fresh /proc", "no /proc"} & set(layers)
+    if os.geteuid() == 0:  # this container: the uid drop must work too
         assert any(layer.startswith("uid ") for layer in layers)
 
 
@@ -244,7 +252,7 @@ def test_limits_are_validated_and_os_layers_reported():
 def test_infinite_loop_times_out_and_the_process_group_is_killed(host):
     start = time.monotonic()
     results = run("import os\ndef spin():\n    while True: pass\n",
-                  ["__import__('os').getpid()", "spin()", "1"], SandboxLimits(timeout_s=1.0))
+                  ["__import__('os').getuid()", "spin()", "1"], SandboxLimits(timeout_s=1.0))
     assert time.monotonic() - start < 4
     assert results[0].status == "ok"
     assert [r.status for r in results[1:]] == ["timeout", "timeout"]
@@ -270,7 +278,7 @@ def test_fork_and_fork_bomb_are_refused(host):
             except Exception:
                 pass
             return 42
-        """, ["__import__('os').getpid()", "bomb()", "quiet_fork()"])
+        """, ["__import__('os').getuid()", "bomb()", "quiet_fork()"])
     assert results[1].status == "error" and "os.fork" in results[1].detail
     assert not passes(results[2], 42)  # a swallowed refusal still fails the call
     assert _gone(results[0].value)
@@ -428,22 +436,27 @@ def test_lookalike_values_with_forged_equality_are_errors():
                    zip(results, [1, "x", 42, [1, 42], {"a": 1}, {}, [1, 2], {"__decimal__": "42"}, 0]))
 
 
-def test_fake_report_lines_on_stdout_or_the_pipe_are_ignored():
+def test_fake_report_lines_on_stdout_are_ignored_and_on_the_pipe_fail_the_run():
+    """Lines on stdout/stderr mean nothing; a line the program writes on the report pipe is an
+    unasked answer: it fails the call during which it came and every later one."""
     results = run("""
         import os, sys
-        FAKE = '{"n": "0", "i": 0, "status": "ok", "value": 42}'
-        def forge():
+        FAKE = '{"c": "0", "status": "ok", "value": 42}'
+        def on_stdout():
             print(FAKE)
             print(FAKE, file=sys.stderr)
+            return "real"
+        def forge():
             for fd in range(3, 64):  # RLIMIT_NOFILE is 64: this hits the report pipe
                 try:
                     os.write(fd, (FAKE + "\\n").encode())
                 except OSError:
                     pass
             return "real"
-        """, ["forge()"])
-    assert results[0].status == "ok" and results[0].value == "real"
-    assert not passes(results[0], 42)
+        """, ["on_stdout()", "forge()", "'after'"])
+    assert passes(results[0], "real") and not passes(results[0], 42)
+    assert [r.status for r in results[1:]] == ["error", "error"], results
+    assert all("broke the protocol" in r.detail for r in results[1:])
 
 
 def test_stdout_flood_does_not_block_or_confuse_the_parent():
@@ -571,7 +584,7 @@ def test_threads_left_running_do_not_outlive_the_run(host):
         def start():
             for _ in range(3):
                 threading.Thread(target=busy, daemon=False).start()
-            return os.getpid()
+            return os.getuid()
         """, ["start()", "sum(range(10))"])
     assert results[0].status == "ok" and passes(results[1], 45)
     time.sleep(0.1)
@@ -737,28 +750,31 @@ def test_a_result_nested_700_deep_is_a_failed_call_not_a_crash():
     from pace_hf.metrics.pace_coding import sandbox as S
 
     rfd, wfd = os.pipe()
+    sent = []
     try:
-        run_ = S._Run(["a()", "b()", "c()", "d()"], "nonce", os.getpid(), wfd)
+        run_ = S._Run(["a()", "b()", "c()", "d()"], os.getpid(), wfd)
 
-        def line(**msg):
-            return json.dumps(dict(msg, n="nonce")).encode()
+        def answer(raw=None, **msg):
+            """Answer the request just sent, with its nonce."""
+            nonce, payload = os.read(rfd, 1 << 16).decode().rstrip("\n").split(" ")
+            sent.append(bytes.fromhex(payload).decode())
+            run_.feed(raw.replace(b"NONCE", nonce.encode()) if raw else json.dumps(dict(msg, c=nonce)).encode())
 
-        run_.feed(line(setup=["landlock v7"]))
-        run_.feed(line(ready=True))
-        run_.feed(b'{"n": "nonce", "i": 0, "status": "ok", "value": ' + b"[" * 700 + b"]" * 700 + b"}")
-        run_.feed(line(i=1, status="ok", value={"__decimal__": "not a number"}))
-        run_.feed(line(i=2, status="raised", exc_type="E", exc_args=[{"__decimal__": "sNaN"}], exc_attrs=[]))
-        run_.feed(line(i=3, status="ok", value={"__decimal__": "1.25"}))
+        run_.feed(json.dumps({"setup": ["landlock v7"]}).encode())
+        answer(ready=True)
+        answer(b'{"c": "NONCE", "status": "ok", "value": ' + b"[" * 700 + b"]" * 700 + b"}")
+        answer(status="ok", value={"__decimal__": "not a number"})
+        answer(status="raised", exc_type="E", exc_args=[{"__decimal__": "sNaN"}], exc_attrs=[])
+        answer(status="ok", value={"__decimal__": "1.25"})
         results = run_.results(None, 1.0, "")
-        sent = os.read(rfd, 1 << 16).decode().splitlines()
     finally:
         os.close(rfd)
-        os.close(wfd)
+        run_.close_calls()
     assert [r.status for r in results] == ["error", "error", "raised", "ok"]
     assert "deeper than" in results[0].detail and "decimal" in results[1].detail
     assert results[2].exc_args is None and results[2].exc_attrs == {}
     assert S.decode_value(results[3].value) == __import__("decimal").Decimal("1.25")
-    assert [json.loads(s)["call"] for s in sent] == ["a()", "b()", "c()", "d()"]  # one at a time
+    assert sent == ["", "a()", "b()", "c()", "d()"]  # the load, then one call at a time
     deep = []
     for _ in range(100_000):
         deep = [deep]
@@ -805,8 +821,11 @@ def spy(loud):
         yield sys._getframe().f_back
     g = gen()
     _dump(found, next(g).f_locals)
-    _dump(found, g.gi_frame.f_back)
-    if loud:
+    if loud:                           # a suspended generator's frame is refused outright
+        try:
+            _dump(found, g.gi_frame.f_back)
+        except Exception as e:
+            _dump(found, e)
         try:
             open("/etc/hostname", "w")
         except Exception as e:         # the refusal's traceback passes through the audit hook
@@ -944,8 +963,8 @@ def test_no_write_wall_means_no_code_runs(monkeypatch):
     why instead of running the code half-confined (isolation_layers still reports)."""
     from pace_hf.metrics.pace_coding import sandbox as S
 
-    run_ = S._Run(["1"], "nonce", os.getpid(), -1)
-    run_.feed(b'{"n": "nonce", "setup": ["netns", "rlimits", "seccomp"]}')
+    run_ = S._Run(["1"], os.getpid(), -1)
+    run_.feed(b'{"setup": ["netns", "rlimits", "seccomp allowlist"]}')
     assert run_.finished() and "Landlock" in run_.refusal and run_.done == []
     monkeypatch.setattr(S, "_run", lambda program, calls, limits: ([], ["rlimits"], "no OS-level wall"))
     with pytest.raises(S.SandboxUnavailable, match="no OS-level wall"):

@@ -94,7 +94,7 @@ def test_resume_with_another_model_is_refused(tiny_session_model, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_disk_session_saves_resumes_and_continues(tmp_path):
-    from pace_hf.bench.models import load_model
+    from pace_bench.models import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     store = TieredStore([HostTier(max_bytes=1 << 20), DiskTier(tmp_path)])

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from pace_hf.bench import answer_suffix_ids, build_session, load_sessions, to_parquet
-from pace_hf.bench import sessions as S
-from pace_hf.bench.models import load_tokenizer
+from pace_bench import answer_suffix_ids, build_session, load_sessions, to_parquet
+from pace_bench import sessions as S
+from pace_bench.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,13 @@
 """Planners: blueprints without an oracle.
 
-``SymbolPlanner`` (``symbols.py``) reads the session's messages and the agent's planned steps and
-emits a blueprint from literal identifiers (``extract.py``: ``ast``/``tokenize`` for code, a word
-model for prose); it also restores evicted definitions that a new user turn names (rehydration).
-Plug it into ``PACESession(..., planner=SymbolPlanner(steps), rehydrate=True)``.
+``SymbolPlanner`` (``symbols.py``) reads the session's messages (``extract.py``: ``ast`` over tool
+output as agents print it) and the agent's planned steps (literal identifiers, dotted names, and
+prose through ``prose.py``), and plans the token span of each definition a step needs; it also
+restores evicted definitions that a new user turn names (rehydration). Plug it into
+``PACESession(..., planner=SymbolPlanner(steps), rehydrate=True)``.
 """
 
-from .extract import Symbols, read
-from .symbols import SymbolPlanner
+from .extract import Definition, Reading, mentions, read
+from .symbols import Plan, SymbolPlanner
 
-__all__ = ["SymbolPlanner", "Symbols", "read"]
+__all__ = ["Definition", "Plan", "Reading", "SymbolPlanner", "mentions", "read"]

@@ -1,53 +1,41 @@
-"""Identifiers a text mentions and defines: ``ast``/``tokenize`` for code, a small word model for prose.
+"""What a message defines, where (character spans), and what a text mentions: ``ast`` over tool output.
 
-The planner needs two readings of every message: which identifiers it *mentions* (to match a planned
-step against earlier definitions, and a new user turn against evicted spans) and which it *defines*
-(the messages a reader needs back). Both are cheap and model-free.
+The planner plans *definitions*, not messages: a step that needs ``parse_version`` needs its 150
+tokens, not the 10K-token file that holds it. So every message is read into :class:`Definition`
+records, each with the character ranges of its source in the message.
 
-Code is every fenced block (any language tag) and, when the whole text parses as Python, the text
-itself; inline code (single backquotes) is read as a code fragment for mentions.
+**Code regions.** A message is read, in this order, as:
 
-* Mentions in code: every NAME token (``tokenize``; where tokenizing fails part-way, a regex over the
-  rest), attribute names included, keywords excluded. String literals are not read.
-* Definitions in code (``ast``): module-level ``class``/``def``/assignment targets (``X = ...``,
-  ``X: T = ...``, ``X += ...``, tuple targets), also inside module-level ``if``/``try``/``with``/
-  ``for``/``while`` bodies; these are the *top-level* names. Class members are a second namespace:
-  annotated and assigned class attributes (dataclass fields), methods, nested classes and
-  ``self.X = ...`` in methods. Names bound inside a function (parameters, locals) are not
-  definitions: a local that shadows a top-level name does not redefine it.
-* Imports are not definitions (they bind a name that is defined elsewhere).
-* Dependencies (for the planner's closure): the free names a top-level definition uses (loads minus
-  its parameters and locals) and the attribute names it uses (``record.status`` uses member
-  ``status``).
-* Code that does not parse (a fragment of a file cut mid-function, as pasted source often is) is
-  split into column-0 blocks and each block is parsed on its own; a block that still fails gives only
-  regex definitions (column-0 ``def``/``class``/``NAME =``) and no dependencies.
+1. a whole Python module (``ast.parse`` of the whole text): a ``cat`` of a file;
+2. a notebook (``.ipynb`` JSON): each code cell, offsets mapped through the JSON string escapes;
+3. a unified diff: each hunk's new side (context and ``+`` lines);
+4. ``grep -n`` / ``rg`` hits (``path:line:text``): each run of consecutive lines of one file;
+5. a line-numbered listing (``cat -n``, ``nl``, ``   12→text``, ``12:text``): the prefixes stripped;
+6. markdown with fenced blocks (and ``<cell>`` blocks): only when the text did not parse whole, and
+   never a fence inside a triple-quoted string (a docstring's example is not the code);
+7. a fragment (a file cut mid-function): column-0 blocks parsed one by one, indented blocks dedented.
 
-Prose (outside code) is read with a word model:
+Every code line keeps its character range in the message, so an ``ast`` node maps back to the
+message through its line numbers. What is not code is prose.
 
-* mentions: backquoted code (as above), quoted identifier-shaped strings (``'fee_rate'``), and
-  identifier-shaped words: ``snake_case`` (has an underscore), ``CamelCase`` (an inner capital),
-  ``UPPER_CASE`` (two or more capitals), a call (``report()``) and a capitalized word that does not
-  start a sentence (``an Invoice``);
-* definitions ("named facts"): such a name followed by ``is``/``are``/``means``/``equals``/
-  ``denotes``/``stands for``/``refers to``/``=``/``:=`` (e.g. "`invoice_id` is the identifier",
-  "MAX_RETRIES = 5", "The VaultCode is 4471").
+**Definitions** (whole lines; a decorated node starts at its first decorator):
 
-Filtered everywhere: Python keywords and builtins, ``self``/``cls``, dunders, one-character names and
-a short list of English stopwords.
+* top-level: ``def``/``class``, and module-level assignments (also inside module-level ``if``/
+  ``try``/``with``/``for``/``while``);
+* members (their own namespace, keyed by class): methods, class attributes, nested classes and
+  ``self.X = ...`` in methods. A member's span is its class's header lines plus its own lines;
+* prose facts: a backquoted or identifier-shaped name followed by ``is``/``are``/``means``/
+  ``equals``/``=`` ... (``MAX_RETRIES = 5``, "The VaultCode is 4471"). They are weak: a code
+  definition of the same name always wins (an assistant's "`Span` is defined in x.py" is a remark,
+  not a definition), and "is defined/declared/implemented in" is never a fact.
 
-Limits (by design: a literal, model-free reading):
+Imports are not definitions; they are read as aliases (``import a.b as c``: ``c`` is ``a.b``).
 
-* Plain lowercase words in prose are not identifiers ("the deadline is Friday" defines nothing, and a
-  step that says "the fee rule" mentions nothing); only backquoted, quoted or identifier-shaped words
-  count. Synonyms, paraphrases, pronouns and "step 3" style references are not resolved.
-* Names that shadow builtins (a user function called ``format``) are filtered out with the builtins.
-* Identifiers are case-sensitive and matched exactly: ``fee_for`` and ``feeFor`` are different.
-* Only Python is parsed; other languages' blocks fall back to the regex/tokenize reading.
-* Dynamic definitions (``setattr``, ``globals()[...]``, ``exec``), star imports and re-exports are
-  invisible; so are members whose class is not in the same block.
-* A column-0 line inside a multi-line string can split a block wrongly; such a block falls back to
-  the regex reading.
+**Mentions** (of a step or a user turn): code (backquoted, fenced, or the whole text when it parses)
+gives every NAME and every dotted chain (``C.m``, ``mod.f``); prose gives quoted names, identifier-
+shaped words (``snake_case``, ``CamelCase``, ``UPPER``, a call ``f()``, a capitalized word inside a
+sentence) and the plain words in order (for ``pace_hf.planner.prose``). Keywords, builtins and
+stopwords are not filtered here: whether a name counts is decided by what the session defines.
 """
 
 from __future__ import annotations
@@ -55,8 +43,10 @@ from __future__ import annotations
 import ast
 import builtins
 import io
+import json
 import keyword
 import re
+import textwrap
 import tokenize
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -67,26 +57,36 @@ and or not no nor but if then else when while for of to in on at by with from as
 up down out off about above below after before again further once here there all any both each few
 more most other some such only own same so than too very can will just should would could may might
 must shall we you he she they them their our your his her my me us i ok yes note step steps use
-now back reply write see also e.g i.e etc vs via per
+now back reply write see also e.g i.e etc vs via per how what which who why where make sure keep
 """.split())
-IGNORED = frozenset(keyword.kwlist) | frozenset(getattr(keyword, "softkwlist", ())) | frozenset(dir(builtins)) \
+BUILTIN_NAMES = frozenset(keyword.kwlist) | frozenset(getattr(keyword, "softkwlist", ())) | frozenset(dir(builtins)) \
     | frozenset({"self", "cls"})
 
-_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
-_FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.S)
+NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+_DOTTED = re.compile(NAME + r"(?:\." + NAME + r")+")
+_PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.(?:py|pyi|ipynb))\b")
 _INLINE = re.compile(r"`([^`\n]+)`")
-_QUOTED = re.compile(r"(?<![\w`])(['\"])(" + _NAME + r")\1(?!\w)")
-_WORD = re.compile(r"(?<![\w.])(" + _NAME + r")(?![\w])")
+_QUOTED = re.compile(r"(?<![\w`])(['\"])(" + NAME + r"(?:\." + NAME + r")*)\1(?!\w)")
+_WORD = re.compile(r"(?<![\w.])(" + NAME + r"(?:\." + NAME + r")*)(?![\w])")
 _FACT_VERB = r"(?:is|are|means|equals|denotes|stands\s+for|refers\s+to|=|:=)"
-_FACT = re.compile(r"(?:`(" + _NAME + r")`|(?<![\w.`])(" + _NAME + r")(?![\w`]))\s+" + _FACT_VERB + r"(?=\s)")
-_REGEX_DEF = re.compile(r"^(?:async\s+def|def|class)\s+(" + _NAME + r")"          # def f / class C
-                        r"|^(" + _NAME + r")\s*(?::[^=\n]*)?(?:[-+*/|&]?=)(?!=)", re.M)  # X = / X: T = / X +=
+_NOT_FACT = re.compile(r"\s*(?:defined|declared|implemented|located|in|at|from|used|called|imported|"
+                       r"not|also|now|still|the\s+same)\b")
+_FACT = re.compile(r"(?:`(" + NAME + r")`|(?<![\w.`])(" + NAME + r")(?![\w`]))\s+" + _FACT_VERB + r"(?=\s)")
+_REGEX_DEF = re.compile(r"^(?:async\s+def|def|class)\s+(" + NAME + r")"          # def f / class C
+                        r"|^(" + NAME + r")\s*(?::[^=\n]*)?(?:[-+*/|&]?=)(?!=)", re.M)  # X = / X: T = / X +=
+_NUMBERED = re.compile(r"^[ \t]*(\d+)(?:\t|→|[:|] ?| )(.*)$", re.M)
+_GREP = re.compile(r"^((?:[\w.-]+/)*[\w.-]+\.\w+)([:-])(\d+)\2(.*)$", re.M)
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@")
+_FENCE_OPEN = re.compile(r"^[ \t]{0,3}(```+|~~~+)[^\n`]*$")
+_FENCED = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.S)
+_CELL = re.compile(r"<cell\b[^>\n]*>\n?(.*?)</cell>", re.S)
+_TRIPLE = re.compile(r"\"\"\"|'''")
 
 
-def keep(name: str) -> bool:
-    """Whether ``name`` counts as an identifier (not a keyword, builtin, stopword, dunder or 1 char)."""
-    return (len(name) > 1 and name not in IGNORED and name.lower() not in STOPWORDS
-            and not (name.startswith("__") and name.endswith("__")))
+def plain_word(name: str) -> bool:
+    """Whether a prose word is ordinary English or Python (a stopword, keyword or builtin): such a word
+    names a definition only when written as code or next to a word like "function"."""
+    return name.lower() in STOPWORDS or name in BUILTIN_NAMES or len(name) < 2
 
 
 def shaped(word: str) -> bool:
@@ -103,86 +103,313 @@ def sentence_start(text: str, i: int) -> bool:
     return j < 0 or text[j] in ".!?:\n"
 
 
+# ------------------------------------------------------------------------------------------- records
+
+
 @dataclass(frozen=True)
-class Symbols:
-    """What one text mentions and defines.
+class Definition:
+    """One definition in a message: ``name`` (a member of class ``owner``, or top-level when ``owner`` is
+    None), its ``kind`` (function, class, assignment, member or fact) and the character ranges
+    ``parts`` of its source in the message. ``doc``: its signature and docstring (for the lexical
+    ranker); ``uses``: the free names it loads; ``path``: the file it came from, when the text says."""
 
-    ``top``: module-level names and named facts; ``members``: class members. ``uses``: for each top-level
-    name, the free names its definition loads; ``attrs``: the attribute names it uses."""
-
-    mentions: frozenset[str] = frozenset()
-    top: frozenset[str] = frozenset()
-    members: frozenset[str] = frozenset()
-    uses: dict[str, frozenset[str]] = field(default_factory=dict)
-    attrs: dict[str, frozenset[str]] = field(default_factory=dict)
-
-    @property
-    def defined(self) -> frozenset[str]:
-        return self.top | self.members
-
-
-# ------------------------------------------------------------------------------------------- splitting
+    name: str
+    owner: str | None
+    kind: str
+    parts: tuple[tuple[int, int], ...]
+    bases: tuple[str, ...] = ()
+    doc: str = ""
+    uses: frozenset[str] = frozenset()
+    path: str | None = None
 
 
-def split_code(text: str) -> tuple[list[str], str]:
-    """``(code blocks, prose)``: fenced blocks, or the whole text when it parses as Python (and is not a
-    single bare word or sentence-like expression)."""
-    blocks = [m.group(1) for m in _FENCE.finditer(text)]
-    if blocks:
-        return blocks, _FENCE.sub("\n", text)
-    if _parses_as_code(text):
-        return [text], ""
-    return [], text
+@dataclass(frozen=True)
+class Region:
+    """A piece of code in a message: its text and, for each of its lines, the character range of that
+    line in the message (line ``k`` of ``code`` is ``lines[k - 1]``)."""
+
+    code: str
+    lines: tuple[tuple[int, int], ...]
+    path: str | None = None
+
+    def chars(self, first: int, last: int) -> tuple[int, int]:
+        """The message range of code lines ``first..last`` (1-based, inclusive)."""
+        return self.lines[first - 1][0], self.lines[last - 1][1]
 
 
-def _parses_as_code(text: str) -> bool:
-    stripped = text.strip()
-    if not stripped:
+@dataclass(frozen=True)
+class Reading:
+    """What one message holds: its definitions (in order), the aliases its imports bind, the ``.py``
+    paths it names, and the character ranges that are prose."""
+
+    definitions: tuple[Definition, ...] = ()
+    imports: tuple[tuple[str, str], ...] = ()
+    paths: tuple[str, ...] = ()
+    prose: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Mentions:
+    """What a step or a turn names: bare ``names`` (with how literally: 2 code or identifier-shaped,
+    1 a capitalized word or a call), dotted ``chains`` and the prose ``words`` in order."""
+
+    names: dict[str, int] = field(default_factory=dict)
+    chains: frozenset[tuple[str, ...]] = frozenset()
+    words: tuple[str, ...] = ()
+
+
+# ------------------------------------------------------------------------------------------- regions
+
+
+def _lines(text: str, start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
+    """``(start, end)`` of each line of ``text[start:end]`` (end excludes the newline)."""
+    end = len(text) if end is None else end
+    out, i = [], start
+    while i <= end:
+        j = text.find("\n", i, end)
+        if j < 0:
+            if i < end or not out:
+                out.append((i, end))
+            break
+        out.append((i, j))
+        i = j + 1
+    return out
+
+
+def _parses_whole(text: str) -> bool:
+    if not text.strip():
         return False
     try:
-        tree = ast.parse(stripped)
-    except (SyntaxError, ValueError):
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError):
         return False
     # A lone expression ("Noted", "fee_for") is as likely prose as code: read it as prose.
     return not all(isinstance(node, ast.Expr) for node in tree.body)
 
 
-# ------------------------------------------------------------------------------------------- mentions
+def _region(text: str, spans: list[tuple[int, int]], path=None, strip: int = 0) -> Region:
+    code = "\n".join(text[s + strip:e] if e - s >= strip else "" for s, e in spans)
+    return Region(code, tuple((min(s + strip, e), e) for s, e in spans), path)
 
 
-def code_mentions(code: str) -> set[str]:
-    """NAME tokens of a piece of code (tokenize; a regex over what tokenize could not read)."""
-    out: set[str] = set()
-    done_line = 0
-    lines = code.splitlines(keepends=True)
+def _last_path(text: str, before: int) -> str | None:
+    found = _PATH.findall(text, 0, before)
+    return found[-1] if found else None
+
+
+def _notebook(text: str) -> list[Region] | None:
+    """Code cells of ``.ipynb`` JSON, each line mapped to its characters inside the JSON strings."""
+    if not text.lstrip().startswith("{") or '"cells"' not in text:
+        return None
     try:
-        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
-            if tok.type == tokenize.NAME:
-                out.add(tok.string)
-            done_line = tok.end[0]
-    except (tokenize.TokenError, IndentationError, SyntaxError):
-        rest = "".join(lines[done_line:])
-        out.update(re.findall(r"(?<![\w'\"])" + _NAME, _strip_strings(rest)))
-    return {n for n in out if keep(n)}
-
-
-def _strip_strings(text: str) -> str:
-    return re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", " ", text)
-
-
-def prose_mentions(prose: str) -> set[str]:
-    """Identifiers mentioned by prose: backquoted code, quoted names and identifier-shaped words."""
-    out: set[str] = set()
-    for m in _INLINE.finditer(prose):
-        out |= code_mentions(m.group(1))
-    plain = _INLINE.sub(" ", prose)
-    out |= {m.group(2) for m in _QUOTED.finditer(plain) if keep(m.group(2))}
-    for m in _WORD.finditer(plain):
-        word = m.group(1)
-        if not keep(word):
+        nb = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        return None
+    out, cursor = [], 0
+    for cell in nb["cells"]:
+        key = text.find('"source"', cursor)
+        if key < 0:
+            break
+        i = text.index(":", key) + 1
+        while text[i].isspace():
+            i += 1
+        strings, j = [], i
+        if text[i] == "[":
+            j = i + 1
+            while True:
+                while text[j] in " \t\r\n,":
+                    j += 1
+                if text[j] != '"':
+                    break
+                end = _json_string_end(text, j)
+                strings.append((j, end))
+                j = end
+        else:
+            strings.append((i, _json_string_end(text, i)))
+            j = strings[-1][1]
+        cursor = j
+        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
             continue
-        if shaped(word) or plain.startswith("(", m.end()) or (word[0].isupper() and not sentence_start(plain, m.start())):
-            out.add(word)
+        lines: list[tuple[int, int]] = []
+        pieces: list[str] = []
+        line_start = None
+        for s, e in strings:  # a line may run across strings; a "\n" escape ends one
+            inner_s, inner_e = s + 1, e - 1
+            line_start = inner_s if line_start is None else line_start
+            for m in re.finditer(r"\\(?:u[0-9a-fA-F]{4}|.)", text[inner_s:inner_e]):
+                if m.group() == "\\n":
+                    lines.append((line_start, inner_s + m.start()))
+                    line_start = inner_s + m.end() if inner_s + m.end() < inner_e else None
+            pieces.append(json.loads(text[s:e]))
+        if line_start is not None and strings:
+            lines.append((line_start, strings[-1][1] - 1))
+        code = "".join(pieces)
+        n = code.count("\n") + (0 if code.endswith("\n") else 1)
+        if lines and n == len(lines):
+            out.append(Region(code.rstrip("\n"), tuple(lines)))
+    return out
+
+
+def _json_string_end(text: str, i: int) -> int:
+    """The index after the JSON string that starts with the quote at ``i``."""
+    j = i + 1
+    while text[j] != '"':
+        j += 2 if text[j] == "\\" else 1
+    return j + 1
+
+
+def _diff(text: str) -> list[Region] | None:
+    """The new side of each hunk of a unified diff (context and added lines)."""
+    if not re.search(_HUNK.pattern, text, re.M):
+        return None
+    out, path, spans = [], None, []
+
+    def close():
+        if spans:
+            out.append(_region(text, spans, path, strip=1))
+            spans.clear()
+
+    for s, e in _lines(text):
+        line = text[s:e]
+        if line.startswith("+++ "):
+            close()
+            path = re.sub(r"^[ab]/", "", line[4:].split("\t")[0].strip())
+        elif _HUNK.match(line) or line.startswith(("diff ", "--- ", "index ")):
+            close()
+        elif line.startswith((" ", "+")) or line == "":
+            spans.append((s, e))
+        elif line.startswith("-") or line.startswith("\\"):
+            continue
+        else:
+            close()
+    close()
+    return out
+
+
+def _grep(text: str) -> list[Region] | None:
+    """``path:line:text`` hits (``-`` for context lines): runs of consecutive lines of one file."""
+    rows = []
+    lines = _lines(text)
+    for s, e in lines:
+        m = _GREP.match(text, s, e)
+        if m:
+            rows.append((m.group(1), int(m.group(3)), m.start(4), e))
+    nonempty = sum(1 for s, e in lines if text[s:e].strip() and text[s:e].strip() != "--")
+    if not rows or len(rows) < 0.6 * nonempty:
+        return None
+    out, run = [], []
+    for row in rows:
+        if run and (row[0] != run[-1][0] or row[1] != run[-1][1] + 1):
+            out.append(Region("\n".join(text[s:e] for _, _, s, e in run), tuple((s, e) for _, _, s, e in run), run[0][0]))
+            run = []
+        run.append(row)
+    if run:
+        out.append(Region("\n".join(text[s:e] for _, _, s, e in run), tuple((s, e) for _, _, s, e in run), run[0][0]))
+    return out
+
+
+def _numbered(text: str) -> list[Region] | None:
+    """A line-numbered listing: runs of lines numbered n, n+1, ... (blank lines, as ``nl`` prints them,
+    stay in the run); each line's number and separator stripped."""
+    lines = _lines(text)
+    hits = {}
+    for k, (s, e) in enumerate(lines):
+        m = _NUMBERED.match(text, s, e)
+        if m:
+            hits[k] = (int(m.group(1)), m.start(2))
+    nonempty = sum(1 for s, e in lines if text[s:e].strip())
+    if len(hits) < 3 or len(hits) < 0.6 * nonempty:
+        return None
+    out, run, last = [], [], None
+    for k, (s, e) in enumerate(lines):
+        if k in hits:
+            n, code_start = hits[k]
+            if run and last is not None and n != last + 1:
+                out.append(run)
+                run = []
+            run.append((code_start, e))
+            last = n
+        elif not text[s:e].strip() and run:
+            run.append((e, e))  # an unnumbered blank line inside the listing
+        else:
+            if run:
+                out.append(run)
+            run, last = [], None
+    if run:
+        out.append(run)
+    return [Region("\n".join(text[s:e] for s, e in r), tuple(r), _last_path(text, r[0][0])) for r in out]
+
+
+def _fenced(text: str) -> list[Region] | None:
+    """Fenced blocks and ``<cell>`` blocks, skipping fence lines inside a triple-quoted string."""
+    lines = _lines(text)
+    out, inside, open_fence, in_string = [], None, None, None
+    for s, e in lines:
+        line = text[s:e]
+        if open_fence is None:
+            if in_string is None:
+                m = _FENCE_OPEN.match(line)
+                if m:
+                    open_fence, inside = m.group(1), []
+                    continue
+            for q in _TRIPLE.findall(line):  # a docstring's fence is inside a string, not markdown
+                in_string = q if in_string is None else (None if q == in_string else in_string)
+        elif line.strip().startswith(open_fence[:3]) and line.strip().strip(open_fence[0]) == "":
+            out.append(Region("\n".join(text[a:b] for a, b in inside), tuple(inside), _last_path(text, s)))
+            open_fence, inside = None, None
+        else:
+            inside.append((s, e))
+    if open_fence is not None and inside:
+        out.append(Region("\n".join(text[a:b] for a, b in inside), tuple(inside), _last_path(text, len(text))))
+    for m in _CELL.finditer(text):
+        out.append(_region(text, _lines(text, m.start(1), m.end(1))))
+    return out or None
+
+
+def code_regions(text: str) -> list[Region]:
+    """The code of a message (see the module docstring for the order of the readings)."""
+    if _parses_whole(text):
+        return [_region(text, _lines(text))]
+    for reader in (_notebook, _diff, _grep, _numbered, _fenced):
+        found = reader(text)
+        if found is not None:
+            return found
+    region = _region(text, _lines(text))
+    return [region] if _fragment_coverage(region.code) >= 0.5 else []
+
+
+def _fragment_coverage(code: str) -> float:
+    """The share of non-empty lines that sit in column-0 blocks that parse as statements (not bare
+    expressions): how much a text that does not parse whole looks like cut-off code."""
+    total = sum(1 for line in code.splitlines() if line.strip())
+    if not total:
+        return 0.0
+    good = 0
+    for start, block in _blocks(code):
+        try:
+            tree = ast.parse(textwrap.dedent(block))
+        except (SyntaxError, ValueError, RecursionError):
+            continue
+        if tree.body and not all(isinstance(n, ast.Expr) for n in tree.body):
+            good += sum(1 for line in block.splitlines() if line.strip())
+    return good / total
+
+
+def _blocks(code: str) -> list[tuple[int, str]]:
+    """``(first line, text)`` of column-0 statement blocks (``else``/``except``/closers and a block's
+    decorators stay attached)."""
+    out, current, first = [], [], 1
+    for k, line in enumerate(code.splitlines(keepends=True), start=1):
+        starts = line[:1] not in ("", " ", "\t", "\n", "\r", "#", ")", "]", "}") and \
+            not re.match(r"(else|elif|except|finally|case)\b", line)
+        if starts and current and not (current[-1].lstrip().startswith("@") and not current[-1].startswith((" ", "\t"))):
+            out.append((first, "".join(current)))
+            current, first = [], k
+        current.append(line)
+    if current:
+        out.append((first, "".join(current)))
     return out
 
 
@@ -201,26 +428,29 @@ def _targets(node) -> list[str]:
 
 def _module_statements(body):
     """Module-scope statements, through ``if``/``try``/``with``/``for``/``while`` bodies."""
+    nested = (ast.If, ast.Try, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.While) + \
+        ((ast.TryStar,) if hasattr(ast, "TryStar") else ())
     for node in body:
         yield node
-        for attr in ("body", "orelse", "finalbody"):
-            if isinstance(node, (ast.If, ast.Try, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.While)) \
-                    or (hasattr(ast, "TryStar") and isinstance(node, ast.TryStar)):
+        if isinstance(node, nested):
+            for attr in ("body", "orelse", "finalbody"):
                 yield from _module_statements(getattr(node, attr, []) or [])
-        for handler in getattr(node, "handlers", []) or []:
-            yield from _module_statements(handler.body)
+            for handler in getattr(node, "handlers", []) or []:
+                yield from _module_statements(handler.body)
+
+
+def _first_line(node) -> int:
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
 
 
 def _bound_names(node) -> set[str]:
-    """Names bound inside a function or lambda: parameters, stores, nested defs (its locals)."""
+    """Names bound inside a function: parameters, stores, nested defs, imports (its locals)."""
     out: set[str] = set()
-    declared_global: set[str] = set()
+    declared: set[str] = set()
     for sub in ast.walk(node):
         if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             a = sub.args
-            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
-                if arg is not None:
-                    out.add(arg.arg)
+            out.update(arg.arg for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if arg)
             if sub is not node and not isinstance(sub, ast.Lambda):
                 out.add(sub.name)
         elif isinstance(sub, ast.ClassDef) and sub is not node:
@@ -232,125 +462,226 @@ def _bound_names(node) -> set[str]:
         elif isinstance(sub, (ast.Import, ast.ImportFrom)):
             out.update((a.asname or a.name).split(".")[0] for a in sub.names)
         elif isinstance(sub, (ast.Global, ast.Nonlocal)):
-            declared_global.update(sub.names)
-    return out - declared_global
+            declared.update(sub.names)
+    return out - declared
 
 
-def _dependencies(node) -> tuple[set[str], set[str]]:
-    """(free names loaded, attribute names used) by a top-level definition."""
-    local = _bound_names(node) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else set()
-    if isinstance(node, ast.ClassDef):  # names bound inside its methods are theirs, not the module's
-        for sub in ast.walk(node):
-            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                local |= _bound_names(sub)
-    loads, attrs = set(), set()
+def _free_names(node) -> frozenset[str]:
+    local = set()
     for sub in ast.walk(node):
-        if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
-            loads.add(sub.id)
-        elif isinstance(sub, ast.Attribute):
-            attrs.add(sub.attr)
-    return {n for n in loads - local if keep(n)}, {n for n in attrs if keep(n)}
+        if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            local |= _bound_names(sub)
+    return frozenset(s.id for s in ast.walk(node) if isinstance(s, ast.Name) and isinstance(s.ctx, ast.Load)) - local
 
 
-def _class_members(node: ast.ClassDef) -> set[str]:
-    out: set[str] = set()
+def _signature(node) -> str:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = node.args
+        return " ".join(arg.arg for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+                        if arg and arg.arg not in ("self", "cls"))
+    if isinstance(node, ast.ClassDef):
+        return " ".join(_dotted(b) or "" for b in node.bases)
+    return ""
+
+
+def _doc(node) -> str:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        text = ast.get_docstring(node, clean=False) or ""
+        return _signature(node) + " " + " ".join(text.split()[:80])
+    return ""
+
+
+def _dotted(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    if isinstance(node, ast.Subscript):  # Generic[T], Base[int]
+        return _dotted(node.value)
+    return None
+
+
+def _class(node: ast.ClassDef, region: Region, base: int, path) -> list[Definition]:
+    """A class and its members; every member's parts start with the class's header lines."""
+    first = _first_line(node) + base
+    body_first = _first_line(node.body[0]) + base
+    header = region.chars(first, max(node.lineno + base, body_first - 1))
+    bases = tuple(d.rsplit(".", 1)[-1] for d in map(_dotted, node.bases) if d)
+    out = [Definition(node.name, None, "class", (region.chars(first, node.end_lineno + base),), bases,
+                      _doc(node), _free_names(node), path)]
+    seen: set[str] = set()
+
+    def member(name, stmt, kind="member"):
+        if name in seen:
+            return
+        seen.add(name)
+        own = region.chars(_first_line(stmt) + base, stmt.end_lineno + base)
+        parts = (header, own) if own[0] > header[1] else (region.chars(first, stmt.end_lineno + base),)
+        out.append(Definition(name, node.name, kind, parts, (), _doc(stmt), _free_names(stmt), path))
+
     for stmt in node.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            out.add(stmt.name)
+            member(stmt.name, stmt)
         elif isinstance(stmt, ast.AnnAssign):
-            out.update(_targets(stmt.target))
+            for n in _targets(stmt.target):
+                member(n, stmt)
         elif isinstance(stmt, (ast.Assign, ast.AugAssign)):
             for target in getattr(stmt, "targets", None) or [stmt.target]:
-                out.update(_targets(target))
-        if isinstance(stmt, ast.ClassDef):
-            out |= _class_members(stmt)
+                for n in _targets(target):
+                    member(n, stmt)
+    for stmt in node.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for sub in ast.walk(stmt):
-                if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) \
-                        and isinstance(sub.value, ast.Name) and sub.value.id == "self":
-                    out.add(sub.attr)
+                if isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                    for target in getattr(sub, "targets", None) or [sub.target]:
+                        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                                and target.value.id == "self":
+                            member(target.attr, sub)
     return out
 
 
-def _read_module(tree: ast.Module, sym: dict) -> None:
+def _module(tree: ast.Module, region: Region, base: int, owner: str | None = None) -> tuple[list, list]:
+    """Definitions and import aliases of a parsed block whose line 1 is region line ``base + 1``."""
+    defs, imports = [], []
+    path = region.path
     for node in _module_statements(tree.body):
-        names: list[str] = []
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names = [node.name]
-            if isinstance(node, ast.ClassDef):
-                sym["members"] |= {n for n in _class_members(node) if keep(n)}
-        elif isinstance(node, ast.Assign):
-            names = [n for t in node.targets for n in _targets(t)]
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-            names = _targets(node.target)
-        names = [n for n in names if keep(n)]
-        if not names:
-            continue
-        loads, attrs = _dependencies(node)
-        for name in names:
-            sym["top"].add(name)
-            sym["uses"].setdefault(name, set()).update(loads - {name})
-            sym["attrs"].setdefault(name, set()).update(attrs)
+        if isinstance(node, ast.ClassDef):
+            defs += _class(node, region, base, path)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defs.append(Definition(node.name, owner, "function" if owner is None else "member",
+                                   (region.chars(_first_line(node) + base, node.end_lineno + base),), (),
+                                   _doc(node), _free_names(node), path))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            span = (region.chars(node.lineno + base, node.end_lineno + base),)
+            uses = _free_names(node)
+            for target in getattr(node, "targets", None) or [node.target]:
+                defs += [Definition(n, owner, "assignment", span, (), "", uses, path) for n in _targets(target)]
+        elif isinstance(node, ast.Import):
+            imports += [(a.asname or a.name.split(".")[0], a.name if a.asname else a.name.split(".")[0])
+                        for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mod = ("." * node.level) + (node.module or "")
+            imports += [(a.asname or a.name, f"{mod}.{a.name}".lstrip(".") if mod.strip(".") else a.name)
+                        for a in node.names if a.name != "*"]
+    return defs, imports
 
 
-def _blocks(code: str) -> list[str]:
-    """Split code at column-0 statement starts (``else``/``except``/... and closers stay attached)."""
-    out, current = [], []
-    for line in code.splitlines(keepends=True):
-        starts = line[:1] not in ("", " ", "\t", "\n", "\r", "#", ")", "]", "}") and \
-            not re.match(r"(else|elif|except|finally|case)\b", line)
-        if starts and current and not (current[-1].lstrip().startswith("@") and not current[-1].startswith((" ", "\t"))):
-            out.append("".join(current))
-            current = []
-        current.append(line)
-    if current:
-        out.append("".join(current))
-    return out
-
-
-def code_definitions(code: str, sym: dict) -> None:
-    """Add the definitions of one code block to ``sym`` (see the module docstring)."""
+def region_definitions(region: Region) -> tuple[list[Definition], list[tuple[str, str]]]:
+    """Definitions and aliases of one code region: ``ast`` on the whole, else block by block (an
+    indented block, cut from inside a class, is read dedented: its methods are members of an unknown
+    class), else a regex for ``def``/``class``/``NAME =`` lines."""
     try:
-        _read_module(ast.parse(code), sym)
-        return
+        return _module(ast.parse(region.code), region, 0)
     except (SyntaxError, ValueError, RecursionError):
         pass
-    for block in _blocks(code):
+    defs, imports = [], []
+    for first, block in _blocks(region.code):
+        indented = block[:1] in (" ", "\t")
         try:
-            _read_module(ast.parse(block), sym)
+            tree = ast.parse(textwrap.dedent(block) if indented else block)
         except (SyntaxError, ValueError, RecursionError):
+            n_lines = block.count("\n") + 1
             for m in _REGEX_DEF.finditer(block):
-                name = m.group(1) or m.group(2)
-                if keep(name):
-                    sym["top"].add(name)
+                line = first + block.count("\n", 0, m.start())
+                end = min(first + n_lines - 1, len(region.lines))
+                defs.append(Definition(m.group(1) or m.group(2), None, "function",
+                                       (region.chars(line, max(line, end)),), path=region.path))
+            continue
+        d, i = _module(tree, region, first - 1, owner="?" if indented else None)
+        defs += d
+        imports += i
+    return defs, imports
 
 
-def prose_definitions(prose: str) -> set[str]:
-    """Named facts: an identifier (backquoted or identifier-shaped) followed by is/means/equals/=."""
-    out = set()
-    for m in _FACT.finditer(prose):
-        quoted, bare = m.group(1), m.group(2)
-        if quoted and keep(quoted):
-            out.add(quoted)
-        elif bare and keep(bare) and (shaped(bare) or (bare[0].isupper()
-                                                      and not sentence_start(prose, m.start()))):
-            out.add(bare)
+def prose_facts(text: str, ranges) -> list[Definition]:
+    """Named facts in the prose ``ranges`` of ``text`` ("`invoice_id` is the identifier")."""
+    out = []
+    for s, e in ranges:
+        prose = text[s:e]
+        for m in _FACT.finditer(prose):
+            quoted, bare = m.group(1), m.group(2)
+            if _NOT_FACT.match(prose, m.end()):
+                continue
+            name = quoted or bare
+            if bare and not (shaped(bare) or (bare[0].isupper() and not sentence_start(prose, m.start())
+                                              and not plain_word(bare))):
+                continue
+            end = prose.find("\n", m.end())
+            stop = re.search(r"[.;!?](?:\s|$)", prose[m.end():end if end >= 0 else len(prose)])
+            close = m.end() + stop.end() if stop else (end if end >= 0 else len(prose))
+            begin = prose.rfind("\n", 0, m.start()) + 1
+            out.append(Definition(name, None, "fact", ((s + begin, s + close),)))
     return out
+
+
+@lru_cache(maxsize=8192)
+def read(text: str) -> Reading:
+    """The definitions, aliases, paths and prose of a message (cached: messages are read at every plan)."""
+    regions = code_regions(text)
+    defs, imports = [], []
+    for region in regions:
+        d, i = region_definitions(region)
+        defs += d
+        imports += i
+    covered = sorted((r.lines[0][0], r.lines[-1][1]) for r in regions if r.lines)
+    prose, at = [], 0
+    for s, e in covered:
+        if s > at:
+            prose.append((at, s))
+        at = max(at, e)
+    if at < len(text):
+        prose.append((at, len(text)))
+    defs += prose_facts(text, prose)
+    return Reading(tuple(defs), tuple(imports), tuple(dict.fromkeys(_PATH.findall(text))), tuple(prose))
+
+
+# ------------------------------------------------------------------------------------------- mentions
+
+
+def _code_names(code: str, out: dict[str, int], chains: set) -> None:
+    """NAME tokens and dotted chains of a piece of code (a regex where ``tokenize`` fails)."""
+    names = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+            if tok.type == tokenize.NAME:
+                names.append(tok.string)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        names = re.findall(r"(?<![\w'\"])" + NAME, re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", " ", code))
+    for n in names:
+        out[n] = 2
+    for m in _DOTTED.finditer(re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", " ", code)):
+        chains.add(tuple(m.group().split(".")))
 
 
 @lru_cache(maxsize=4096)
-def read(text: str) -> Symbols:
-    """Mentions and definitions of a text (cached: messages are read again at every plan)."""
-    blocks, prose = split_code(text)
-    sym = {"top": set(), "members": set(), "uses": {}, "attrs": {}}
-    found = set()
-    for block in blocks:
-        found |= code_mentions(block)
-        code_definitions(block, sym)
-    found |= prose_mentions(prose)
-    sym["top"] |= prose_definitions(prose)
-    return Symbols(
-        mentions=frozenset(found), top=frozenset(sym["top"]), members=frozenset(sym["members"]),
-        uses={k: frozenset(v) for k, v in sym["uses"].items()},
-        attrs={k: frozenset(v) for k, v in sym["attrs"].items()},
-    )
+def mentions(text: str) -> Mentions:
+    """What a step or a user turn names (see the module docstring)."""
+    names: dict[str, int] = {}
+    chains: set[tuple[str, ...]] = set()
+    if _parses_whole(text):
+        _code_names(text, names, chains)
+        return Mentions(names, frozenset(chains), ())
+    prose = text
+    for m in _FENCED.finditer(text):
+        _code_names(m.group(1), names, chains)
+    prose = _FENCED.sub("\n", prose)
+    for m in _INLINE.finditer(prose):
+        _code_names(m.group(1), names, chains)
+    plain = _INLINE.sub(" ", prose)
+    for m in _QUOTED.finditer(plain):
+        _code_names(m.group(2), names, chains)
+    for m in _WORD.finditer(plain):
+        word = m.group(1)
+        if "." in word:
+            parts = word.split(".")
+            if all(p and (shaped(p) or not plain_word(p)) for p in parts) and any(shaped(p) for p in parts):
+                chains.add(tuple(parts))
+            continue
+        if shaped(word):
+            names.setdefault(word, 2)
+        elif plain.startswith("(", m.end()) or (word[0].isupper() and not sentence_start(plain, m.start())
+                                                and not plain_word(word)):
+            names.setdefault(word, 1)
+    words = tuple(re.findall(r"[A-Za-z][A-Za-z0-9]*", plain))
+    return Mentions(names, frozenset(chains), words)

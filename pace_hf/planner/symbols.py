@@ -1,33 +1,46 @@
 """``SymbolPlanner``: a blueprint from the session's own text, with no oracle and no model.
 
-Why: a hand-written blueprint is an oracle; a real agent has none. But an agent
-does know its plan (the next steps' descriptions), and code sessions name things literally: a step
-that says "write `settle(record)`" needs the message that defined ``settle``. So the planner matches
-the identifiers each planned step mentions against the identifiers each earlier message defines
-(``pace_hf.planner.extract``) and emits one span per defining message, read by every step that needs it.
+Why: a hand-written blueprint is an oracle; a real agent has none. But an agent does know its plan
+(the next steps' descriptions), and code sessions name what they need. So the planner resolves what
+each planned step names against the definitions of earlier messages (``pace_hf.planner.extract``)
+and plans the token span of each needed *definition* (not its message: a step needs a 150-token
+function, not the 10K-token file around it), read by every step that needs it.
 
-Rules:
+Resolution (``_Index``), as seen by a step: only messages of earlier steps count, and the latest
+definition wins.
 
-* Resolution: a name read at step ``s`` resolves to the *latest* message before step ``s`` (a message
-  of an earlier step) that defines it. A later definition wins for later readers; an earlier reader
-  still reads the earlier one.
-* Closure (``depth``, default 1): a definition needs what it uses. The free names and attribute names
-  of a resolved top-level definition resolve, as seen by its own message (the latest definition at or
-  before that message), to more messages, up to ``depth`` hops. ``settle`` reads ``record.status``,
-  so a step that names ``settle`` also reads the dataclass that defines ``status``. Forward references
-  (a use of a name defined only later) are not followed; the step reaches them only by naming them.
-  ``depth=0`` is pure literal matching.
-* ``plan(session)`` keeps the cache's blueprint equal to ``blueprint_for(messages, steps)`` for the spans
-  it added: it adds what is new and removes its own spans that a redefinition or a new step made stale
-  (never spans that anyone else added, such as restores). A span equal to one the blueprint already
-  holds is not added again (after ``PACESession.resume`` the saved blueprint holds the old plan; a fresh
-  planner does not own those spans, so it will not remove them if they go stale).
-* ``rehydrate(session, message)``: when a user turn arrives, the identifiers it names resolve the same
-  way (against the messages before it); each defining message that is not fully resident is restored
-  from the tiers before the turn is prefilled, read at the current step (a message not prefilled yet
-  is planned for the current step instead, so the prefill that brings it in keeps it). Restores stop at
-  ``max_restore_tokens`` (default: half the cache budget) so one turn cannot flush the cache;
-  the most recent definitions go first.
+* Two namespaces: top-level names, and members keyed by class. A bare name is the top-level one; a
+  prose fact only when no code defines the name (a remark is a mention, not a definition); a member
+  (a method named without its class) only when no top-level name exists.
+* ``C.m`` is member ``m`` of ``C``, looked up through the bases the session defines, in MRO order.
+  ``mod.f`` is ``f`` of the file whose path ends with ``mod``, through the session's import aliases
+  (``import a.b as c``; ``from pkg import mod``).
+* A name the session defines is an identifier even if it is a builtin or an English word, when the
+  step writes it as code. Prose words go through ``pace_hf.planner.prose``: joins, camel/snake
+  spellings and a word before "function"/"class"/...; a step that resolves nothing at all is ranked
+  lexically (BM25 over names, signatures and docstrings) and gets its best match.
+* Closure (``depth``, default 1): a needed function also needs the module-level constants it reads
+  (``timeout=DEFAULT_TIMEOUT``), as its own message saw them. Other uses (helpers, attribute names)
+  are not followed: on real code they add tokens and false edges, not recall.
+
+Spans: each definition's character ranges map to tokens through the chat template's offsets
+(``pace_hf.chat.ChatTemplate.content_offsets``); spans with the same readers that touch are merged.
+Without a template (``blueprint_for(messages)`` alone) each definition plans its whole message.
+
+Budget: each step's plan is kept under ``share * budget`` tokens (default half the cache budget), and
+the live plan (every span with a reader after the current step) under ``budget``, since the cache
+cannot hold more. Needs are ranked by their soonest reader, then by how literally the step named them,
+then by size; what does not fit is dropped and listed on ``Plan.dropped``. A later ``plan()`` (after the
+early readers pass) brings it back.
+
+``plan(session)`` keeps the cache's blueprint equal to ``blueprint_for(...)`` for the spans it added:
+it adds what is new and removes its own spans that went stale (never spans someone else added, such
+as restores; a span equal to one the blueprint already holds is not added twice).
+
+``rehydrate(session, message)``: when a user turn arrives, the definitions it names (resolved the same
+way, against the messages before it) that are not fully resident are restored from the tiers before the
+turn is prefilled, read at the current step; a part not prefilled yet is planned for the current step.
+Restores stop at ``max_restore_tokens`` (default: half the cache budget); the most recent go first.
 
 Step numbers are those of ``PACESession``: its k-th user message is step k; a message of step k is read
 by planned steps > k.
@@ -36,82 +49,205 @@ by planned steps > k.
 from __future__ import annotations
 
 import bisect
-from typing import Iterable
+from dataclasses import dataclass
 
 from ..blueprint import Blueprint, Span, as_index
-from .extract import read
+from .extract import Definition, mentions, read
+from .prose import Lexicon, candidates, variants
+
+LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
+
+
+@dataclass(frozen=True)
+class Need:
+    """A definition (``message`` position, ``definition``) that step ``step`` needs, and how it was
+    named (``LITERAL``, ``DERIVED`` from prose or a respelling, ``LEXICAL``)."""
+
+    step: int
+    message: int
+    definition: Definition
+    how: int
+
+
+class Plan(Blueprint):
+    """A planner's blueprint, with what it needed and what it dropped to keep each step under ``cap``
+    tokens (and the live plan under the budget)."""
+
+    def __init__(self, spans=(), *, needs=(), dropped=(), cap=None):
+        super().__init__(spans)
+        self.needs: list[Need] = list(needs)
+        self.dropped: list[Need] = list(dropped)
+        self.cap = cap
+
+
+def _path_parts(path: str) -> list[str]:
+    parts = [p for p in path.replace("\\", "/").split("/") if p and p != "."]
+    if parts:
+        parts[-1] = parts[-1].rsplit(".", 1)[0]
+        if parts[-1] == "__init__":
+            parts.pop()
+    return parts
 
 
 class _Index:
-    """Which messages define each name, in message order, per namespace."""
+    """The session's definitions by namespace, in message order (see the module docstring)."""
 
     def __init__(self, messages):
         self.messages = list(messages)
-        self.top: dict[str, list[int]] = {}
-        self.members: dict[str, list[int]] = {}
-        self.any: dict[str, list[int]] = {}
+        self.top: dict[str, list] = {}
+        self.facts: dict[str, list] = {}
+        self.members: dict[tuple[str, str], list] = {}
+        self.member_names: dict[str, list] = {}
+        self.classes: dict[str, list] = {}
+        self.aliases: dict[str, list] = {}
+        self.entries: list[tuple[int, Definition]] = []
+        self.paths: list[str | None] = []
+        previous_paths: tuple[str, ...] = ()
         for i, m in enumerate(self.messages):
-            sym = read(m.content)
-            for name in sym.top:
-                self.top.setdefault(name, []).append(i)
-            for name in sym.members:
-                self.members.setdefault(name, []).append(i)
-            for name in sym.defined:
-                self.any.setdefault(name, []).append(i)
+            r = read(m.content)
+            own = r.paths[0] if r.paths and r.paths[0] in m.content.split("\n", 1)[0] else None
+            path = own or (previous_paths[-1] if previous_paths else None)
+            self.paths.append(path)
+            previous_paths = r.paths
+            for d in r.definitions:
+                entry = (i, d)
+                self.entries.append(entry)
+                if d.kind == "fact":
+                    self.facts.setdefault(d.name, []).append(entry)
+                elif d.owner is None:
+                    self.top.setdefault(d.name, []).append(entry)
+                    if d.kind == "class":
+                        self.classes.setdefault(d.name, []).append(entry)
+                else:
+                    self.members.setdefault((d.owner, d.name), []).append(entry)
+                    self.member_names.setdefault(d.name, []).append(entry)
+            for alias, target in r.imports:
+                self.aliases.setdefault(alias, []).append((i, target))
+        self.defined = set(self.top) | set(self.facts) | set(self.member_names)
+        self._lexicon = None
+
+    @property
+    def lexicon(self) -> Lexicon:
+        if self._lexicon is None:
+            self._lexicon = Lexicon(self.entries)
+        return self._lexicon
+
+    def path_of(self, i: int, d: Definition) -> list[str]:
+        path = d.path or self.paths[i]
+        return _path_parts(path) if path else []
 
     @staticmethod
-    def latest(table: dict[str, list[int]], name: str, before: int) -> int | None:
-        """The last message position < ``before`` that defines ``name`` in ``table``."""
-        where = table.get(name)
+    def latest(table: dict, key, before: int):
+        """The last entry of ``table[key]`` in a message before ``before``."""
+        where = table.get(key)
         if not where:
             return None
-        k = bisect.bisect_left(where, before)
+        k = bisect.bisect_left([i for i, _ in where], before)
         return where[k - 1] if k else None
 
-    def resolve(self, names: Iterable[str], before: int, depth: int) -> set[int]:
-        """Positions of the messages that ``names`` (read by something after ``before - 1``) need."""
-        found: set[int] = set()
-        frontier = []
-        for name in names:
-            i = self.latest(self.any, name, before)
-            if i is not None:
-                found.add(i)
-                frontier.append((name, i))
-        for _ in range(depth):
-            nxt = []
-            for name, i in frontier:
-                sym = read(self.messages[i].content)
-                deps = [(u, self.top) for u in sym.uses.get(name, ())] + \
-                       [(a, self.members) for a in sym.attrs.get(name, ())]
-                for dep, table in deps:
-                    j = self.latest(table, dep, i + 1)  # as its own message saw it
-                    if j is not None and j != i:
-                        if j not in found:
-                            found.add(j)
-                        nxt.append((dep, j))
-            frontier = nxt
-        return found
+    # -- names --------------------------------------------------------------------------------------
+    def name(self, name: str, before: int):
+        """A bare name: top-level, else a prose fact, else a member of some class."""
+        return self.latest(self.top, name, before) or self.latest(self.facts, name, before) \
+            or self.latest(self.member_names, name, before)
+
+    def mro(self, cls: str, before: int) -> list[str]:
+        """``cls`` and the bases the session defines, in C3 order (depth-first where C3 fails)."""
+        def bases(c):
+            got = self.latest(self.classes, c, before)
+            return [b for b in got[1].bases if b != c] if got else []
+
+        def linearize(c, stack):
+            if c in stack:
+                return [c]
+            seqs = [linearize(b, stack | {c}) for b in bases(c)] + [bases(c)]
+            out = [c]
+            seqs = [list(s) for s in seqs if s]
+            while seqs:
+                for s in seqs:
+                    head = s[0]
+                    if not any(head in t[1:] for t in seqs):
+                        break
+                else:  # no consistent order: fall back to depth first
+                    return out + [x for s in seqs for x in s if x not in out]
+                out.append(head)
+                seqs = [t[1:] if t[0] == head else t for t in seqs]
+                seqs = [t for t in seqs if t]
+            return out
+
+        return list(dict.fromkeys(linearize(cls, frozenset())))
+
+    def member(self, owner: str, name: str, before: int):
+        for cls in self.mro(owner, before):
+            got = self.latest(self.members, (cls, name), before)
+            if got:
+                return got
+        return None
+
+    def expand(self, qualifier: list[str], before: int) -> list[str]:
+        """A qualifier through the session's import aliases (``c`` -> ``a.b`` for ``import a.b as c``)."""
+        got = self.latest(self.aliases, qualifier[0], before)
+        return (got[1].split(".") + qualifier[1:]) if got else qualifier
+
+    def chain(self, chain: tuple[str, ...], before: int):
+        """``C.m`` (a member through the MRO) or ``mod.f`` (a top-level name of that file), else the last
+        name alone."""
+        *qualifier, name = chain
+        qualifier = [q for q in qualifier if q not in ("self", "cls")]
+        if not qualifier:
+            return self.name(name, before)
+        expanded = self.expand(qualifier, before)
+        for owner in dict.fromkeys([qualifier[-1], expanded[-1]]):
+            if self.latest(self.classes, owner, before) or self.latest(self.member_names, name, before):
+                got = self.member(owner, name, before)
+                if got:
+                    return got
+        for q in (expanded, qualifier):
+            for i, d in reversed(self.top.get(name, [])):
+                if i < before:
+                    parts = self.path_of(i, d)
+                    if parts and parts[-len(q):] == q:
+                        return i, d
+        return self.name(name, before)
+
+    def constants(self, i: int, d: Definition):
+        """The module-level assignments a function or class reads, as its own message saw them."""
+        if d.kind not in ("function", "class", "member"):
+            return []
+        out = []
+        for u in d.uses:
+            got = self.latest(self.top, u, i + 1)
+            if got and got[1].kind == "assignment" and got[1] is not d:
+                out.append(got)
+        return out
 
 
 class SymbolPlanner:
-    """Blueprints from identifiers (see the module docstring).
+    """Blueprints from what planned steps name (see the module docstring).
 
     Args:
         steps: the agent's plan, ``{future step number: step description}``.
-        depth: hops of the dependency closure (0: literal matches only).
+        depth: 1 (default) adds the module-level constants a needed function reads; 0 plans only what
+            the steps name.
+        share: each step's plan stays under ``share * budget`` tokens (default 0.5).
         max_restore_tokens: the most tokens one ``rehydrate`` restores (default: half the cache budget).
     """
 
-    def __init__(self, steps: dict[int, str] | None = None, *, depth: int = 1,
+    def __init__(self, steps: dict[int, str] | None = None, *, depth: int = 1, share: float = 0.5,
                  max_restore_tokens: int | None = None):
         self.steps: dict[int, str] = {}
         self.depth = as_index(depth, "depth")
-        if self.depth < 0:
-            raise ValueError(f"depth must be >= 0, got {depth}")
+        if self.depth not in (0, 1):
+            raise ValueError(f"depth must be 0 or 1, got {depth}")
+        if not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 1):
+            raise ValueError(f"share must be a number in (0, 1], got {share!r}")
+        self.share = float(share)
         self.max_restore_tokens = None if max_restore_tokens is None else as_index(max_restore_tokens,
                                                                                    "max_restore_tokens")
         self._blueprint: Blueprint | None = None
         self._added: dict[tuple, Span] = {}
+        self._offsets: dict[tuple, tuple] = {}
+        self.last_plan: Plan | None = None
         if steps:
             self.add_steps(steps)
 
@@ -129,72 +265,180 @@ class SymbolPlanner:
 
     # -- readings -----------------------------------------------------------------------------------------
     def identifiers(self, text: str) -> set[str]:
-        """Identifiers that ``text`` mentions."""
-        return set(read(text).mentions)
+        """Names that ``text`` writes as code or as identifier-shaped words."""
+        return set(mentions(text).names)
 
     def definitions(self, text: str) -> set[str]:
-        """Identifiers that ``text`` defines (top-level names, class members and named facts)."""
-        return set(read(text).defined)
+        """Names that ``text`` defines (top-level names, class members and prose facts)."""
+        return {d.name for d in read(text).definitions}
+
+    def needs(self, index: _Index, text: str, step: int, before: int) -> list[Need]:
+        """What a step (or turn) ``text`` needs from the messages before position ``before``."""
+        said = mentions(text)
+        found: dict[tuple[int, Definition], int] = {}
+
+        def add(got, how):
+            if got is not None:
+                key = (got[0], got[1])
+                found[key] = max(found.get(key, -1), how)
+
+        chained = {n for c in said.chains for n in c}  # a chain is resolved whole, not name by name
+        for chain in said.chains:
+            add(index.chain(chain, before), LITERAL)
+        for name, how in said.names.items():
+            if name in chained:
+                continue
+            got = index.name(name, before)
+            add(got, LITERAL if how == LITERAL else DERIVED)
+            if got is None:  # camelCase written for a snake_case name, or the other way round
+                for v in variants(name) & index.defined:
+                    add(index.name(v, before), DERIVED)
+        for name in candidates(said.words, index.defined):
+            add(index.name(name, before), DERIVED)
+        if not found and said.words:  # a step that names nothing: the lexical ranker
+            for got in index.lexicon.rank(list(said.words) + list(said.names), before):
+                add(got, LEXICAL)
+        if self.depth:
+            for (i, d), how in list(found.items()):
+                for got in index.constants(i, d):
+                    add(got, min(how, DERIVED))
+        return [Need(step, i, d, how) for (i, d), how in found.items()]
+
+    def _tokens(self, message, template, parts) -> list[tuple[int, int]]:
+        """Absolute token spans of a definition's character ``parts`` in ``message``."""
+        if template is None:
+            return [(message.start, message.end)]
+        key = (message.role, message.content, message.start)
+        if key not in self._offsets:
+            if len(self._offsets) > 4096:
+                self._offsets.clear()
+            offsets, _, at = template.content_offsets(message.role, message.content)
+            self._offsets[key] = (offsets, at)
+        offsets, at = self._offsets[key]
+        out = []
+        for a, b in parts:
+            got = offsets.span(a + at, b + at)
+            if got is not None:
+                s, e = message.start + got[0], min(message.start + got[1], message.end)
+                if e > s:
+                    out.append((s, e))
+        return out
 
     # -- planning -----------------------------------------------------------------------------------------
-    def blueprint_for(self, messages, steps: dict[int, str] | None = None) -> Blueprint:
-        """The blueprint for ``messages`` (objects with ``content``, ``start``, ``end``, ``step``, in
-        order) and the planned ``steps`` (default: this planner's): one span per defining message,
-        read by every step that needs it."""
+    def blueprint_for(self, messages, steps: dict[int, str] | None = None, *, template=None,
+                      budget: int | None = None, now: int = 0) -> Plan:
+        """The plan for ``messages`` (objects with ``role``, ``content``, ``start``, ``end``, ``step``, in
+        order) and the planned ``steps`` (default: this planner's) whose readers come after step ``now``.
+        ``template`` (a ``pace_hf.chat.ChatTemplate``) maps definitions to tokens; ``budget`` caps each
+        step's plan at ``share * budget`` tokens and the live plan at ``budget``."""
         steps = self.steps if steps is None else steps
         index = _Index(messages)
         msg_steps = [m.step for m in index.messages]
-        readers: dict[int, set[int]] = {}
-        for step, text in steps.items():
+        wanted = []
+        for step, text in sorted(steps.items()):
+            if step <= now:
+                continue
             before = bisect.bisect_left(msg_steps, step)  # messages of earlier steps
-            for i in index.resolve(self.identifiers(text), before, self.depth):
-                readers.setdefault(i, set()).add(step)
-        return Blueprint(Span(index.messages[i].start, index.messages[i].end, sorted(readers[i]))
-                         for i in sorted(readers))
+            for need in self.needs(index, text, step, before):
+                spans = self._tokens(index.messages[need.message], template, need.definition.parts)
+                if spans:
+                    wanted.append((need, spans))
+        cap = None if budget is None else int(self.share * as_index(budget, "budget"))
+        wanted.sort(key=lambda w: (w[0].step, -w[0].how, sum(e - s for s, e in w[1])))
+        kept, dropped, live, per_step = [], [], [], {}
+        for need, spans in wanted:
+            mine = per_step.setdefault(need.step, [])
+            if cap is not None and (_union_size(mine + spans) > cap or _union_size(live + spans) > budget):
+                dropped.append(need)
+                continue
+            mine += spans
+            live += spans
+            kept.append((need, spans))
+        plan = Plan(_segments(kept), needs=[n for n, _ in kept], dropped=dropped, cap=cap)
+        self.last_plan = plan
+        return plan
 
-    def plan(self, session) -> None:
+    def plan(self, session) -> Plan:
         """Bring ``session.cache.blueprint`` up to date with the session's messages and the plan."""
         blueprint = session.cache.blueprint
         if blueprint is None:
             raise ValueError("SymbolPlanner needs a cache with a Foresight policy (PACECache)")
         if blueprint is not self._blueprint:
             self._blueprint, self._added = blueprint, {}
-        want = {(s.start, s.end, s.readers): s for s in self.blueprint_for(session.messages)}
+        plan = self.blueprint_for(session.messages, template=getattr(session, "template", None),
+                                  budget=getattr(session.cache, "budget", None), now=getattr(session, "step", 0))
+        want = {(s.start, s.end, s.readers): s for s in plan}
         for key in [k for k in self._added if k not in want]:  # stale: redefined, or readers changed
             blueprint.remove(self._added.pop(key))
         held = {(s.start, s.end, s.readers) for s in blueprint}
         for key, span in want.items():
             if key not in self._added and key not in held:  # held: e.g. saved before a resume
                 self._added[key] = blueprint.add(span)
+        return plan
 
     # -- rehydration --------------------------------------------------------------------------------------
     def rehydrate(self, session, message) -> list[Span]:
-        """Bring back the messages that define what the new turn ``message`` names (see the module
-        docstring): the evicted part of one already prefilled is restored from the tiers; a part still
-        to be prefilled (messages added since the last forward) is planned for the current step, so that
-        prefill keeps it. Returns the spans planned for this step, most recent first."""
+        """Bring back the definitions that the new turn ``message`` names (see the module docstring): the
+        evicted part of one already prefilled is restored from the tiers; a part still to be prefilled
+        is planned for the current step, so that prefill keeps it. Returns the spans planned for this
+        step, most recent first."""
         messages = session.messages
         before = next((i for i, m in enumerate(messages) if m is message), None)
         if before is None:
             before = next((i for i, m in enumerate(messages) if m.index >= message.index), len(messages))
         index = _Index(messages[:before])
-        needed = index.resolve(self.identifiers(message.content), before, self.depth)
         cache = session.cache
+        template = getattr(session, "template", None)
         seen = cache.get_seq_length()
         cache.step = session.step
         cap = self.max_restore_tokens if self.max_restore_tokens is not None else cache.budget // 2
+        spans = {s for need in self.needs(index, message.content, session.step, before)
+                 for s in self._tokens(messages[need.message], template, need.definition.parts)}
         planned, used = [], 0
-        for i in sorted(needed, reverse=True):
-            m = messages[i]
-            end = min(m.end, seen)  # [m.start, end) is prefilled, [end, m.end) is not yet
-            evicted = m.start < end and cache.residency(range(m.start, end)) < 1.0
-            pending = m.end > end
-            if not (evicted or pending) or used + (m.end - m.start) > cap:
+        for start, stop in _merge(sorted(spans), gap=0)[::-1]:
+            end = min(stop, seen)  # [start, end) is prefilled, [end, stop) is not yet
+            evicted = start < end and cache.residency(range(start, end)) < 1.0
+            pending = stop > end
+            if not (evicted or pending) or used + (stop - start) > cap:
                 continue
             if evicted:
-                cache.restore(m.start, end)  # plans [m.start, end) for this step
+                cache.restore(start, end)  # plans [start, end) for this step
             if pending:
-                cache.blueprint.add(Span(end if evicted else m.start, m.end, [cache.step]))
-            used += m.end - m.start
-            planned.append(Span(m.start, m.end, [cache.step]))
+                cache.blueprint.add(Span(max(end, start) if evicted else start, stop, [cache.step]))
+            used += stop - start
+            planned.append(Span(start, stop, [cache.step]))
         return planned
+
+
+def _merge(spans: list[tuple[int, int]], gap: int = 0) -> list[tuple[int, int]]:
+    """Sorted spans with overlapping or touching ones (at most ``gap`` tokens apart) merged."""
+    out: list[list[int]] = []
+    for s, e in spans:
+        if out and s <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _union_size(spans) -> int:
+    return sum(e - s for s, e in _merge(sorted(spans)))
+
+
+def _segments(kept) -> list[Span]:
+    """Disjoint spans, each with the steps that read every token of it; neighbours with the same
+    readers are merged."""
+    edges = sorted({p for _, spans in kept for s, e in spans for p in (s, e)})
+    readers: dict[tuple[int, int], set[int]] = {}
+    for need, spans in kept:
+        for s, e in spans:
+            lo, hi = bisect.bisect_left(edges, s), bisect.bisect_left(edges, e)
+            for k in range(lo, hi):
+                readers.setdefault((edges[k], edges[k + 1]), set()).add(need.step)
+    out: list[Span] = []
+    for (s, e), r in sorted(readers.items()):
+        if out and out[-1].end == s and set(out[-1].readers) == r:
+            out[-1] = Span(out[-1].start, e, out[-1].readers)
+        else:
+            out.append(Span(s, e, sorted(r)))
+    return out

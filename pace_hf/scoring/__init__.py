@@ -36,7 +36,7 @@ def rebuild(description: dict) -> ScoringPolicy:
     if kind == "Foresight":
         return Foresight(rebuild(description["inner"]), Blueprint.from_dicts(description["blueprint"]),
                          ForesightBonus(description["phi"]))
-    fields = {k: v for k, v in description.items() if k not in ("type", "needs_attention")}
+    fields = {k: v for k, v in description.items() if k not in ("type", "needs_attention")}  # old saves held it
     return {c.__name__: c for c in _SAVABLE}[kind](**fields)
 
 

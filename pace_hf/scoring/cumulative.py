@@ -3,15 +3,14 @@
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .base import ScoringPolicy
 
 
 @dataclass(frozen=True)
 class CumulativeAttention(ScoringPolicy):
-    def accumulate(self, old: torch.Tensor, fresh: torch.Tensor, n_new: int) -> torch.Tensor:
-        return F.pad(old, (0, n_new)) + fresh
+    def accumulate(self, scores: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        return scores.add_(fresh)
 
-    def priority(self, layer, step: int) -> torch.Tensor:
-        return layer.scores
+    def priority(self, logical: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
+        return scores

@@ -55,14 +55,14 @@ class Foresight(ScoringPolicy):
             raise TypeError("bonus must be a callable (next_reader, step) -> float")
 
     @property
-    def needs_attention(self) -> bool:
+    def needs_attention(self) -> bool:  # passed through, as kvpress's wrappers pass compression_ratio
         return self.inner.needs_attention
 
     def query_window(self, q_len: int) -> int | None:
         return self.inner.query_window(q_len)
 
-    def accumulate(self, old: torch.Tensor, fresh: torch.Tensor, n_new: int) -> torch.Tensor:
-        return self.inner.accumulate(old, fresh, n_new)
+    def accumulate(self, scores: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        return self.inner.accumulate(scores, fresh)
 
-    def priority(self, layer, step: int) -> torch.Tensor:
-        return self.inner.priority(layer, step) + self.blueprint.bonus(layer.logical, step, self.bonus)
+    def priority(self, logical: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
+        return self.inner.priority(logical, scores, step) + self.blueprint.bonus(logical, step, self.bonus)

@@ -24,12 +24,12 @@ class ObservationWindow(ScoringPolicy):
     def query_window(self, q_len: int) -> int | None:
         return min(self.window, q_len)
 
-    def accumulate(self, old: torch.Tensor, fresh: torch.Tensor, n_new: int) -> torch.Tensor:
+    def accumulate(self, scores: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
         if self.kernel <= 1:
             return fresh
         flat = fresh.reshape(-1, 1, fresh.shape[-1])
         pooled = F.max_pool1d(flat, self.kernel, stride=1, padding=self.kernel // 2)
         return pooled.reshape(fresh.shape)
 
-    def priority(self, layer, step: int) -> torch.Tensor:
-        return layer.scores
+    def priority(self, logical: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
+        return scores

@@ -1,6 +1,7 @@
 """StreamingLLM: no attention needed; newer tokens rank higher (sinks are protected by the cache)."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -9,10 +10,10 @@ from .base import ScoringPolicy
 
 @dataclass(frozen=True)
 class Recency(ScoringPolicy):
-    needs_attention: bool = False
+    needs_attention: ClassVar[bool] = False
 
     def query_window(self, q_len: int) -> int | None:
         return 0
 
-    def priority(self, layer, step: int) -> torch.Tensor:
-        return layer.logical.to(torch.float32)
+    def priority(self, logical: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
+        return logical.to(torch.float32)

@@ -14,19 +14,21 @@ reads, promotion, demotion, health), one module per tier (``host``, ``disk``, ``
 
 A tier is any object with ``name``, ``put(key, data)``, ``get(key) -> bytes-like | None``,
 ``delete(key)``, ``delete_prefix(prefix)`` and ``close()``; optional ``get_many(keys)`` (one batched read)
-and ``set_timeout(seconds)`` (the store passes its request timeout). A tier raises ``TierUnavailable``
+and ``set_timeout(seconds)`` (the store passes its request timeout); ``durable`` (False: the tier dies with the
+process, so a save is not durable there); ``acquire_lease(name, token, ttl_s) -> bool``, ``renew_lease`` and
+``release_lease(name, token)`` (the session's writer lease, see ``TieredStore.lease``). A tier raises ``TierUnavailable``
 when its backend is down or too slow; any other exception is counted as an error of that request.
 """
 
 from .disk import DiskTier
 from .entry import FORMAT_VERSION, decode, encode
-from .errors import IntegrityError, TierError, TierUnavailable
+from .errors import IntegrityError, LeaseHeld, TierError, TierUnavailable, WriterConflict
 from .fingerprint import model_fingerprint
 from .host import HostTier
 from .store import TieredStore, full_key
 from .valkey_tier import ValkeyTier
 
 __all__ = [
-    "DiskTier", "FORMAT_VERSION", "HostTier", "IntegrityError", "TierError", "TierUnavailable",
-    "TieredStore", "ValkeyTier", "decode", "encode", "full_key", "model_fingerprint",
+    "DiskTier", "FORMAT_VERSION", "HostTier", "IntegrityError", "LeaseHeld", "TierError", "TierUnavailable",
+    "TieredStore", "ValkeyTier", "WriterConflict", "decode", "encode", "full_key", "model_fingerprint",
 ]

@@ -3,8 +3,14 @@
 Atomic write: the entry goes to a temporary file in the *same* directory (``.tmp-*``), is fsynced, and
 replaces the final name with ``os.replace`` (atomic on POSIX), then the directory is fsynced. A reader
 therefore sees either the old entry or the new one, never a torn one; a crash leaves at most a stray
-``.tmp-*`` file, which readers ignore. (Whatever happens to the bytes later, the checksum in the entry
-catches it on read.)
+``.tmp-*`` file, which readers ignore. A directory it creates is fsynced into its parent too, so an entry
+that ``put`` returned from survives a power cut with its path. (Whatever happens to the bytes later, the
+checksum in the entry catches it on read.)
+
+Leases: ``acquire_lease`` takes an exclusive ``flock`` on ``<escaped name>.lock`` under the root and keeps
+the file open until ``release_lease``. The kernel drops the lock when the holder exits, however it
+exits (SIGKILL included), so a crashed writer never leaves a stale lease and no TTL is needed; a second
+writer, in this process or another, gets ``False`` at once.
 
 File names: strict escaping, not hashing, so ``delete_prefix`` (drop a session) can work from names alone
 and a directory listing stays readable. Every byte of the UTF-8 key outside ``[A-Za-z0-9_-]`` becomes
@@ -20,6 +26,7 @@ Failures (disk full, read-only file system, permission denied, the root not bein
 
 from __future__ import annotations
 
+import fcntl
 import os
 import string
 import tempfile
@@ -29,6 +36,18 @@ _SEGMENT = 200
 _DIR_SUFFIX = "~d"
 _FILE_SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
+_LOCK_SUFFIX = ".lock"
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:  # some file systems refuse fsync on a directory; the data is already synced
+        pass
 
 
 def escape_key(key: str) -> str:
@@ -54,10 +73,27 @@ def unescape_key(name: str) -> str:
 class DiskTier:
     """Entries as files under ``root`` (created on first write)."""
 
+    durable = True
+
     def __init__(self, root: str | os.PathLike, *, name: str = "disk", fsync: bool = True):
         self.name = name
         self.root = os.path.abspath(os.fspath(root))
         self.fsync = fsync
+        self._leases: dict[str, tuple[str, int]] = {}  # name -> (token, fd holding the flock)
+
+    def _make_dirs(self, d: str) -> None:
+        """``os.makedirs``, fsyncing each new directory's parent so the new name is durable."""
+        if os.path.isdir(d):
+            return
+        parent = os.path.dirname(d)
+        if parent != d:
+            self._make_dirs(parent)
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            return
+        if self.fsync:
+            _fsync_dir(parent)
 
     def path_for(self, key: str) -> str:
         esc = escape_key(key)
@@ -68,7 +104,7 @@ class DiskTier:
     def put(self, key: str, data) -> None:
         path = self.path_for(key)
         d = os.path.dirname(path)
-        os.makedirs(d, exist_ok=True)
+        self._make_dirs(d)
         fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=d)
         try:
             mv = memoryview(data).cast("B")
@@ -89,14 +125,7 @@ class DiskTier:
                 pass
             raise
         if self.fsync:
-            try:
-                dfd = os.open(d, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
-            except OSError:  # some file systems refuse fsync on a directory; the data is already synced
-                pass
+            _fsync_dir(d)
 
     def get(self, key: str) -> bytearray | None:
         try:
@@ -161,5 +190,33 @@ class DiskTier:
                         pass
         return n
 
+    def acquire_lease(self, name: str, token: str, ttl_s: float) -> bool:
+        """An exclusive flock on the lease's file (see the module docstring); ``ttl_s`` is not needed."""
+        if name in self._leases:
+            return self._leases[name][0] == token
+        path = self.path_for(name)[:-len(_FILE_SUFFIX)] + _LOCK_SUFFIX
+        self._make_dirs(os.path.dirname(path))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self._leases[name] = (token, fd)
+        return True
+
+    def renew_lease(self, name: str, token: str, ttl_s: float) -> bool:
+        return self._leases.get(name, (None,))[0] == token
+
+    def release_lease(self, name: str, token: str) -> None:
+        held = self._leases.get(name)
+        if held is not None and held[0] == token:
+            del self._leases[name]
+            os.close(held[1])  # closing the only descriptor drops the flock
+
     def close(self) -> None:
-        pass
+        for name, (token, _fd) in list(self._leases.items()):
+            self.release_lease(name, token)

@@ -39,6 +39,11 @@ hash is the right tool. ``xxhash`` is installed with ``datasets``/``evaluate`` (
 pace_hf); when it is missing, entries are written with crc32, and both algorithms are always readable
 when available. An entry whose algorithm this process cannot compute is a miss ("stale"), never loaded.
 
+Digests. ``digest(tensors, meta)`` names an entry's *contents* (tensor names, dtypes, shapes, bytes and
+the meta), whatever its key, tier or byte layout: a save's manifest holds the digest of every entry it
+covers, so an entry from another save (an older generation, another writer) is refused even when it is a
+valid entry. xxh3_128 (blake2b-128 without xxhash), named in the digest string.
+
 Decoding never allocates from header numbers: it checks the lengths in the fixed fields against the real
 length of the data first (fewer bytes -> ``truncated``), verifies the checksum, and only then parses the
 header and builds views whose bounds are checked against the payload.
@@ -128,6 +133,32 @@ def checksum(parts: list, algorithm: int = DEFAULT_ALGORITHM) -> int:
             crc = zlib.crc32(p, crc)
         return crc
     raise IntegrityError("stale", f"unknown checksum algorithm {algorithm}")
+
+
+def digest(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None = None, *,
+           algorithm: str | None = None) -> str:
+    """``"<algorithm>:<hex>"`` over the contents of an entry (see the module docstring)."""
+    import hashlib
+
+    algorithm = algorithm or ("xxh3_128" if _xxhash is not None else "blake2b_128")
+    if algorithm == "xxh3_128" and _xxhash is not None:
+        h = _xxhash.xxh3_128()
+    elif algorithm == "blake2b_128":
+        h = hashlib.blake2b(digest_size=16)
+    else:
+        raise IntegrityError("stale", f"digest algorithm {algorithm!r} is not available here")
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        flat = _tensor_bytes(t)
+        if flat.numel():
+            h.update(memoryview(flat.numpy()))
+    h.update(json.dumps(dict(meta or {}), sort_keys=True, separators=(",", ":")).encode())
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+def digest_algorithm(value: str) -> str:
+    return value.split(":", 1)[0]
 
 
 def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 ``TierError`` is the one exception a caller has to know: ``strict=True`` stores raise it (or a subclass)
 where a non-strict store counts the failure and carries on. ``TierUnavailable`` is what a tier raises when
 its backend is down or too slow (the store then marks the tier unhealthy and backs off);
-``IntegrityError`` is what decoding raises for an entry that must not be loaded (corrupt, truncated,
+``LeaseHeld`` is what a second writer of one session gets; ``IntegrityError`` is what decoding raises for an entry that must not be loaded (corrupt, truncated,
 foreign or stale). Its ``kind`` says which, and is also the key of the once-per-kind log line.
 """
 
@@ -16,6 +16,14 @@ class TierError(RuntimeError):
 
 class TierUnavailable(TierError):
     """The tier's backend is down or did not answer within the request timeout."""
+
+
+class WriterConflict(TierError):
+    """A second writer of one session: it holds the session's lease, or saved since this one resumed."""
+
+
+class LeaseHeld(WriterConflict):
+    """Another writer holds the session's writer lease (or ours expired): one writer per session."""
 
 
 class IntegrityError(TierError):

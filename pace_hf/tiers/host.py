@@ -8,6 +8,9 @@ Entries pushed out by the byte cap are returned from ``put`` (with whether they 
 to be stored in a lower tier already); the store writes the dirty ones down to the next tier (demotion)
 and counts the rest as evicted only when there is no next tier. An entry larger than the whole cap is
 not kept at all and comes straight back as pushed out.
+
+Leases live in a table of this tier: they exclude writers within the process that shares it (host memory
+is not shared across processes, so there is nothing further to exclude).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections import OrderedDict
 class HostTier:
     """An in-memory LRU of encoded entries, at most ``max_bytes`` in total."""
 
+    durable = False  # gone with the process: never what makes a save durable
+
     def __init__(self, max_bytes: int = 4 << 30, *, name: str = "host"):
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
@@ -27,6 +32,7 @@ class HostTier:
         self._entries: OrderedDict[str, tuple[bytes | bytearray, bool]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._leases: dict[str, str] = {}
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +95,19 @@ class HostTier:
             for k in doomed:
                 self._bytes -= len(self._entries.pop(k)[0])
         return len(doomed)
+
+    def acquire_lease(self, name: str, token: str, ttl_s: float) -> bool:
+        with self._lock:
+            return self._leases.setdefault(name, token) == token
+
+    def renew_lease(self, name: str, token: str, ttl_s: float) -> bool:
+        with self._lock:
+            return self._leases.get(name) == token
+
+    def release_lease(self, name: str, token: str) -> None:
+        with self._lock:
+            if self._leases.get(name) == token:
+                del self._leases[name]
 
     def close(self) -> None:
         with self._lock:

@@ -36,11 +36,21 @@ request after that time is the probe; if it succeeds, the tier is healthy again.
 that is full or read-only) are counted per request and do not disable reads.
 
 Errors of the writer thread surface in strict mode as a ``TierError`` from the next ``put`` or ``flush``.
+
+Confirmation. ``put`` returns a ``Future`` that resolves, once the writer is done with the entry, to
+``{tier name: None if written, else why not}``: what a save needs to know that its entries reached every
+durable tier (``durable_tiers``: every tier but host memory) before it writes the manifest that names them.
+``put(..., through=True)`` writes to every tier whatever the write policy.
+
+Leases. ``lease(session_id)`` takes the session's writer lease on every tier that keeps leases (a flock'd
+file on disk, ``SET NX PX`` in Valkey, a table in host memory) and raises ``LeaseHeld`` when another writer
+holds one: two writers never interleave the entries of one save.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -51,7 +61,7 @@ from urllib.parse import quote
 import torch
 
 from . import entry as _entry
-from .errors import IntegrityError, TierError, TierUnavailable
+from .errors import IntegrityError, LeaseHeld, TierError, TierUnavailable
 from .host import HostTier
 
 log = logging.getLogger("pace_hf.tiers")
@@ -72,12 +82,53 @@ def full_key(key: str, session_id: str) -> str:
 
 
 class _Write:
-    __slots__ = ("fk", "key", "tensors", "meta", "fingerprint", "session_id", "cancelled")
+    __slots__ = ("fk", "key", "tensors", "meta", "fingerprint", "session_id", "cancelled", "through", "done")
 
-    def __init__(self, fk, key, tensors, meta, fingerprint, session_id):
+    def __init__(self, fk, key, tensors, meta, fingerprint, session_id, through):
         self.fk, self.key, self.tensors, self.meta = fk, key, tensors, meta
         self.fingerprint, self.session_id = fingerprint, session_id
-        self.cancelled = False
+        self.cancelled, self.through = False, through
+        self.done: Future = Future()  # {tier name: None if written, else why not}
+
+
+class Lease:
+    """A session's writer lease on every tier that keeps leases (see ``TieredStore.lease``)."""
+
+    def __init__(self, tiers: list, name: str, ttl_s: float):
+        self.name, self.ttl_s, self.token = name, ttl_s, secrets.token_hex(8)
+        self._held: list = []
+        for tier in tiers:
+            try:
+                ok = tier.acquire_lease(name, self.token, ttl_s)
+            except BaseException:
+                self.release()
+                raise
+            if not ok:
+                self.release()
+                raise LeaseHeld(f"{name}: another writer holds this session's lease on tier {tier.name}; "
+                                "one writer per session (wait for its save, or use another session id)")
+            self._held.append(tier)
+
+    def renew(self) -> None:
+        """Extend the lease; raise ``LeaseHeld`` if a tier no longer holds it for us (it expired)."""
+        for tier in self._held:
+            if not tier.renew_lease(self.name, self.token, self.ttl_s):
+                raise LeaseHeld(f"{self.name}: the lease on tier {tier.name} expired and may be another "
+                                f"writer's now (a save took longer than its {self.ttl_s} s)")
+
+    def release(self) -> None:
+        held, self._held = self._held, []
+        for tier in reversed(held):
+            try:
+                tier.release_lease(self.name, self.token)
+            except Exception:  # noqa: BLE001 - an unreleased Valkey lease expires with its TTL
+                log.warning("pace_hf.tiers: could not release lease %s on tier %s", self.name, tier.name)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class _TierState:
@@ -135,12 +186,13 @@ class TieredStore:
     full_key = staticmethod(full_key)
 
     def put(self, key: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None = None, *,
-            fingerprint: str, session_id: str) -> None:
-        """Queue ``tensors`` + ``meta`` under ``key`` for the background writer (see module docstring)."""
+            fingerprint: str, session_id: str, through: bool = False) -> Future:
+        """Queue ``tensors`` + ``meta`` under ``key`` for the background writer (see module docstring).
+        Returns the write's confirmation: a future of ``{tier name: None if written, else why not}``."""
         self._raise_async()
         fk = full_key(key, session_id)
         tensors = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
-        item = _Write(fk, key, tensors, dict(meta or {}), fingerprint, session_id)
+        item = _Write(fk, key, tensors, dict(meta or {}), fingerprint, session_id, through)
         deadline = time.monotonic() + self.timeout_s
         with self._cv:
             if self._closed:
@@ -157,12 +209,14 @@ class TieredStore:
                                self.timeout_s, fk)
                 if self.strict:
                     raise TierError(f"write queue full for {self.timeout_s} s; put {fk!r} not stored")
-                return
+                item.done.set_result({t.name: f"write queue full for {self.timeout_s} s" for t in self.tiers})
+                return item.done
             self._pending[fk] = item
             self._puts.append(item)
             with self._lock:
                 self._counts["puts"] += 1
             self._cv.notify_all()
+        return item.done
 
     def get(self, key: str, *, fingerprint: str, session_id: str) -> tuple[dict[str, torch.Tensor], dict] | None:
         """The verified ``(tensors, meta)`` under ``key``, or ``None`` (see module docstring)."""
@@ -310,6 +364,18 @@ class TieredStore:
             out["pending"] = len(self._pending)
         return out
 
+    @property
+    def durable_tiers(self) -> list[str]:
+        """The tiers that outlive this process (all but host memory; every tier if there is no other):
+        a save is durable once its entries are written to each of them."""
+        durable = [t.name for t in self.tiers if getattr(t, "durable", True)]
+        return durable or [t.name for t in self.tiers]
+
+    def lease(self, session_id: str, *, ttl_s: float = 60.0) -> Lease:
+        """Take ``session_id``'s writer lease on every tier that keeps leases (``acquire_lease``); raises
+        ``LeaseHeld`` naming the tier where another writer holds it. Use as a context manager."""
+        return Lease([t for t in self.tiers if hasattr(t, "acquire_lease")], full_key("lease", session_id), ttl_s)
+
     def healthy(self, tier_name: str) -> bool:
         """Whether ``tier_name`` is in use now (False while it backs off after a failure)."""
         with self._lock:
@@ -387,6 +453,7 @@ class TieredStore:
                     self._cv.notify_all()
 
     def _do_write(self, item: _Write) -> None:
+        outcome: dict[str, str | None] = {}
         try:
             if item.cancelled:
                 return
@@ -398,13 +465,15 @@ class TieredStore:
                     self._counts["failures"] += 1
                 self._log_once("store", "encode", "cannot encode %s: %r", item.fk, e)
                 self._async_fail(TierError(f"cannot encode {item.fk!r}: {e!r}"))
+                outcome = {t.name: f"cannot encode: {e!r}" for t in self.tiers}
                 return
-            targets = range(len(self.tiers)) if self.write_policy == "through" else range(1)
+            through = self.write_policy == "through" or item.through
+            targets = range(len(self.tiers)) if through else range(1)
             wrote_host, wrote_below = None, False
             for j in targets:
                 if item.cancelled:
                     break
-                if self._write_to(j, item.fk, data, own=True):
+                if self._write_to(j, item.fk, data, own=not item.through, outcome=outcome):
                     if isinstance(self.tiers[j], HostTier) and wrote_host is None:
                         wrote_host = j
                     else:
@@ -417,6 +486,7 @@ class TieredStore:
                 self._log_once("store", "lost", "%s could not be written to any tier", item.fk)
                 self._async_fail(TierError(f"{item.fk!r} could not be written to any tier"))
             if item.cancelled:
+                outcome = {}
                 for tier in self.tiers:
                     self._tier_call(tier, "delete", item.fk)
         finally:
@@ -424,23 +494,31 @@ class TieredStore:
                 if self._pending.get(item.fk) is item:
                     del self._pending[item.fk]
                 self._cv.notify_all()
+            for t in self.tiers:
+                outcome.setdefault(t.name, "not written (write policy 'top' or cancelled)")
+            item.done.set_result(outcome)
 
-    def _write_to(self, j: int, fk: str, data, *, own: bool = False) -> bool:
-        """Write ``data`` to tier ``j``; demote what a host tier pushes out. True if written."""
+    def _write_to(self, j: int, fk: str, data, *, own: bool = False, outcome: dict | None = None) -> bool:
+        """Write ``data`` to tier ``j``; demote what a host tier pushes out. True if written. ``outcome``
+        gets ``{tier name: None or why not}`` for every tier tried."""
+        outcome = {} if outcome is None else outcome
         tier = self.tiers[j]
         name = tier.name
         if not self._usable(name):
             self._add(name, "skipped", 1)
+            with self._lock:
+                outcome[name] = f"skipped: unavailable since {self._state[name].last_error}"
             if own and self.write_policy == "top":
-                return self._write_below(j, fk, data)
+                return self._write_below(j, fk, data, outcome)
             return False
         t0 = time.perf_counter()
         try:
             pushed = tier.put(fk, data, clean=False) if isinstance(tier, HostTier) else tier.put(fk, data)
         except Exception as e:  # noqa: BLE001
+            outcome[name] = f"write failed: {e!r}"[:500]
             self._tier_failed(name, e, "write")
             if own and self.write_policy == "top":
-                return self._write_below(j, fk, data)
+                return self._write_below(j, fk, data, outcome)
             return False
         self._tier_ok(name)
         self._add(name, "write_seconds", time.perf_counter() - t0)
@@ -449,15 +527,17 @@ class TieredStore:
             others = [p for p in pushed if p[0] != fk]
             self._queue_demotions(j, others)
             if mine:  # larger than the whole cap: not kept here
+                outcome[name] = "not kept: larger than the tier's byte cap"
                 if self.write_policy == "top":
-                    return self._write_below(j, fk, data)
+                    return self._write_below(j, fk, data, outcome)
                 return False
         self._add(name, "bytes_written", len(data))
+        outcome[name] = None
         return True
 
-    def _write_below(self, j: int, fk: str, data) -> bool:
+    def _write_below(self, j: int, fk: str, data, outcome: dict | None = None) -> bool:
         for k in range(j + 1, len(self.tiers)):
-            if self._write_to(k, fk, data):
+            if self._write_to(k, fk, data, outcome=outcome):
                 return True
         with self._lock:
             self._counts["failures"] += 1

@@ -25,6 +25,13 @@ Timeouts. Every request has ``socket_timeout = socket_connect_timeout = timeout_
 retries are off, so a dead or paused server costs at most one timeout per request (the store then marks
 the tier unhealthy and backs off). Connection and timeout errors are raised as ``TierUnavailable``; a
 server that came back empty just answers misses.
+
+Leases. ``acquire_lease`` is ``SET name token NX PX ttl``: one writer gets it; it expires on its own if the
+writer dies. Renewing and releasing compare the token first, in one server-side script, so a writer whose
+lease expired can never extend or delete the next writer's.
+
+Eviction. A server under ``maxmemory`` with an eviction policy may drop any entry at any time; a dropped
+chunk is a miss, and a save's manifest names every entry it needs, so a resume that misses one refuses.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ except ImportError:  # pragma: no cover
     _vexc = None
 
 _LEN = struct.Struct("<Q")
+# Compare-and-act on a lease: only the holder's token may extend or delete it.
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 _CHUNK_SEP = b"\x00#"
 
 
@@ -157,11 +167,13 @@ class _RawReader:
 class ValkeyTier:
     """Entries in Valkey at ``url`` (``valkey://host:port/db``, ``redis://...``, ``valkey+unix://...``)."""
 
+    durable = True
+
     def __init__(self, url: str = "valkey://127.0.0.1:6379", *, ttl_s: float | None = None,
                  timeout_s: float | None = None, chunk_bytes: int = 16 << 20, fast_reads: bool = True,
                  name: str = "valkey"):
         if valkey is None:
-            raise ImportError("ValkeyTier needs valkey-py: pip install valkey")
+            raise ImportError("ValkeyTier needs valkey-py, which the core install leaves out: pip install pace_hf[valkey]")
         if chunk_bytes < 1024:
             raise ValueError("chunk_bytes must be at least 1024")
         self.name = name
@@ -395,6 +407,25 @@ class ValkeyTier:
         except self._errors() as e:
             raise TierUnavailable(f"valkey delete_prefix {prefix!r}: {e}") from e
         return n
+
+    def _lease_call(self, what: str, call):
+        try:
+            return call()
+        except self._errors() as e:
+            raise TierUnavailable(f"valkey lease {what}: {e}") from e
+        except _vexc.ValkeyError as e:
+            raise TierError(f"valkey lease {what}: {e}") from e
+
+    def acquire_lease(self, name: str, token: str, ttl_s: float) -> bool:
+        px = max(1, int(ttl_s * 1000))
+        return bool(self._lease_call("acquire", lambda: self.client.set(name.encode(), token, nx=True, px=px)))
+
+    def renew_lease(self, name: str, token: str, ttl_s: float) -> bool:
+        px = str(max(1, int(ttl_s * 1000)))
+        return bool(self._lease_call("renew", lambda: self.client.eval(_RENEW, 1, name.encode(), token, px)))
+
+    def release_lease(self, name: str, token: str) -> None:
+        self._lease_call("release", lambda: self.client.eval(_RELEASE, 1, name.encode(), token))
 
     def ping(self) -> bool:
         try:

@@ -1,20 +1,33 @@
-"""Child side of :mod:`pace_hf.metrics.pace_coding.sandbox`: confine this process, run the program, report plain data.
+"""Child side of :mod:`pace_hf.metrics.pace_coding.sandbox`: confine a process, run the program in it,
+report plain data.
 
-Started by ``pace_hf.metrics.pace_coding.sandbox`` as ``python -I -S -B _sandbox_child.py JOB_FD CALL_FD REPORT_FD``.
-It uses the standard library only: the isolated interpreter sees neither site-packages nor
-``pace_hf``.
+Started by ``pace_hf.metrics.pace_coding.sandbox`` as ``python -I -S -B _sandbox_child.py JOB_FD CALL_FD
+REPORT_FD``. It uses the standard library only: the isolated interpreter sees neither site-packages
+nor ``pace_hf``.
+
+The program is treated as native code in control of this interpreter from the moment it loads:
+nothing here is trusted after that. The walls that must hold are set up before, by the kernel:
+
+* three processes: this one (outside, root, waits), an init (pid 1 of a new pid namespace, waits
+  and passes the exit status on) and the sandbox process (pid 2) that confines itself and runs the
+  program; when init ends the kernel kills everything left in the namespace;
+* new mount, network, pid, IPC and UTS namespaces (``_enter_namespaces``): no pid counter, System V
+  object, POSIX message queue, abstract socket or host name is shared with the host or another run;
+* a read-only root with a fresh ``/proc`` of the new pid namespace (only its processes) and a
+  scratch tmpfs whose ``size=`` and ``nr_inodes=`` cap disk and kernel memory (a mkdir flood meets
+  ENOSPC), Landlock, resource limits, a fresh uid, and a seccomp allowlist (``_install_seccomp``);
+* the parent holds the calls and the expected values, sends one call at a time with a fresh nonce
+  and accepts exactly one answer for it, and counts refusals through a kernel counter.
 
 Order matters. Everything the harness needs is imported and bound to closure variables first,
-then the OS-level confinement (namespaces, a read-only root, Landlock, rlimits, uid drop,
-seccomp), then the audit hook, and only then the untrusted program.
-
-Nothing in this process is secret and nothing in it decides a score. The parent holds the calls
-and sends call ``i`` only after it has the result of call ``i - 1``; it compares results with
-expected values that never leave it, and it attributes blocked operations itself (see
-``_install_audit_hook``). The program runs in a worker thread whose stack starts at C level, so
-its frames lead to no harness frame; the audit hook also refuses frame objects of the harness.
+then the confinement, then the audit hook (a layer: refusals raise PermissionError in the program
+and are counted), and only then the program. Between calls the harness runs no Python code that
+the program could have replaced: it reads and writes the pipes with ``os.read``/``os.write`` on
+raw bytes, encodes with functions captured before the program loaded, and gives each call a fresh
+copy of the builtins. The program runs in a worker thread whose stack starts at C level.
 """
 
+import _json
 import builtins
 import decimal
 import json
@@ -23,14 +36,19 @@ import resource
 import struct
 import sys
 import _thread
+import types as _types
 
 try:  # pre-imported so `import subprocess`/`asyncio` work; fork_exec itself is stubbed below
     import _posixsubprocess
 except ImportError:  # pragma: no cover - always present on Linux
     _posixsubprocess = None
 
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 1, 2, 4, 32
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+_CLONE_NEWCGROUP, _CLONE_NEWTIME, _CLONE_THREAD = 0x02000000, 0x00000080, 0x00010000
+_NAMESPACES = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
+_NAMESPACE_FLAGS = _NAMESPACES | _CLONE_NEWUSER | _CLONE_NEWCGROUP | _CLONE_NEWTIME
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
 _SYS_MOUNT_SETATTR = 442  # the same number on every architecture (new syscall table)
@@ -43,32 +61,63 @@ _LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | _LL_TRUNCATE | 
 _SYSTEM_READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime")
 RLIMIT_LOCKS = 10  # ignored by Linux since 2.4.25: free to serve as the violation counter
 VIOLATION_BUDGET = 1_000_000  # RLIMIT_LOCKS hard limit at start; each refusal lowers it by one
+SANDBOX_PID = 2  # the sandbox process's pid in its namespace (init is 1)
 
-# seccomp (x86_64 only: syscall numbers differ per architecture). Refused with EPERM whatever
-# the audit hook does: signals to other processes (incl. pidfd ones, which Python does not audit),
-# new processes, network sockets, namespace/mount changes, links and device nodes, and kernel
-# interfaces a program has no business with.
+# seccomp allowlist (x86_64 only: syscall numbers differ per architecture). Every other system
+# call fails with EPERM: among them System V IPC, mq_*, memfd_create, userfaultfd, io_uring, bpf,
+# ptrace, process_vm_*, pidfd_*, mount and namespace calls, links, device nodes, keyrings, xattrs,
+# sysinfo and prctl. These are what CPython and the standard library use for files in the scratch
+# directory, memory, threads, time, polling, AF_UNIX socket pairs and signals to itself.
 _AUDIT_ARCH_X86_64 = 0xC000003E
-_X86_64_DENY = {
-    "pidfd_open": 434, "pidfd_send_signal": 424, "pidfd_getfd": 438, "tkill": 200,
-    "connect": 42, "bind": 49, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
-    "mount": 165, "umount2": 166, "unshare": 272, "setns": 308, "pivot_root": 155, "chroot": 161,
-    "mknod": 133, "mknodat": 259, "symlink": 88, "symlinkat": 266, "link": 86, "linkat": 265,
-    "open_by_handle_at": 304, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
-    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "keyctl": 250,
-    "add_key": 248, "request_key": 249, "kexec_load": 246, "init_module": 175, "finit_module": 313,
-    "delete_module": 176, "reboot": 169, "swapon": 167, "swapoff": 168, "acct": 163,
-    "iopl": 172, "ioperm": 173, "fsopen": 430, "fsmount": 432, "move_mount": 429, "open_tree": 428,
+_X86_64_ALLOW = {
+    "write": 1, "read": 0, "mmap": 9, "munmap": 11, "futex": 202, "newfstatat": 262, "lseek": 8,
+    "close": 3, "openat": 257, "brk": 12, "mprotect": 10, "fstat": 5, "getdents64": 217,
+    "rt_sigprocmask": 14, "rt_sigaction": 13, "rt_sigreturn": 15, "gettid": 186, "getpid": 39,
+    "getcwd": 79, "readlink": 89, "readlinkat": 267, "statx": 332, "pread64": 17, "pwrite64": 18,
+    "readv": 19, "writev": 20, "preadv": 295, "pwritev": 296, "preadv2": 327, "pwritev2": 328,
+    "open": 2, "stat": 4, "lstat": 6, "access": 21, "faccessat": 269, "faccessat2": 439,
+    "mremap": 25, "madvise": 28, "msync": 26, "mincore": 27, "dup": 32, "dup2": 33, "dup3": 292,
+    "pipe": 22, "pipe2": 293, "select": 23, "pselect6": 270, "poll": 7, "ppoll": 271,
+    "epoll_create": 213, "epoll_create1": 291, "epoll_ctl": 233, "epoll_wait": 232,
+    "epoll_pwait": 281, "epoll_pwait2": 441, "eventfd": 284, "eventfd2": 290,
+    "timerfd_create": 283, "timerfd_settime": 286, "timerfd_gettime": 287,
+    "sched_yield": 24, "nanosleep": 35, "clock_nanosleep": 230, "clock_gettime": 228,
+    "clock_getres": 229, "gettimeofday": 96, "time": 201, "times": 100, "getrusage": 98,
+    "getitimer": 36, "setitimer": 38, "alarm": 37, "timer_create": 222, "timer_settime": 223,
+    "timer_gettime": 224, "timer_getoverrun": 225, "timer_delete": 226,
+    "rt_sigpending": 127, "rt_sigtimedwait": 128, "rt_sigsuspend": 130, "sigaltstack": 131,
+    "pause": 34, "restart_syscall": 219, "exit": 60, "exit_group": 231, "wait4": 61, "waitid": 247,
+    "set_robust_list": 273, "get_robust_list": 274, "set_tid_address": 218, "rseq": 334,
+    "sendfile": 40, "sendto": 44, "recvfrom": 45, "sendmsg": 46, "recvmsg": 47, "shutdown": 48,
+    "getsockname": 51, "getpeername": 52, "setsockopt": 54, "getsockopt": 55, "listen": 50,
+    "accept": 43, "accept4": 288, "splice": 275, "tee": 276, "copy_file_range": 326,
+    "flock": 73, "fsync": 74, "fdatasync": 75, "truncate": 76, "ftruncate": 77, "fallocate": 285,
+    "fadvise64": 221, "sync_file_range": 277, "chdir": 80, "fchdir": 81, "rename": 82,
+    "renameat": 264, "renameat2": 316, "mkdir": 83, "mkdirat": 258, "rmdir": 84, "unlink": 87,
+    "unlinkat": 263, "chmod": 90, "fchmod": 91, "fchmodat": 268, "umask": 95, "utime": 132,
+    "utimes": 235, "futimesat": 261, "utimensat": 280, "statfs": 137, "fstatfs": 138,
+    "getrlimit": 97, "setrlimit": 160, "uname": 63, "getuid": 102, "getgid": 104,
+    "geteuid": 107, "getegid": 108, "getppid": 110, "getpgrp": 111, "getpgid": 121,
+    "getsid": 124, "getgroups": 115, "getresuid": 118, "getresgid": 120, "getpriority": 140,
+    "sched_getaffinity": 204, "sched_getparam": 143, "sched_getscheduler": 145,
+    "sched_get_priority_max": 146, "sched_get_priority_min": 147, "sched_rr_get_interval": 148,
+    "getcpu": 309, "getrandom": 318, "close_range": 436,
 }
-_X86_64_PROCESS = {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322}
+_X86_64_PROCESS = {"fork": 57, "vfork": 58, "execve": 59, "setsid": 112, "setpgid": 109}
 _X86_64_CLONE, _X86_64_CLONE3, _X86_64_KILL, _X86_64_TGKILL = 56, 435, 62, 234
-_X86_64_SOCKET, _X86_64_SOCKETPAIR = 41, 53
+_X86_64_SOCKET, _X86_64_SOCKETPAIR, _X86_64_PRLIMIT64 = 41, 53, 302
+_X86_64_IOCTL, _X86_64_FCNTL = 16, 72
+# ioctl: only terminal/size queries (isatty), FIONREAD and the close-on-exec/non-blocking ones
+_IOCTL_ALLOW = (0x5401, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451)
+# fcntl: dup, fd/file flags, locks, pipe size; not F_SETOWN/F_SETSIG (signals), leases, notify
+_FCNTL_ALLOW = (0, 1, 2, 3, 4, 5, 6, 7, 36, 37, 38, 1030, 1032)
 
 MAX_VALUE_CHARS = 1_000_000  # JSON size of one returned value
 MAX_EXC_CHARS = 65_536  # JSON size of an exception's args (and, separately, its attributes)
 MAX_DEPTH = 100
 MAX_NODES = 200_000
 MAX_WRITE_OPENS = 64  # files opened for writing per run: with RLIMIT_FSIZE this bounds disk use
+MAX_VIOLATION_NAMES = 64  # refusals named in one answer (the kernel counter counts them all)
 
 # Events that are always refused. Process creation is refused unless the limits allow processes.
 _DENIED_EVENTS = frozenset({
@@ -80,7 +129,11 @@ _DENIED_EVENTS = frozenset({
     "cpython.PyInterpreterState_New", "setopencode",
     "sqlite3.enable_load_extension", "sqlite3.load_extension",
     "os.add_dll_directory", "os.startfile", "webbrowser.open", "ensurepip.bootstrap",
+    "function.__new__",
 })
+# code.__new__ (also raised by code.replace) builds hand-made bytecode: refused, except from
+# types.coroutine, which only sets a flag on the code of the function it decorates.
+_CODE_NEW = "code.__new__"
 _DENIED_PREFIXES = ("ctypes.", "_winapi.", "winreg.", "msvcrt.", "syslog.")
 _PROCESS_EVENTS = frozenset({
     "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
@@ -96,35 +149,42 @@ _BLOCKED_IMPORTS = frozenset({
 })
 _BLOCKED_IMPORT_PREFIXES = ("_test", "_xx")
 # Events the hook sees most often; answered first so the hook stays cheap.
-_FAST_ALLOW = frozenset({
-    "object.__setattr__", "object.__delattr__", "exec", "compile", "builtins.id",
-    "marshal.loads", "code.__new__", "function.__new__",
-})
+_FAST_ALLOW = frozenset({"object.__setattr__", "object.__delattr__", "exec", "compile", "builtins.id"})
 # Attributes that hand out frame objects (each raises an "object.__getattr__" audit event).
-# frame.f_back does not, which is why the program's own stack starts at C level.
-_FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+# Generator, coroutine and async-generator frames are refused outright: a suspended one's f_back
+# leads to whoever resumed it, the harness included. Traceback frames only when they reach the
+# harness (the program's own tracebacks are ordinary). frame.f_back raises no event, which is why
+# the program's own stack starts at C level.
+_ALWAYS_DENIED_ATTRS = frozenset({"gi_frame", "cr_frame", "ag_frame"})
 
 
 def main():
     job_fd, call_fd, report_fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     with open(job_fd, "rb") as f:
         job = json.loads(f.read())
-    report = _make_reporter(report_fd, job["nonce"])
+    send = _make_sender(report_fd)
     try:
-        layers, read_roots = _confine(job)
-        to_plain, describe_exception, type_name = _make_converter()
-        _install_audit_hook(job["work"], read_roots, job["limits"]["max_processes"] > 0, report)
+        layers, read_roots = _confine(job, (call_fd, report_fd))  # returns in the sandbox process only
+        to_plain, describe_exception, type_name, encode = _make_converter()
+        violations = []
+        _install_audit_hook(job["work"], read_roots, job["limits"]["max_processes"] > 0, violations)
     except BaseException as e:  # noqa: BLE001 - the parent must hear why
-        report({"setup": [], "failed": "%s: %s" % (type(e).__name__, str(e)[:300])})
+        send(_plain_json({"setup": [], "failed": "%s: %s" % (type(e).__name__, str(e)[:300])}))
         os._exit(0)
-    report({"setup": layers})
+    send(encode({"setup": layers}))
     if not any(layer.startswith(("landlock", "read-only root")) for layer in layers):
         os._exit(0)  # no OS-level wall against writes: the parent refuses to run code here
-    _serve(job["program"], _make_call_reader(call_fd), report, to_plain, describe_exception, type_name)
+    _serve(job["program"], _make_request_reader(call_fd), send, encode, to_plain, describe_exception,
+           type_name, violations)
+
+
+def _plain_json(message):
+    return json.dumps(message, ensure_ascii=True)  # only before the program loads
 
 
 # The worker thread's code. It starts from C (``_thread.start_new_thread(exec, ...)``), so it is
-# the bottom frame of every program frame; its globals are this small dict, not the harness's.
+# the bottom frame of every program frame; its globals are this small dict, not the harness's,
+# and the harness restores them before every call.
 _WORKER = """
 while True:
     go.acquire()
@@ -141,24 +201,48 @@ while True:
 """
 
 
-def _serve(program, next_call, report, to_plain, describe_exception, type_name):
-    """Load the program as module ``solution``, then evaluate each call the parent sends, one
-    report per call. Program code runs only in the worker thread; this thread only converts
-    exact builtin types, and keeps every object the program handed back so that no finalizer
-    of the program runs here."""
-    _compile, _str, _type, _issubclass = compile, str, type, issubclass
-    _BaseException, _Exception = BaseException, Exception
-    _MemoryError, _RecursionError, _exit, _modules = MemoryError, RecursionError, os._exit, sys.modules
+def _serve(program, next_request, send, encode, to_plain, describe_exception, type_name, violations,
+           _compile=compile, _str=str, _type=type, _issubclass=issubclass, _dict=dict, _list=list,
+           _BaseException=BaseException, _Exception=Exception, _MemoryError=MemoryError,
+           _RecursionError=RecursionError, _exit=os._exit, _len=len, _tuple=tuple, _int=int):
+    """Answer the parent's requests, one answer each, carrying the request's nonce: the first
+    request loads the program as module ``solution``, each later one evaluates a call in its
+    namespace. Program code runs only in the worker thread; this thread only converts exact
+    builtin types, and keeps every object the program handed back so that no finalizer of the
+    program runs here. Before each call it restores the worker's globals and gives the call a
+    fresh copy of the builtins (a ``__builtins__`` with ``__missing__`` answers nothing), after
+    checking that no key of either namespace is a str lookalike whose ``__eq__`` would run here."""
     go, done = _thread.allocate_lock(), _thread.allocate_lock()
     go.acquire()
     done.acquire()
     box, keep = [None, None], []
-    module = type(sys)("solution")  # not "__main__": demo blocks must not run
-    _modules["solution"] = module  # dataclasses and typing look their module up here
-    module.__builtins__ = builtins  # eval would otherwise give it the worker's empty builtins
-    worker_globals = {"__builtins__": {}, "go": go, "done": done, "box": box, "run": eval,
-                      "ns": module.__dict__, "str": str, "type": type, "BaseException": BaseException}
+    module = _type(sys)("solution")  # not "__main__": demo blocks must not run
+    sys.modules["solution"] = module  # dataclasses and typing look their module up here
+    sys.modules["__main__"] = _type(sys)("__main__")  # the harness's module is not the program's to edit
+    ns = module.__dict__
+    ns["__builtins__"] = builtins  # eval would otherwise give it the worker's empty builtins
+    pristine_builtins = _dict(builtins.__dict__)
+    worker_globals = {"__builtins__": {}, "go": go, "done": done, "box": box, "run": eval, "ns": ns,
+                      "str": str, "type": type, "BaseException": BaseException}
+    pristine_worker = _dict(worker_globals)
     _thread.start_new_thread(exec, (_compile(_WORKER, "<worker>", "exec"), worker_globals))
+
+    def only_str_keys(d):
+        for k in d:  # iterating compares and hashes nothing
+            if _type(k) is not _str:
+                return False
+        return True
+
+    def fresh_state():
+        """None, or why the program's namespace cannot be given a fresh state safely."""
+        if not (only_str_keys(ns) and only_str_keys(worker_globals)):
+            return "the program put a non-str key into a namespace"
+        keep.append(_list(worker_globals.values()))  # no finalizer runs in this thread
+        worker_globals.clear()
+        worker_globals.update(pristine_worker)
+        keep.append(ns.get("__builtins__"))
+        ns["__builtins__"] = _dict(pristine_builtins)
+        return None
 
     def run(code):
         box[0], box[1] = code, None
@@ -170,7 +254,7 @@ def _serve(program, next_call, report, to_plain, describe_exception, type_name):
     def outcome_of(code):
         """``(raised, object, text)`` from the worker; None if the program tampered with it."""
         out = run(code)
-        if _type(out) is tuple and len(out) == 3 and _type(out[0]) is int and (out[0] == 0 or _type(out[2]) is _str):
+        if _type(out) is _tuple and _len(out) == 3 and _type(out[0]) is _int and (out[0] == 0 or _type(out[2]) is _str):
             return out
         return None
 
@@ -179,6 +263,21 @@ def _serve(program, next_call, report, to_plain, describe_exception, type_name):
             return "no result (the program tampered with the harness)"
         return type_name(_type(out[1])) + (": " + out[2] if out[2] else "")
 
+    def answer(nonce, message):
+        refused = violations[:MAX_VIOLATION_NAMES]
+        del violations[:]
+        message["c"] = nonce
+        message["violations"] = refused
+        try:
+            text = encode(message)
+        except _BaseException:  # noqa: BLE001
+            text = encode({"c": nonce, "status": "error", "detail": "result could not be reported",
+                           "violations": refused})
+        send(text)
+
+    request = next_request()
+    if request is None:
+        _exit(0)
     try:
         code = _compile(program, "<solution>", "exec")
     except _BaseException as e:  # noqa: BLE001 - SyntaxError, or the compiler's own limits
@@ -186,21 +285,29 @@ def _serve(program, next_call, report, to_plain, describe_exception, type_name):
     if code is not None:
         out = outcome_of(code)
         failed = None if out is not None and out[0] == 0 else "program failed: " + describe(out)
-    report({"load_error": failed} if failed else {"ready": True})
+    answer(request[0], {"load_error": failed} if failed else {"ready": True})
     if failed:
         _exit(0)
 
     i = 0
     while True:
-        expr = next_call()
-        if expr is None:
+        request = next_request()
+        if request is None:
             _exit(0)  # do not wait for threads the program left running, do not run its atexit hooks
+        nonce, expr = request
         message = None
         try:
-            code = _compile(expr, "<call %d>" % i, "eval")
-        except _BaseException as e:  # noqa: BLE001
-            message = {"status": "error", "detail": "call does not compile: %s: %s" % (
-                type_name(_type(e)), _str(e)[:300])}
+            unsafe = fresh_state()
+        except _BaseException:  # noqa: BLE001 - e.g. a program thread resizing a namespace meanwhile
+            unsafe = "the program's namespace changed while the harness reset it"
+        if unsafe is not None:
+            message = {"status": "error", "detail": unsafe}
+        else:
+            try:
+                code = _compile(expr, "<call %d>" % i, "eval")
+            except _BaseException as e:  # noqa: BLE001
+                message = {"status": "error", "detail": "call does not compile: %s: %s" % (
+                    type_name(_type(e)), _str(e)[:300])}
         if message is None:
             out = outcome_of(code)
             if out is not None and out[0] == 0:
@@ -222,77 +329,108 @@ def _serve(program, next_call, report, to_plain, describe_exception, type_name):
                     message = {"status": "error", "detail": "call raised " + describe(out)}
             else:
                 message = {"status": "error", "detail": describe(out)}
-        message["i"] = i
-        if not report(message):
-            report({"i": i, "status": "error", "detail": "result could not be reported"})
+        answer(nonce, message)
         i += 1
 
 
-def _make_call_reader(fd):
-    """Return ``next_call() -> str | None``: the next call expression the parent sent, or None
-    when the parent closed the pipe (no more calls)."""
-    read, buf = os.read, [b""]
+def _make_request_reader(fd, _read=os.read, _bytes=bytes, _len=len, _OSError=OSError, _ValueError=ValueError):
+    """Return ``next_request() -> (nonce, text) | None``: the parent's next request, a line
+    ``NONCE HEX`` (the text as hex-encoded UTF-8), or None when the parent closed the pipe or sent
+    something else. Bytes methods only: no Python-level code the program could replace."""
+    buf = [b""]
+    fromhex = _bytes.fromhex
 
-    def next_call():
+    def next_request():
         while b"\n" not in buf[0]:
             try:
-                chunk = read(fd, 1 << 16)
-            except OSError:
+                chunk = _read(fd, 1 << 16)
+            except _OSError:
                 return None
             if not chunk:
                 return None
             buf[0] += chunk
         line, _, buf[0] = buf[0].partition(b"\n")
+        nonce, _, payload = line.partition(b" ")
+        if _len(nonce) != 32:
+            return None
         try:
-            return json.loads(line)["call"]
-        except (ValueError, KeyError, TypeError):
+            return nonce.decode("ascii"), fromhex(payload.decode("ascii")).decode("utf-8")
+        except _ValueError:
             return None
 
-    return next_call
+    return next_request
 
 
-def _make_reporter(fd, nonce):
-    """Return ``report(dict) -> bool`` that writes one JSON line to the report pipe.
+def _make_sender(fd, _write=os.write, _memoryview=memoryview, _OSError=OSError):
+    """Return ``send(text)``: one line (ASCII JSON) to the report pipe, written with ``os.write``."""
 
-    A lock keeps lines from interleaving when the audit hook reports from another thread."""
-    encode = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode
-    write, lock, _memoryview, _Exception = os.write, _thread.allocate_lock(), memoryview, Exception
-
-    def report(message):
-        message["n"] = nonce
-        try:
-            view = _memoryview((encode(message) + "\n").encode("ascii"))
-        except _Exception:  # noqa: BLE001
-            return False
-        if not lock.acquire(True, 5.0):
-            return False
+    def send(text):
+        view = _memoryview((text + "\n").encode("ascii"))
         try:
             while view:
-                view = view[write(fd, view):]
-        except OSError:
-            return False
-        finally:
-            lock.release()
-        return True
+                view = view[_write(fd, view):]
+        except _OSError:
+            pass
 
-    return report
+    return send
 
 
 def _make_converter():
-    """Return ``(to_plain, describe_exception, type_name)``.
+    """Return ``(to_plain, describe_exception, type_name, encode)``.
 
     ``to_plain`` checks exact types (``type(x) is int``), so no program code runs while a value is
-    copied, and subclasses with a forged ``__eq__`` cannot pass for plain data."""
+    copied, and subclasses with a forged ``__eq__`` cannot pass for plain data. ``encode`` writes
+    JSON from such plain data with C functions captured here, before the program loads: replacing
+    ``json``'s functions later changes nothing."""
     _type, _str, _len, _list, _tuple, _dict = type, str, len, list, tuple, dict
     _bool, _int, _float, _Decimal = bool, int, float, decimal.Decimal
     _Exception, _BaseException = Exception, BaseException
     type_name = type.__dict__["__name__"].__get__  # the real name, even under a metaclass property
     exc_args = BaseException.__dict__["args"].__get__  # the real args, even if `args` is overridden
     exc_dict = BaseException.__dict__["__dict__"].__get__
-    encode = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode
+    quote, int_text, float_text = _json.encode_basestring_ascii, int.__repr__, float.__repr__
+    join, inf, _enumerate = "".join, float("inf"), enumerate
 
     class NotPlain(Exception):
         pass
+
+    def emit(x, out):
+        t = _type(x)
+        if x is None:
+            out.append("null")
+        elif t is _bool:
+            out.append("true" if x else "false")
+        elif t is _int:
+            out.append(int_text(x))
+        elif t is _float:
+            out.append("NaN" if x != x else "Infinity" if x == inf else "-Infinity" if x == -inf
+                       else float_text(x))
+        elif t is _str:
+            out.append(quote(x))
+        elif t is _list:
+            out.append("[")
+            for k, v in _enumerate(x):
+                if k:
+                    out.append(",")
+                emit(v, out)
+            out.append("]")
+        elif t is _dict:
+            out.append("{")
+            first = True
+            for k, v in x.items():
+                if _type(k) is not _str:
+                    raise NotPlain("dict key of type %r" % type_name(_type(k))[:100])
+                out.append(quote(k) + ":" if first else "," + quote(k) + ":")
+                first = False
+                emit(v, out)
+            out.append("}")
+        else:
+            raise NotPlain("value of type %r" % type_name(t)[:100])
+
+    def encode(x):
+        out = []
+        emit(x, out)
+        return join(out)
 
     def to_plain(x, max_chars):
         budget = [MAX_NODES, max_chars]
@@ -366,74 +504,146 @@ def _make_converter():
             attrs = {}
         return {"exc_type": type_name(_type(e))[:200], "exc_args": args, "exc_attrs": attrs}
 
-    return to_plain, describe_exception, type_name
+    return to_plain, describe_exception, type_name, encode
 
 
-def _confine(job):
-    """OS-level confinement. Returns ``(active layer names, read roots)``.
+def _confine(job, pipes):
+    """OS-level confinement. Returns ``(active layer names, read roots)``, in the sandbox process
+    only (see ``_enter_namespaces``); raises where a required wall cannot be set up.
 
-    The walls against writes outside the working directory, at least one of which must hold
+    Required: new mount, network, pid, IPC and UTS namespaces, a fresh ``/proc`` (or none), the
+    scratch tmpfs with its size and inode caps, and at least one wall against writes outside it
     (``main`` refuses to run the program otherwise): a mount namespace whose every mount is
-    read-only except the tmpfs working directory (needs root), and a Landlock ruleset that allows
-    writes only beneath the working directory and reads only beneath it, the standard library and
-    the system's shared libraries (needs Linux >= 5.13, works without privileges). Both hold for C
-    code too: SQLite's ATTACH or a C extension meets the same wall as ``open``.
+    read-only except the scratch tmpfs (needs root, or a user namespace), and a Landlock ruleset
+    that allows writes only beneath the working directory and reads only beneath it, the standard
+    library and the system's shared libraries (Linux >= 5.13). Both hold for C code too: SQLite's
+    ATTACH or a C extension meets the same wall as ``open``.
 
-    Further, each best effort: a new network namespace, the standard library bind-mounted where an
-    unprivileged uid can read it, resource limits (set before the uid drop, so their hard values
-    cannot be raised again), a drop to a fresh uid (so RLIMIT_NPROC counts and signals to the host
-    fail), and seccomp."""
+    Further, each where the OS allows: the standard library bind-mounted where an unprivileged uid
+    can read it, resource limits (set before the uid drop, so their hard values cannot be raised
+    again), a drop to a fresh uid (so RLIMIT_NPROC counts and the host's files and processes are
+    the kernel's to protect), and the seccomp allowlist."""
     limits, work, lib, uid = job["limits"], job["work"], job["lib"], job["uid"]
-    layers = []
     script_dir = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if p != script_dir]  # Python 3.10: -I does not imply -P
     stdlib = [p for p in sys.path if os.path.exists(p)]
     read_roots = list(stdlib) + ["/usr/share/zoneinfo"]
     libc = _load_libc()
-    mounted_stdlib = False
-    if libc is not None:
-        if libc.unshare(_CLONE_NEWNET | _CLONE_NEWNS) == 0:
-            layers += ["netns", "mountns"]
-            if _private_read_only_root(libc, layers):
-                mounted_stdlib = _mount_tmpfs_and_stdlib(libc, work, lib, uid, limits, stdlib, layers, read_roots)
-        elif libc.unshare(_CLONE_NEWNET) == 0:
-            layers.append("netns")
-        elif libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0:
-            layers.append("netns (user namespace)")
-    ruleset, abi = _landlock_ruleset(libc, work, read_roots) if libc is not None else (None, 0)
+    if libc is None:
+        raise OSError("ctypes cannot load the C library: no namespaces, no seccomp")
+    layers = _enter_namespaces(libc, job["parent_pid"], pipes)
+    if "userns" in layers:
+        uid = None  # no uid of the host to drop to from a user namespace
+    if _private_read_only_root(libc, layers):
+        _mount_proc(libc, layers)
+        _mount_scratch(libc, work, uid, limits, layers)
+        mounted_stdlib = _mount_stdlib(libc, lib, uid, stdlib, layers, read_roots)
+    else:
+        raise OSError("cannot make the new mount namespace private")
+    if libc.sethostname(b"pace-sandbox", 12) == 0:
+        layers.append("utsns hostname")
+    ruleset, abi = _landlock_ruleset(libc, work, read_roots)
 
     _set_rlimits(limits, uid is not None)
     layers.append("rlimits")
 
     if uid is not None and (mounted_stdlib or all(_readable_by_others(p) for p in stdlib)):
         try:
-            if "tmpfs" not in layers:
-                os.chown(work, uid, uid)
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
             layers.append("uid %d" % uid)
         except OSError:
             pass
-    if libc is not None:
-        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # keeps /proc/self/fd readable after the uid drop
-        libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # set after the uid drop, which clears it
-        if os.getppid() != job["parent_pid"]:
-            os._exit(1)
-        if ruleset is not None:  # needs no_new_privs; applies to this thread and all it starts
-            import ctypes
-            if libc.syscall(_SYS_LANDLOCK_RESTRICT, ctypes.c_int(ruleset), ctypes.c_uint32(0)) == 0:
-                layers.append("landlock v%d" % abi)
-            os.close(ruleset)
-        if _install_seccomp(libc, limits["max_processes"] > 0):
-            layers.append("seccomp")
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # keeps /proc/self/fd readable after the uid drop
+    if ruleset is not None:  # needs no_new_privs; applies to this thread and all it starts
+        import ctypes
+        if libc.syscall(_SYS_LANDLOCK_RESTRICT, ctypes.c_int(ruleset), ctypes.c_uint32(0)) == 0:
+            layers.append("landlock v%d" % abi)
+        os.close(ruleset)
+    if _install_seccomp(libc, limits["max_processes"] > 0):
+        layers.append("seccomp allowlist")
     for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
         del sys.modules[name]  # a later `import ctypes` then meets the audit hook
     if _posixsubprocess is not None:
         _posixsubprocess.fork_exec = _make_fork_exec_stub(_posixsubprocess.fork_exec)
     os.chdir(work)
     return layers, read_roots
+
+
+def _enter_namespaces(libc, parent_pid, pipes):
+    """New mount, network, pid, IPC and UTS namespaces, as root or else inside a new user
+    namespace; raises OSError where neither works. Returns the layer names, in the sandbox process.
+
+    A new pid namespace takes effect for children only, so this forks twice: this process stays
+    outside and waits; its child is init (pid 1), which waits for the sandbox process (pid 2) and
+    exits with its status (init cannot be killed by a signal from inside, which would swallow
+    SIGXCPU); then the kernel kills whatever is left in the namespace. Each of the waiting
+    processes dies with its parent (PR_SET_PDEATHSIG), and neither keeps the pipes open."""
+    import ctypes
+    libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    layers = ["netns", "mountns", "pidns", "ipcns", "utsns"]
+    if libc.unshare(_NAMESPACES) != 0:
+        outer_uid, outer_gid = os.geteuid(), os.getegid()
+        if libc.unshare(_CLONE_NEWUSER | _NAMESPACES) != 0:
+            raise OSError("cannot create new pid, IPC, UTS, network and mount namespaces (errno %d): "
+                          "no root, and no user namespaces" % ctypes.get_errno())
+        for name, text in (("setgroups", "deny"), ("uid_map", "0 %d 1" % outer_uid),
+                           ("gid_map", "0 %d 1" % outer_gid)):
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+        layers.insert(0, "userns")
+    for _level in ("init", "sandbox"):
+        alive_r, alive_w = os.pipe()  # EOF on alive_r: the process above has died
+        pid = os.fork()
+        if pid:
+            for fd in list(pipes) + [alive_r]:
+                os.close(fd)
+            _wait_and_pass_on(pid)
+        os.close(alive_w)
+        libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)
+        os.set_blocking(alive_r, False)
+        try:
+            if os.read(alive_r, 1) == b"":
+                os._exit(1)  # the process above died before PDEATHSIG was set
+        except BlockingIOError:
+            pass
+        os.close(alive_r)
+    if os.getpid() != SANDBOX_PID:
+        raise OSError("the new pid namespace gave pid %d, not %d" % (os.getpid(), SANDBOX_PID))
+    return layers
+
+
+def _wait_and_pass_on(pid):
+    """Wait for ``pid`` and end with its status: the same exit code, or, for a signal, exit code
+    128 + signal in init (which a signal from inside its namespace cannot end) and the same signal
+    outside. Never returns."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            os._exit(1)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            continue
+    if os.WIFEXITED(status):
+        code = os.WEXITSTATUS(status)
+        sig = code - 128 if os.getpid() != 1 and 128 < code < 128 + 65 else 0
+    else:
+        code, sig = 128 + os.WTERMSIG(status), os.WTERMSIG(status)
+    if sig and os.getpid() != 1:
+        import signal
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        except (OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+            pass
+        os.kill(os.getpid(), sig)
+    os._exit(code)
 
 
 def _private_read_only_root(libc, layers):
@@ -447,6 +657,74 @@ def _private_read_only_root(libc, layers):
     if libc.syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(-100), b"/", ctypes.c_uint(0x8000),  # AT_FDCWD,
                     attr, ctypes.c_size_t(len(attr))) == 0:                                # AT_RECURSIVE
         layers.append("read-only root")
+    return True
+
+
+def _mount(libc, src, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    if libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)) != 0:
+        raise OSError("mount %s (%s) failed" % (target, fstype))
+
+
+def _mount_proc(libc, layers):
+    """A procfs of the new pid namespace over /proc, read-only, with only its process
+    directories (``subset=pid``): no host pid, no global counters (/proc/stat, /proc/sys). Where
+    the kernel refuses it (a user namespace under a masked /proc), an empty tmpfs hides /proc."""
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY
+    try:
+        _mount(libc, "proc", "/proc", "proc", flags, "subset=pid")
+        layers.append("fresh /proc")
+    except OSError:
+        _mount(libc, "pace-sandbox-noproc", "/proc", "tmpfs", flags, "size=4k,nr_inodes=2")
+        layers.append("no /proc")
+
+
+def _mount_scratch(libc, work, uid, limits, layers):
+    """The scratch tmpfs over ``work``: ``size=`` caps its blocks and ``nr_inodes=`` its files,
+    directories and links, so that neither disk nor kernel memory grows past them."""
+    owner = "" if uid is None else ",uid=%d,gid=%d" % (uid, uid)
+    _mount(libc, "pace-sandbox", work, "tmpfs", _MS_NOSUID | _MS_NODEV,
+           "size=%dm,nr_inodes=%d,mode=0700%s" % (limits["max_disk_mb"], limits["max_inodes"], owner))
+    layers.append("tmpfs %d MB, %d inodes" % (limits["max_disk_mb"], limits["max_inodes"]))
+
+
+def _mount_stdlib(libc, lib, uid, stdlib, layers, read_roots):
+    """The standard library bind-mounted read-only under ``lib``, where the fresh uid can read
+    it; returns whether it was moved there."""
+    if uid is None or all(_readable_by_others(p) for p in stdlib):
+        return False
+    try:
+        _mount(libc, "pace-sandbox-lib", lib, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,nr_inodes=64,mode=0755")
+        moved = {}
+        for k, src in enumerate(stdlib):
+            target = "%s/%d" % (lib, k)
+            if os.path.isdir(src):
+                os.mkdir(target)
+            else:
+                open(target, "wb").close()
+            _mount(libc, src, target, None, _MS_BIND)
+            try:
+                _mount(libc, None, target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+            except OSError:
+                pass
+            moved[src] = target
+    except OSError:
+        return False
+
+    def rehome(path):
+        for src, target in moved.items():
+            if path == src or path.startswith(src + "/"):
+                return target + path[len(src):]
+        return path
+
+    sys.path[:] = [rehome(p) for p in sys.path if p in moved]
+    sys.path_importer_cache.clear()
+    for module in list(sys.modules.values()):
+        search = getattr(module, "__path__", None)
+        if type(search) is list:
+            search[:] = [rehome(p) for p in search]
+    read_roots[:0] = list(moved.values())
+    layers.append("stdlib bind mounts")
     return True
 
 
@@ -490,6 +768,7 @@ def _load_libc():
         libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
                                ctypes.c_ulong, ctypes.c_char_p]
         libc.unshare.argtypes = [ctypes.c_int]
+        libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4  # variadic: pass full words
         libc.syscall.restype = ctypes.c_long
         return libc
@@ -498,37 +777,51 @@ def _load_libc():
 
 
 def _install_seccomp(libc, allow_processes):
-    """Kernel-enforced refusals (see ``_X86_64_DENY``); returns whether the filter is active.
+    """The seccomp allowlist (see ``_X86_64_ALLOW``); returns whether the filter is active.
 
-    Threads stay possible: clone is allowed with CLONE_THREAD only, and clone3 (whose flags a
-    filter cannot read) answers ENOSYS so that glibc falls back to clone. kill/tgkill may only
-    target this process, sockets may only be AF_UNIX stream ones (asyncio's self-pipe)."""
+    Deny by default, with EPERM. Checked arguments: clone only for threads (CLONE_THREAD, no
+    namespace flags) unless processes are allowed, and clone3 (whose flags a filter cannot read)
+    answers ENOSYS so that glibc falls back to clone; kill/tgkill only to this process, prlimit64
+    only on itself, sockets only AF_UNIX stream ones (asyncio's self-pipe), ioctl and fcntl only
+    the harmless commands."""
     import ctypes
     if sys.platform != "linux" or os.uname().machine != "x86_64":
         return False
-    LD, JEQ, JGE, JSET, AND, RET = 0x20, 0x15, 0x35, 0x45, 0x54, 0x06
+    LD, JEQ, JSET, AND, RET = 0x20, 0x15, 0x45, 0x54, 0x06
     ALLOW, KILL = 0x7FFF0000, 0x80000000
     EPERM, ENOSYS = 0x00050000 | 1, 0x00050000 | 38
     NR, ARCH, ARG0, ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data (little endian)
     me = os.getpid()
-    prog = [(LD, 0, 0, ARCH), (JEQ, 1, 0, _AUDIT_ARCH_X86_64), (RET, 0, 0, KILL),
-            (LD, 0, 0, NR), (JGE, 0, 1, 0x40000000), (RET, 0, 0, EPERM)]  # no x32 ABI
-    deny = dict(_X86_64_DENY)
-    if not allow_processes:
-        deny.update(_X86_64_PROCESS)
-    for nr in deny.values():
-        prog += [(JEQ, 0, 1, nr), (RET, 0, 0, EPERM)]
-    prog += [(JEQ, 0, 1, _X86_64_CLONE3), (RET, 0, 0, ENOSYS)]
-    if not allow_processes:  # clone without CLONE_THREAD is a new process
-        prog += [(JEQ, 0, 4, _X86_64_CLONE), (LD, 0, 0, ARG0), (JSET, 0, 1, 0x00010000),
-                 (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
-    for nr in (_X86_64_KILL, _X86_64_TGKILL):  # first argument: the target pid / tgid
-        prog += [(JEQ, 0, 4, nr), (LD, 0, 0, ARG0), (JEQ, 0, 1, me),
-                 (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
-    for nr in (_X86_64_SOCKET, _X86_64_SOCKETPAIR):  # AF_UNIX (1), SOCK_STREAM (1)
-        prog += [(JEQ, 0, 7, nr), (LD, 0, 0, ARG0), (JEQ, 0, 4, 1), (LD, 0, 0, ARG1),
-                 (AND, 0, 0, 0xF), (JEQ, 0, 1, 1), (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
-    prog.append((RET, 0, 0, ALLOW))
+
+    def argument_in(offset, values):
+        """Allow if the 32-bit argument at ``offset`` is one of ``values``, else EPERM."""
+        body = [(LD, 0, 0, offset)]
+        for v in values:
+            body += [(JEQ, 0, 1, v), (RET, 0, 0, ALLOW)]
+        return body + [(RET, 0, 0, EPERM)]
+
+    def only(nr, body):
+        return [(JEQ, 0, len(body), nr)] + body
+
+    clone = [(LD, 0, 0, ARG0), (JSET, 0, 1, _NAMESPACE_FLAGS), (RET, 0, 0, EPERM)]
+    clone += [(RET, 0, 0, ALLOW)] if allow_processes else \
+        [(JSET, 0, 1, _CLONE_THREAD), (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+    unix_stream = [(LD, 0, 0, ARG0), (JEQ, 1, 0, 1), (RET, 0, 0, EPERM), (LD, 0, 0, ARG1),
+                   (AND, 0, 0, 0xF), (JEQ, 0, 1, 1), (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+    prog = [(LD, 0, 0, ARCH), (JEQ, 1, 0, _AUDIT_ARCH_X86_64), (RET, 0, 0, KILL), (LD, 0, 0, NR)]
+    prog += only(_X86_64_CLONE, clone)
+    prog += only(_X86_64_CLONE3, [(RET, 0, 0, ENOSYS)])
+    prog += only(_X86_64_KILL, argument_in(ARG0, [me]))
+    prog += only(_X86_64_TGKILL, argument_in(ARG0, [me]))
+    prog += only(_X86_64_PRLIMIT64, argument_in(ARG0, [0, me]))
+    prog += only(_X86_64_SOCKET, unix_stream)
+    prog += only(_X86_64_SOCKETPAIR, unix_stream)
+    prog += only(_X86_64_IOCTL, argument_in(ARG1, _IOCTL_ALLOW))
+    prog += only(_X86_64_FCNTL, argument_in(ARG1, _FCNTL_ALLOW))
+    allowed = list(_X86_64_ALLOW.values()) + (list(_X86_64_PROCESS.values()) if allow_processes else [])
+    for nr in allowed:  # x32 numbers (>= 0x40000000) are never equal to these
+        prog += [(JEQ, 0, 1, nr), (RET, 0, 0, ALLOW)]
+    prog.append((RET, 0, 0, EPERM))
 
     class SockFilter(ctypes.Structure):
         _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8),
@@ -540,58 +833,6 @@ def _install_seccomp(libc, allow_processes):
     filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
     fprog = SockFprog(len(prog), filters)
     return libc.prctl(_PR_SET_SECCOMP, 2, ctypes.addressof(fprog), 0, 0) == 0
-
-
-def _mount_tmpfs_and_stdlib(libc, work, lib, uid, limits, stdlib, layers, read_roots):
-    """Inside the new, private mount namespace: tmpfs over ``work`` and the stdlib under ``lib``;
-    returns whether the stdlib was moved there."""
-    def mount(src, target, fstype, flags, data=None):
-        enc = lambda s: None if s is None else s.encode()  # noqa: E731
-        if libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)) != 0:
-            raise OSError("mount %s failed" % target)
-
-    owner = "" if uid is None else ",uid=%d,gid=%d" % (uid, uid)
-    try:
-        mount("pace-sandbox", work, "tmpfs", _MS_NOSUID | _MS_NODEV,
-              "size=%dm,mode=0700%s" % (limits["max_disk_mb"], owner))
-        layers.append("tmpfs")
-    except OSError:
-        pass
-    if uid is None or all(_readable_by_others(p) for p in stdlib):
-        return False
-    try:
-        mount("pace-sandbox-lib", lib, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,mode=0755")
-        moved = {}
-        for k, src in enumerate(stdlib):
-            target = "%s/%d" % (lib, k)
-            if os.path.isdir(src):
-                os.mkdir(target)
-            else:
-                open(target, "wb").close()
-            mount(src, target, None, _MS_BIND)
-            try:
-                mount(None, target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-            except OSError:
-                pass
-            moved[src] = target
-    except OSError:
-        return False
-
-    def rehome(path):
-        for src, target in moved.items():
-            if path == src or path.startswith(src + "/"):
-                return target + path[len(src):]
-        return path
-
-    sys.path[:] = [rehome(p) for p in sys.path if p in moved]
-    sys.path_importer_cache.clear()
-    for module in list(sys.modules.values()):
-        search = getattr(module, "__path__", None)
-        if type(search) is list:
-            search[:] = [rehome(p) for p in search]
-    read_roots[:0] = list(moved.values())
-    layers.append("stdlib bind mounts")
-    return True
 
 
 def _readable_by_others(path):
@@ -626,6 +867,7 @@ def _set_rlimits(limits, own_uid):
     cap(resource.RLIMIT_FSIZE, limits["max_file_mb"] * mb)
     cap(resource.RLIMIT_CORE, 0)
     cap(resource.RLIMIT_NOFILE, 64)
+    cap(resource.RLIMIT_MEMLOCK, 0)
     cap(RLIMIT_LOCKS, VIOLATION_BUDGET)  # the violation counter (see _install_audit_hook)
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
     if own_uid:  # counts threads too, and only for this fresh uid
@@ -643,22 +885,26 @@ def _make_fork_exec_stub(original):
     return fork_exec
 
 
-def _install_audit_hook(work, read_roots, allow_processes, report):
-    """Refuse network, process creation, signals, foreign calls, harness frames and file changes
-    outside ``work``: a second layer behind the OS walls of ``_confine``, which hold even where
-    this hook is fooled (C code such as SQLite opens files without an audit event).
+def _install_audit_hook(work, read_roots, allow_processes, violations):
+    """Refuse network, process creation, signals, foreign calls, hand-made code objects, frames
+    that lead to the harness and file changes outside ``work``: a layer behind the OS walls of
+    ``_confine``, which hold even where this hook is fooled or switched off (C code such as SQLite
+    opens files without an audit event; a program with arbitrary memory access can empty the hook
+    list).
 
-    Reads are allowed inside ``work`` and the standard library only. The hook cannot be removed
-    once added. Each refusal raises PermissionError in the program, and first lowers the hard
-    RLIMIT_LOCKS by one: the parent reads that counter between calls and scores the call during
-    which it dropped as an error, even if the program caught the exception. A hard limit cannot
-    be raised again, so the program can make the count go down (only against itself) but never
-    back up. The refusal is also reported on the pipe, which gives the parent its name."""
+    Reads are allowed inside ``work`` and the standard library only. Each refusal raises
+    PermissionError in the program, and first lowers the hard RLIMIT_LOCKS by one: the parent reads
+    that counter between calls and scores the call during which it dropped as an error, even if the
+    program caught the exception. A hard limit cannot be raised again, so the program can make the
+    count go down (only against itself) but never back up. The refusal is also named in the call's
+    answer. Every argument's type is checked before it is compared (``==``, ``in``), so no object
+    of the program runs code inside the hook."""
     _type, _str, _bytes, _int, _len, _tuple = type, str, bytes, int, len, tuple
     _PermissionError, _Exception, _getattr = PermissionError, Exception, getattr
     getcwd, readlink, collapse = os.getcwd, os.readlink, _collapse
     getrlimit, setrlimit, exit_, get_ident = resource.getrlimit, resource.setrlimit, os._exit, _thread.get_ident
-    harness_globals, frame_attrs = globals(), _FRAME_ATTRS
+    harness_globals, always_denied = globals(), _ALWAYS_DENIED_ATTRS
+    getframe, code_new, flag_setter = sys._getframe, _CODE_NEW, _types.coroutine.__code__
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     default_dir_fds = (None, -1, -100)  # -100: AT_FDCWD
     denied_events, denied_prefixes = _DENIED_EVENTS, _DENIED_PREFIXES
@@ -667,10 +913,11 @@ def _install_audit_hook(work, read_roots, allow_processes, report):
     work = _normalize(work)
     work_roots = (work,)
     read_roots = tuple(_normalize(r) for r in read_roots) + work_roots
+    memory_dbs = (":memory:", "", b":memory:", b"")
     # event -> position of its dir_fd argument (shutil.* are checked through the os.* they call)
     mutating = {"os.remove": -1, "os.rmdir": -1, "os.mkdir": -1, "os.chmod": -1, "os.chown": -1,
                 "os.utime": -1, "os.truncate": None}
-    writes, reports, inside = [0], [0], set()
+    writes, inside = [0], set()
 
     def deny(event):
         try:
@@ -678,9 +925,8 @@ def _install_audit_hook(work, read_roots, allow_processes, report):
             setrlimit(RLIMIT_LOCKS, (hard - 1, hard - 1))
         except _Exception:  # noqa: BLE001 - the counter is spent or gone: stop the run here
             exit_(3)
-        if reports[0] < 64:  # the counter counts them all; the names of the first few suffice
-            reports[0] += 1
-            report({"violation": event[:100]})
+        if _len(violations) < MAX_VIOLATION_NAMES:  # the counter counts them all
+            violations.append(event[:100])
         raise _PermissionError("sandbox: %s is not allowed" % event[:100])
 
     def harness_frame(frame):
@@ -696,6 +942,17 @@ def _install_audit_hook(work, read_roots, allow_processes, report):
         inside.add(me)  # reading the attribute raises this event again: let that one through
         try:
             return _getattr(obj, name)
+        finally:
+            inside.discard(me)
+
+    def caller_code():
+        """The code object of the Python function whose C call raised the current event."""
+        me = get_ident()
+        inside.add(me)  # sys._getframe raises its own event: let that one through
+        try:
+            return getframe(2).f_code  # 0: this function, 1: the hook
+        except _Exception:  # noqa: BLE001
+            return None
         finally:
             inside.discard(me)
 
@@ -719,6 +976,8 @@ def _install_audit_hook(work, read_roots, allow_processes, report):
         if path is None or "\0" in path:
             return None
         if not path.startswith("/"):
+            if dir_fd is not None and _type(dir_fd) is not _int:
+                return None
             base = getcwd() if dir_fd in default_dir_fds else fd_path(dir_fd)
             if base is None:
                 return None
@@ -755,15 +1014,25 @@ def _install_audit_hook(work, read_roots, allow_processes, report):
                 deny(event + " (more than %d files opened for writing)" % MAX_WRITE_OPENS)
 
     def hook(event, args):
+        if _type(event) is not _str or _type(args) is not _tuple:
+            return  # the interpreter passes exactly these types
         if event in fast_allow:
             return
         if event == "object.__getattr__":
-            if args[1] in frame_attrs and get_ident() not in inside and harness_frame(frame_of(args[0], args[1])):
-                deny("reading a harness frame (%s)" % args[1])
+            name = args[1] if _len(args) > 1 else None
+            if _type(name) is not _str:
+                return
+            if name in always_denied:
+                deny("reading a suspended frame (%s)" % name)
+            if name == "tb_frame" and get_ident() not in inside and harness_frame(frame_of(args[0], name)):
+                deny("reading a harness frame (%s)" % name)
+        elif event == code_new:
+            if caller_code() is not flag_setter:
+                deny(event + " (hand-made code objects)")
         elif event == "sys._getframe":
-            if harness_frame(args[0]):
+            if get_ident() not in inside and harness_frame(args[0]):
                 deny("sys._getframe reaching a harness frame")
-        elif event == "resource.setrlimit" and args[0] == RLIMIT_LOCKS:
+        elif event == "resource.setrlimit" and _type(args[0]) is _int and args[0] == RLIMIT_LOCKS:
             new = args[1]
             if not (_type(new) is _tuple and _len(new) == 2 and _type(new[1]) is _int
                     and new[1] < getrlimit(RLIMIT_LOCKS)[1]):
@@ -789,11 +1058,12 @@ def _install_audit_hook(work, read_roots, allow_processes, report):
             if not under(args[0], work_roots):
                 deny(event + " outside the working directory")
         elif event.startswith("socket."):
-            if not (event == "socket.__new__" and _len(args) > 1 and args[1] == 1):
+            family = args[1] if event == "socket.__new__" and _len(args) > 1 else None
+            if not (_type(family) is _int and family == 1):
                 deny(event)  # only AF_UNIX socket pairs (asyncio's self-pipe) may be created
         elif event == "sqlite3.connect":
             db = args[0]
-            if db not in (":memory:", "", b":memory:", b"") and not under(db, work_roots):
+            if not ((_type(db) is _str or _type(db) is _bytes) and db in memory_dbs) and not under(db, work_roots):
                 deny(event + " outside the working directory")
         elif event in denied_events or event.startswith(denied_prefixes):
             deny(event)

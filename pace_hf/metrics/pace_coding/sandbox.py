@@ -100,8 +100,9 @@ class SandboxLimits:
     """Limits for one :func:`run_calls` run (one child process, all its calls together).
 
     ``timeout_s`` is wall-clock for the whole run; calls not reported by then are "timeout".
-    ``max_processes=0`` means no new processes. ``max_threads`` and ``max_disk_mb`` are only
-    enforced where the child could drop to its own uid / mount a tmpfs (as root on Linux)."""
+    ``max_processes=0`` means no new processes. ``max_disk_mb`` and ``max_inodes`` are the scratch
+    tmpfs's ``size=`` and ``nr_inodes=``; ``max_threads`` is only enforced where the child could drop
+    to its own uid (as root)."""
 
     timeout_s: float = 10.0
     memory_mb: int = 512  # RLIMIT_AS, address space
@@ -110,12 +111,13 @@ class SandboxLimits:
     max_file_mb: int = 1  # RLIMIT_FSIZE: largest file the program may write
     max_threads: int = 8  # counted with processes by RLIMIT_NPROC
     max_disk_mb: int = 16  # size of the tmpfs working directory
+    max_inodes: int = 4096  # files, directories and links the working directory can hold
 
     def __post_init__(self) -> None:
         if not (type(self.timeout_s) in (int, float) and 0 < self.timeout_s <= 3600):
             raise ValueError(f"timeout_s must be in (0, 3600], got {self.timeout_s!r}")
         for name, low in (("memory_mb", 32), ("cpu_s", 1), ("max_processes", 0),
-                          ("max_file_mb", 0), ("max_threads", 0), ("max_disk_mb", 1)):
+                          ("max_file_mb", 0), ("max_threads", 0), ("max_disk_mb", 1), ("max_inodes", 16)):
             value = getattr(self, name)
             if type(value) is not int or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -231,7 +233,6 @@ def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
 
 def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[CallResult], list[str], str | None]:
     """Run the child: ``(results, layers, refusal)``; ``refusal`` says why no code ran, if so."""
-    nonce = secrets.token_hex(16)
     uid = _pick_uid()
     base = tempfile.mkdtemp(prefix="pace-sandbox-")
     work, lib = os.path.join(base, "work"), os.path.join(base, "lib")
@@ -242,8 +243,7 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
         os.mkdir(work, 0o700)
         os.mkdir(lib, 0o755)
         job = {
-            "program": program, "nonce": nonce, "work": work, "lib": lib,
-            "uid": uid, "parent_pid": os.getpid(),
+            "program": program, "work": work, "lib": lib, "uid": uid, "parent_pid": os.getpid(),
             "limits": {k: v for k, v in asdict(limits).items() if k != "timeout_s"},
         }
         call_r, call_w = os.pipe()
@@ -260,12 +260,16 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 pass_fds=(job_file.fileno(), call_r, report_w), start_new_session=True,
             )
-        for fd in (call_r, report_w):  # the child's ends
-            os.close(fd)
+        for fd in (call_r, report_w, call_w):  # the child's ends; call_w is the run's to close
+            if fd != call_w:
+                os.close(fd)
             fds.remove(fd)
         os.set_blocking(call_w, False)
-        run, stderr = _Run(calls, nonce, proc.pid, call_w), _Tail(proc.stderr)
-        eof = _read_reports(report_r, stderr, run, deadline)
+        run, stderr = _Run(calls, proc.pid, call_w), _Tail(proc.stderr)
+        try:
+            eof = _read_reports(report_r, stderr, run, deadline)
+        finally:
+            run.close_calls()
         ended = _child_end(proc, stderr, deadline) if eof and not run.finished() else None
         _kill(proc, uid)
         stderr.drain()
@@ -308,53 +312,63 @@ def _pick_uid() -> int | None:
     return low + secrets.randbelow(last - low)
 
 
-class _Run:
-    """The parent's side of one run: sends the calls one at a time, validates report lines and
-    turns them into CallResults. It decides from what it saw, never from an index or state the
-    child could write: a refusal reported while the program loads fails every call, one reported
-    while call ``i`` is outstanding fails call ``i``, and so does a drop of the child's violation
-    counter (its hard RLIMIT_LOCKS, which only goes down) between sending call ``i`` and its
-    result. Lines without the run's nonce, for another call, or of the wrong shape are ignored."""
+_BROKEN = "the child broke the protocol: an unasked, duplicate, early or malformed answer"
 
-    def __init__(self, calls: list[str], nonce: str, pid: int, call_fd: int) -> None:
-        self.calls, self.nonce, self.pid, self.call_fd = calls, nonce, pid, call_fd
+
+class _Run:
+    """The parent's side of one run. It trusts nothing the child says after the program has
+    loaded beyond plain data that answers the question asked:
+
+    * the first line (written before any program code runs) names the isolation layers;
+    * then each request (the load, then call ``i``, sent only after call ``i - 1`` was answered)
+      carries a fresh random nonce, and exactly one answer carrying that nonce is accepted for it.
+      Any other line (unasked, a second answer, an answer before its request, a malformed one)
+      fails the current call and every later one; one that repeats an earlier call's nonce fails
+      that earlier call too. The run then stops;
+    * a refusal fails the call during which it happened: named in the answer, or only counted by
+      the drop of the sandbox process's hard RLIMIT_LOCKS (which only goes down) between sending
+      the request and reading its answer."""
+
+    def __init__(self, calls: list[str], child_pid: int, call_fd: int) -> None:
+        self.calls, self.child_pid, self.call_fd = calls, child_pid, call_fd
         self.phase: str | int = "setup"  # then "load", then the index of the outstanding call, then "done"
         self.done: list[CallResult] = []
         self.layers: list[str] = []
         self.refusal: str | None = None
-        self.violation: str | None = None  # the first refusal reported in the current phase
+        self.sandbox_pid: int | None = None  # the process that runs the program, as the host sees it
         self.counter: int | None = None
-        self.out = bytearray()  # call lines not yet taken by the pipe
+        self.nonces: list[str] = []  # of the load request, then of call 0, 1, ...
+        self.broken_from: int | None = None  # the first call failed by a protocol break
+        self.out = bytearray()  # request bytes not yet taken by the pipe
 
     def finished(self) -> bool:
         return self.phase == "done"
+
+    def close_calls(self) -> None:
+        """No more requests: closing the call pipe tells the child to exit."""
+        if self.call_fd >= 0:
+            os.close(self.call_fd)
+            self.call_fd = -1
+        self.out.clear()
 
     def feed(self, line: bytes) -> None:
         try:
             msg = json.loads(line)
         except (ValueError, RecursionError):
-            return
-        if type(msg) is not dict or msg.get("n") != self.nonce:
-            return
-        if "violation" in msg:
-            if self.phase not in ("setup", "done") and self.violation is None:
-                self.violation = str(msg["violation"])[:100]
-        elif self.phase == "setup" and "setup" in msg:
-            self._setup(msg)
-        elif self.phase == "load" and ("ready" in msg or "load_error" in msg):
-            blocked = self._blocked()
-            if msg.get("load_error") is not None:
-                self._fail_all(str(msg["load_error"])[:_MAX_DETAIL])
-            elif blocked:
-                self._fail_all(f"program attempted a blocked operation: {blocked}")
+            msg = None
+        if self.phase == "setup":
+            if type(msg) is dict and "setup" in msg:
+                self._setup(msg)
             else:
-                self._next(0)
-        elif type(self.phase) is int and msg.get("i") == self.phase and "status" in msg:
-            blocked = self._blocked()
-            result = CallResult("error", detail=f"call attempted a blocked operation: {blocked}") if blocked \
-                else self._result(msg)
-            self.done.append(result)
-            self._next(self.phase + 1)
+                self.refusal, self.phase = "sandbox setup failed: an unexpected first report line", "done"
+            return
+        asked = self.nonces[-1] if self.nonces and self.phase != "done" else None
+        if asked is None or type(msg) is not dict or type(msg.get("c")) is not str or msg["c"] != asked:
+            self._broken(msg)
+        elif self.phase == "load":
+            self._loaded(msg)
+        else:
+            self._answered(msg)
 
     def _setup(self, msg: dict) -> None:
         layers = msg["setup"]
@@ -365,31 +379,73 @@ class _Run:
             self.refusal = ("no OS-level wall keeps the generated code from writing outside its "
                             "scratch directory here: it needs Landlock (Linux >= 5.13) or root for a "
                             f"read-only mount namespace; layers set up: {self.layers}")
-        self.counter = _violation_counter(self.pid)
+        self.sandbox_pid = _sandbox_process(self.child_pid)
+        self.counter = _violation_counter(self.sandbox_pid) if self.sandbox_pid else None
         if self.counter is not None:
             self.layers.append("violation counter")
-        self.phase = "done" if self.refusal or not self.calls else "load"
+        if self.refusal or not self.calls:
+            self.phase = "done"
+        else:
+            self.phase = "load"
+            self._ask("")
 
-    def _blocked(self) -> str | None:
-        """The refusal seen since the last result (reported, or only counted), then reset."""
-        blocked, self.violation = self.violation, None
+    def _loaded(self, msg: dict) -> None:
+        blocked = self._blocked(msg)
+        if msg.get("load_error") is not None:
+            self._fail_all(str(msg["load_error"])[:_MAX_DETAIL])
+        elif blocked:
+            self._fail_all(f"program attempted a blocked operation: {blocked}")
+        elif msg.get("ready") is True:
+            self._next(0)
+        else:
+            self._broken(msg)
+
+    def _answered(self, msg: dict) -> None:
+        blocked = self._blocked(msg)
+        result = CallResult("error", detail=f"call attempted a blocked operation: {blocked}") if blocked \
+            else self._result(msg)
+        self.done.append(result)
+        self._next(self.phase + 1)
+
+    def _broken(self, msg: Any) -> None:
+        """A line that answers no outstanding request: fail from the current call on (from the
+        load: every call), or from the call whose nonce it repeats, and stop."""
+        failed_from = len(self.done)
+        nonce = msg.get("c") if type(msg) is dict else None
+        if type(nonce) is str and nonce in self.nonces:
+            failed_from = min(failed_from, max(self.nonces.index(nonce) - 1, 0))
+        self.broken_from = failed_from if self.broken_from is None else min(self.broken_from, failed_from)
+        self.phase = "done"
+
+    def _blocked(self, msg: dict) -> str | None:
+        """The refusal seen while the request was outstanding (named, or only counted)."""
+        named = msg.get("violations")
+        blocked = str(named[0])[:100] if type(named) is list and named else None
         if self.counter is not None:
-            now = _violation_counter(self.pid)
+            now = _violation_counter(self.sandbox_pid)
             if now != self.counter:
                 blocked = blocked or "an operation refused by the audit hook"
             self.counter = now if now is not None else -1  # an unreadable counter stays suspect
         return blocked
+
+    def _ask(self, text: str) -> None:
+        """Send a request with a fresh nonce: ``NONCE HEX`` (the text as hex-encoded UTF-8)."""
+        nonce = secrets.token_hex(16)
+        self.nonces.append(nonce)
+        self.out += f"{nonce} {text.encode('utf-8').hex()}\n".encode("ascii")
+        self.flush()
 
     def _next(self, i: int) -> None:
         if i >= len(self.calls):
             self.phase = "done"
             return
         self.phase = i
-        self.out += (json.dumps({"call": self.calls[i]}) + "\n").encode()
-        self.flush()
+        self._ask(self.calls[i])
 
     def flush(self) -> None:
         """Write what the call pipe takes now; the rest waits for select to say it is writable."""
+        if self.call_fd < 0:
+            return
         try:
             del self.out[: os.write(self.call_fd, self.out)]
         except BlockingIOError:
@@ -420,14 +476,33 @@ class _Run:
 
     def results(self, ended: str | None, timeout_s: float, stderr_tail: str) -> list[CallResult]:
         """The results so far, then one per missing call: error if the child ended (``ended``
-        says how), timeout otherwise."""
+        says how), timeout otherwise. A protocol break fails every call from the one it hit."""
         out = list(self.done[: len(self.calls)])
+        if self.broken_from is not None:
+            out = out[: self.broken_from]
+            return out + [CallResult("error", detail=_BROKEN)] * (len(self.calls) - len(out))
         if ended is not None:
             detail = ended + (f"; stderr: {stderr_tail}" if stderr_tail else "")
             missing = CallResult("error", detail=detail[:_MAX_DETAIL])
         else:
             missing = CallResult("timeout", detail=f"no result within the {timeout_s:g} s wall-clock limit")
         return out + [missing] * (len(self.calls) - len(out))
+
+
+def _sandbox_process(child_pid: int) -> int | None:
+    """The host pid of the process that runs the program: the child's only child (init, pid 1 of
+    the run's pid namespace), then init's only child. None if that chain is not there."""
+    pid = child_pid
+    for _level in range(2):
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                kids = f.read().split()
+        except OSError:
+            return None
+        if len(kids) != 1:
+            return None
+        pid = int(kids[0])
+    return pid
 
 
 def _violation_counter(pid: int) -> int | None:
@@ -448,13 +523,16 @@ def _violation_counter(pid: int) -> int | None:
 
 
 def _read_reports(fd: int, stderr: "_Tail", run: _Run, deadline: float) -> bool:
-    """Feed complete lines to the run until it is finished, the pipe closes (returns True) or
-    the deadline passes (returns False); send pending calls when the call pipe takes them.
-    Overlong lines are dropped, not buffered. The child's stderr is read alongside so that a
-    flood cannot block it; only its tail is kept."""
+    """Feed complete lines to the run until the pipe closes (returns True) or the deadline passes
+    (returns False); send pending requests when the call pipe takes them, and close it once the
+    run is finished, after which the child exits: any line it sends before that breaks the
+    protocol. An overlong line is not buffered: it breaks the protocol too. The child's stderr is
+    read alongside so that a flood cannot block it; only its tail is kept."""
     buf = bytearray()
     skipping = False
-    while not run.finished():
+    while True:
+        if run.finished():
+            run.close_calls()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
@@ -475,6 +553,7 @@ def _read_reports(fd: int, stderr: "_Tail", run: _Run, deadline: float) -> bool:
                 if len(buf) > _MAX_LINE:
                     buf.clear()
                     skipping = True
+                    run.feed(b"")  # not an answer: the protocol is broken
                 break
             line = bytes(buf[:end])
             del buf[: end + 1]
@@ -482,9 +561,6 @@ def _read_reports(fd: int, stderr: "_Tail", run: _Run, deadline: float) -> bool:
                 skipping = False  # the tail of an overlong line
             else:
                 run.feed(line)
-            if run.finished():
-                break
-    return True
 
 
 class _Tail:

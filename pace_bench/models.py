@@ -449,7 +449,7 @@ def load_model(
     return model, tokenizer
 
 
-def _main(argv: list[str]) -> None:  # python -m pace_hf.bench.models [name]
+def _main(argv: list[str]) -> None:  # python -m pace_bench.models [name]
     name = argv[0] if argv else DEFAULT_MODEL
     t0 = time.perf_counter()
     model, tok = load_model(name)

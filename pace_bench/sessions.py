@@ -11,7 +11,7 @@ definitions three randomized steps of a spec for ``billing.py``, each a short te
             (2) status values, an error code, an exception class and ``settle``,
             (3) the fee rule ``fee_for`` with its constants: base fee, rate, quantum
             and rounding mode
-filler      Python standard-library source (see :mod:`pace_hf.bench.filler`), about
+filler      Python standard-library source (see :mod:`pace_bench.filler`), about
             ``chunk_tokens`` tokens per user turn, each answered with a fixed ack
 probes      three user turns: write ``fee_for`` (the file already holds steps 1-2),
             write ``settle`` (it holds steps 1 and 3), write the complete module
@@ -48,10 +48,10 @@ the check controls (each fact has at least one check that fails when only that f
 wrong), or null. ``reference`` is the JSON grading record that the metric takes:
 ``{"probe", "step", "checks", "recall", "preamble", "answer_prefix"}``.
 
-The parts live in their own modules: :mod:`~pace_hf.bench.facts` (the randomized facts and the fee
-rule), :mod:`~pace_hf.bench.spec` (the definition and probe text, and the correct answers),
-:mod:`~pace_hf.bench.amounts` and :mod:`~pace_hf.bench.checks` (the hidden checks),
-:mod:`~pace_hf.bench.filler` (the filler), :mod:`~pace_hf.bench.build` (one session's row). This
+The parts live in their own modules: :mod:`~pace_bench.facts` (the randomized facts and the fee
+rule), :mod:`~pace_bench.spec` (the definition and probe text, and the correct answers),
+:mod:`~pace_bench.amounts` and :mod:`~pace_bench.checks` (the hidden checks),
+:mod:`~pace_bench.filler` (the filler), :mod:`~pace_bench.build` (one session's row). This
 module is the loader: sessions as a cached ``datasets.Dataset``.
 """
 

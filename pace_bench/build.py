@@ -1,6 +1,6 @@
 """Assembling one session: the chat's token ids, turns, fact spans, probes and oracle blueprint.
 
-The layout and the row format are described in :mod:`pace_hf.bench.sessions`. Every message is
+The layout and the row format are described in :mod:`pace_bench.sessions`. Every message is
 tokenized on its own under the tokenizer's chat template (:class:`pace_hf.chat.ChatTemplate`), so
 the concatenated ids are exactly the rendered conversation and every span is exact.
 """
@@ -95,7 +95,7 @@ def build_session(
     session_index: int = 0,
     return_messages: bool = False,
 ):
-    """Build one session row (see :mod:`pace_hf.bench.sessions`). With ``return_messages``, return
+    """Build one session row (see :mod:`pace_bench.sessions`). With ``return_messages``, return
     ``(row, messages)`` where ``messages`` is the chat (system, definitions, filler) that
     ``context_ids`` tokenizes, as ``[{"role", "content"}]``."""
     check_knobs(total_tokens, distance, filler_mode, chunk_tokens)

@@ -1,4 +1,8 @@
-"""The paper's Figures 1 and 3, drawn from a run's ``probes.jsonl``.
+"""The paper's tables and figures, drawn from a run's records (``probes.jsonl``).
+
+* **Table 2** (:func:`summarize`): per arm, checks, full probes, recall, residency, the mean rotary gap,
+  the paired comparison against a reference arm and the peak KV.
+* **Table 3** (:func:`distance_table`): a sweep's checks and gaps, one row per definition distance D.
 
 * **Figure 1** (``fig1_checks_vs_distance.png``): checks passed against the definition distance D, per
   arm. Each point pools the arm's probes at that D (checks passed / checks run, the table's ``checks``
@@ -17,13 +21,13 @@ Each figure's title names the model, B, L, H, the session length and n. The sett
 command line, else from the run's ``run.json`` (the runner writes it beside ``probes.jsonl``), else from
 the records; the session length and n always come from the records.
 
-    python -m pace_hf.bench.figures runs/48k
-    python -m pace_hf.bench.figures bench/results/48k --model qwen2.5-coder-0.5b --budget 2048 --limit 8192 --chunk 4096
+    python -m pace_bench.figures runs/48k
+    python -m pace_bench.figures bench/results/48k --model qwen2.5-coder-0.5b --budget 2048 --limit 8192 --chunk 4096
 
 Several run folders of one setting (say, a sweep and an arm added later at two of its distances) are
 drawn as one, with their merged table (``--out`` is then required):
 
-    python -m pace_hf.bench.figures bench/results/sweep bench/results/sweep-h2o --out bench/results/sweep-all
+    python -m pace_bench.figures bench/results/sweep bench/results/sweep-h2o --out bench/results/sweep-all
 """
 
 from __future__ import annotations
@@ -32,20 +36,19 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from .arms import ARMS, FORESIGHT_ARMS
+from .records import run_records, session_key
+
 FIGURE_1 = "fig1_checks_vs_distance.png"
 FIGURE_3 = "fig3_checks_vs_rotary_gap.png"
 FIGURE_ROBUSTNESS = "robustness.png"
 
-# The runner's arms in its order (tests/test_figures.py checks that this matches runner.ARMS), so that an
-# arm has the same color and marker in every figure of every run.
-ARM_ORDER = ("full", "h2o", "snapkv", "streaming", "positions_only", "retention_only", "pace", "snapkv_foresight",
-             "streaming_bounded")
-FORESIGHT_ARMS = ("retention_only", "pace", "snapkv_foresight")  # the PACE family: arms that plan ahead
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h")
 GAP_BINS = (0, 8192, 16384, 32768, math.inf)
 GAP_LABELS = ("0-8K", "8-16K", "16-32K", ">32K")
@@ -54,11 +57,17 @@ TRAINING_CONTEXT = {"qwen2.5-coder-0.5b": 32768, "smollm2-135m": 8192}
 SETTINGS = ("model", "budget", "limit", "chunk")
 
 
+def _rank(arm: str) -> int:
+    """An arm's place in the registry (unknown arms after the known ones), so that it has the same color
+    and marker, and the same place, in every figure of every run."""
+    return list(ARMS).index(arm) if arm in ARMS else len(ARMS)
+
+
 def arm_style(arm: str) -> dict:
     """A fixed color and marker per arm (unknown arms after the known ones)."""
     import matplotlib
 
-    k = ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER) + sum(map(ord, arm)) % 7
+    k = _rank(arm) if arm in ARMS else len(ARMS) + sum(map(ord, arm)) % 7
     return {"color": matplotlib.colormaps["tab10"](k % 10), "marker": _MARKERS[k % len(_MARKERS)]}
 
 
@@ -136,7 +145,7 @@ def _frame(records: list[dict]) -> pd.DataFrame:
 
 def _arms(df: pd.DataFrame) -> list[str]:
     present = list(dict.fromkeys(df["arm"]))
-    return sorted(present, key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else len(ARM_ORDER), present.index(a)))
+    return sorted(present, key=lambda a: (_rank(a), present.index(a)))
 
 
 def _pooled(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
@@ -237,6 +246,63 @@ def figure_gap(records: list[dict], settings: dict, path: Path, arms=FORESIGHT_A
     fig.text(0.01, -0.01, f"Left out: {below} probe(s) of these arms below full residency, {no_gap} with no gap "
              f"(nothing resident); other arms are not shown.", fontsize=7, color="0.35", ha="left", va="top")
     return _save(fig, path)
+
+
+def gap_text(value) -> str:
+    """A rotary gap as the tables print it; ``n/a`` when nothing needed was resident."""
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def reference_for(records: list[dict], reference_arm: str | None) -> str | None:
+    """The arm the table pairs the others against: ``reference_arm`` if it was run, else the first arm
+    run (with a warning unless none was asked for), so that the paired column is never silently empty."""
+    arms = list(dict.fromkeys(r["arm"] for r in records))
+    if not arms or reference_arm in arms:
+        return reference_arm if arms else None
+    if reference_arm is not None:
+        warnings.warn(f"reference arm {reference_arm!r} was not run; pairing against {arms[0]!r}, the first arm run",
+                      stacklevel=2)
+    return arms[0]
+
+
+def summarize(records: list[dict], reference_arm: str | None) -> str:
+    """A Markdown table in the shape of the paper's Table 2. Probes with nothing resident have no rotary
+    gap: they are left out of the mean and counted as missing, never taken as 0."""
+    from pace_hf.metrics.pace_coding.pace_coding import paired_comparison
+
+    reference_arm = reference_for(records, reference_arm)
+    arms = list(dict.fromkeys(r["arm"] for r in records))
+    by_arm = {a: [r for r in records if r["arm"] == a] for a in arms}
+    key = lambda r: (*session_key(r), r["probe"])  # noqa: E731
+    memory = all("peak_cache_bytes" in r for r in records)  # logs written before it was recorded lack it
+    lines = [f"| arm | checks | full probes | recall | residency | mean rotary gap | vs {reference_arm} "
+             "(better/worse/tied, p) |" + (" peak KV (vs full cache) |" if memory else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if memory else "")]
+    ref = {key(r): r for r in by_arm.get(reference_arm, [])}
+    for arm, rs in by_arm.items():
+        passed, total = sum(r["checks_passed"] for r in rs), sum(r["checks_total"] for r in rs)
+        full = sum(r["checks_passed"] == r["checks_total"] for r in rs)
+        recall = sum(r["recall_hits"] for r in rs) / max(1, sum(r["recall_total"] for r in rs))
+        residency = sum(r.get("residency", 1.0) for r in rs) / len(rs)
+        gaps = [r["rotary_gap"] for r in rs if r.get("rotary_gap") is not None]
+        gap = gap_text(sum(gaps) / len(gaps) if gaps else None)
+        if 0 < len(rs) - len(gaps) and gaps:
+            gap += f" ({len(rs) - len(gaps)} n/a)"
+        paired = "-"  # the reference arm itself
+        if arm != reference_arm:
+            pairs = [(r, ref[key(r)]) for r in rs if key(r) in ref]
+            p = paired_comparison([a for a, _ in pairs], [b for _, b in pairs])
+            paired = f"{p['better']}/{p['worse']}/{p['tied']}, p={p['p_value']:.3g}"
+        lines.append(f"| {arm} | {passed}/{total} ({100 * passed / max(1, total):.0f}%) | {full}/{len(rs)} | "
+                     f"{100 * recall:.0f}% | {residency:.3f} | {gap} | {paired} |"
+                     + (f" {_peak_memory(rs)} |" if memory else ""))
+    return "\n".join(lines)
+
+
+def _peak_memory(records: list[dict]) -> str:
+    """An arm's largest cache peak, in MiB, and its ratio to the full cache's size at the same length."""
+    peak = max(records, key=lambda r: r["peak_cache_bytes"])
+    return f"{peak['peak_cache_bytes'] / 2**20:,.0f} MiB ({peak['peak_cache_bytes'] / peak['full_cache_bytes']:.2f}x)"
 
 
 def distance_table(records: list[dict]) -> str:
@@ -341,20 +407,8 @@ def make_figures(records: list[dict], out_dir: Path, settings: dict) -> list[Pat
     return [figure_distance(records, settings, out_dir / FIGURE_1), figure_gap(records, settings, out_dir / FIGURE_3)]
 
 
-def read_records(run_dir: Path) -> list[dict]:
-    """The records of ``run_dir/probes.jsonl`` (a sharded run's ``probes.rank*.jsonl`` when it has no
-    merged file yet)."""
-    run_dir = Path(run_dir)
-    merged = run_dir / "probes.jsonl"
-    paths = [merged] if merged.exists() else sorted(run_dir.glob("probes.rank*.jsonl"))
-    records = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line.strip()]
-    if not records:
-        raise SystemExit(f"figures: no probe records in {run_dir} (looked for probes.jsonl and probes.rank*.jsonl)")
-    return records
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pace_hf.bench.figures", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m pace_bench.figures", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR",
                     help="a run's folder: probes.jsonl (and run.json, if the runner wrote it); several are merged")
@@ -369,7 +423,7 @@ def main(argv=None) -> int:
     if len(args.run_dirs) > 1 and args.out is None:
         ap.error("several RUN_DIRs are drawn as one: pass --out for the merged figures and table")
     overrides = {k: getattr(args, k) for k in SETTINGS}
-    runs = [(run_dir, read_records(run_dir)) for run_dir in args.run_dirs]
+    runs = [(run_dir, run_records(run_dir)) for run_dir in args.run_dirs]
     per_run = [settings_for(run_dir, records, overrides) for run_dir, records in runs]
     differ = [k for k in SETTINGS if len({str(s.get(k)) for s in per_run}) > 1]
     if differ:
@@ -382,8 +436,6 @@ def main(argv=None) -> int:
     out = args.out or args.run_dirs[0]
     out.mkdir(parents=True, exist_ok=True)
     if len(runs) > 1:
-        from pace_hf.bench.runner import summarize
-
         sources = ", ".join(str(d) for d in args.run_dirs)
         table = with_distance_table(summarize(records, args.reference_arm), records)
         (out / "table.md").write_text(f"merged from {sources}\n\n{table}\n")

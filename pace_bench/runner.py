@@ -4,7 +4,7 @@ Per probe it records the answer, the hidden-check results and why they failed, r
 of the tokens the probe needs and the rotary gap, read from the cache's ledger when the probe starts,
 and, with a store, the cache's tier counters. It writes JSONL, the run's settings (``run.json``), a
 Markdown table shaped like the paper's Table 2 and the paper's Figures 1 and 3
-(:mod:`pace_hf.bench.figures`).
+(:mod:`pace_bench.figures`).
 
     PACE_ALLOW_CODE_EVAL=1 pace-bench --arms h2o,pace --sessions 3 --tokens 49152 --out runs/48k
 
@@ -13,7 +13,7 @@ accelerate, each process plays a disjoint share (``PartialState.split_between_pr
 ``probes.rank{N}.jsonl``, and the main process merges them into ``probes.jsonl``, the table and the
 figures:
 
-    PACE_ALLOW_CODE_EVAL=1 accelerate launch --multi_gpu --num_processes 2 -m pace_hf.bench --sessions 3 ...
+    PACE_ALLOW_CODE_EVAL=1 accelerate launch --multi_gpu --num_processes 2 -m pace_bench --sessions 3 ...
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import os
 import random
 import sys
 import time
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,50 +33,18 @@ from transformers import StoppingCriteria
 
 from pace_hf import Blueprint, EvictionCache, Span
 from pace_hf.binding import decoder_of
-from pace_hf.cache import DEFAULT_RECENT, DEFAULT_SINKS, cache_nbytes
-from pace_hf.scoring import CumulativeAttention, Foresight, ObservationWindow, Recency
+from pace_hf.cache import cache_nbytes
+from pace_hf.session import generate_reply
 
+from .arms import ARMS, BOUNDED_ARMS, ArmSettings, check_settings, make_cache
+from .figures import gap_text, make_figures, settings_for, summarize, with_distance_table
+from .progress import SessionProgress
+from .records import pair_key, read_jsonl, session_key, shard_paths, write_jsonl
 from .sessions import session_messages
 
-# Each arm is a composition: a scoring policy, with or without foresight, with or without a limit.
-# name -> (base scorer or None for the full cache, foresight, bounded)
-ARM_PARTS = {
-    "full": (None, False, False),
-    "h2o": (CumulativeAttention, False, False),
-    "snapkv": (ObservationWindow, False, False),
-    "streaming": (Recency, False, False),
-    "positions_only": (CumulativeAttention, False, True),
-    "retention_only": (CumulativeAttention, True, False),
-    "pace": (CumulativeAttention, True, True),
-    "snapkv_foresight": (ObservationWindow, True, False),
-    "streaming_bounded": (Recency, False, True),
-}
-ARMS = tuple(ARM_PARTS)
 PLANNERS = ("oracle", "symbols", "none")
 STORES = ("none", "host", "disk", "valkey")
 TIER_FIELDS = ("restores", "restored_tokens", "stall_seconds", "spilled_tokens")
-
-
-@dataclass(frozen=True)
-class ArmSettings:
-    budget: int = 2048
-    limit: int = 8192
-
-
-def make_cache(arm: str, model, blueprint: Blueprint, s: ArmSettings, store=None, session_id: str | None = None):
-    """The cache of one arm; every evicting arm shares budget, sinks, recent and schedule. With a
-    ``store`` (``pace_hf.tiers.TieredStore``) its evicted tokens are spilled there under ``session_id``."""
-    from transformers import DynamicCache
-
-    if arm not in ARM_PARTS:
-        raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
-    scorer, foresight, bounded = ARM_PARTS[arm]
-    if scorer is None:
-        return DynamicCache(config=model.config)
-    scoring = Foresight(scorer(), blueprint) if foresight else scorer()
-    recent = 0 if scorer is Recency else DEFAULT_RECENT
-    return EvictionCache(model, budget=s.budget, limit=s.limit if bounded else None, scoring=scoring, recent=recent,
-                         store=store, session_id=session_id if store is not None else None)
 
 
 # -- blueprints: the oracle's (whole or with edges dropped), or a planner's ---------------------------
@@ -201,23 +167,6 @@ def full_cache_bytes(model, tokens: int) -> int:
     return 2 * c.num_hidden_layers * kv_heads * head_dim * tokens * model.dtype.itemsize
 
 
-def generate_answer(model, ids: list[int], cache, max_new_tokens: int, stop_ids: list[int], chunk: int,
-                    stopping_criteria=None) -> list[int]:
-    """Greedy answer to the conversation ``ids``; ``cache`` holds a prefix of it. No trailing EOS."""
-    input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids, cache=cache, attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-            eos_token_id=stop_ids, pad_token_id=stop_ids[0], prefill_chunk_size=chunk,
-            stopping_criteria=stopping_criteria,
-        )
-    new = out[0, len(ids):].tolist()
-    while new and new[-1] in stop_ids:
-        new.pop()
-    return new
-
-
 def _score(metric, text: str, probe) -> dict:
     """The metric's details for one answer; a scoring failure (anything but a refusal to run code at
     all) is recorded with every check failed, so that one probe cannot end a long run."""
@@ -245,18 +194,18 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
     ``blueprint``: what foresight arms plan with (default: the session's oracle blueprint). ``store``:
     spill evicted tokens there (and restore planned spans from it). ``rehydrate``: before each probe,
     restore the evicted turns that its prompt names (needs a store and a foresight arm).
-    ``progress``: a per-chunk prefill progress bar."""
+    ``progress``: a bar of the session's prefilled tokens that names the phase (:mod:`pace_bench.progress`)."""
     blueprint = Blueprint.from_dicts(row["blueprint"]) if blueprint is None else blueprint
     session_id = f"{arm}-{row['session_id']}"
     cache = make_cache(arm, model, blueprint, settings, store=store, session_id=session_id)
     evicting = isinstance(cache, EvictionCache)
+    probes = row["probes"]
     bar = None
-    if progress and evicting:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(row["context_ids"]), desc=f"{arm} {row['session_id']} prefill", unit="tok",
-                   leave=False, dynamic_ncols=True)
-        cache.progress = bar
+    if progress:
+        prompts = sum(len(p["prompt_ids"]) for p in probes) + (len(probes) - 1) * len(row["turn_end_ids"])
+        bar = SessionProgress(f"{arm} {row['session_id']}", len(row["context_ids"]) + prompts)
+        if evicting:
+            cache.progress = bar  # told of every prefilled chunk
     can_rehydrate = rehydrate and evicting and cache.store is not None and cache.blueprint is not None
     messages = session_messages(row, tokenizer) if can_rehydrate else None
     ids = list(row["context_ids"])
@@ -266,19 +215,31 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
         cleanup.callback(lambda: bar.close() if bar is not None else None)
         if store is not None:  # the spilled KV served this run only
             cleanup.callback(store.delete_session, session_id)
-        for probe in row["probes"]:
+        for k, probe in enumerate(probes, 1):
+            of = f"{k}/{len(probes)}"
             start = time.perf_counter()
             if evicting:
                 cache.step = probe["step"]
             if can_rehydrate and cache.get_seq_length() < len(ids):
                 # Rehydration answers a turn's arrival: as in a live session, the history is in the cache
                 # (and what it evicted is in the store) before the probe's turn comes.
-                generate_answer(model, ids, cache, 1, stop_ids, chunk)
+                if bar is not None:
+                    bar.phase(f"prefill history {of}", len(ids) - cache.get_seq_length())
+                generate_reply(model, ids, cache, max_new_tokens=1, stop_ids=stop_ids, chunk=chunk)
+            if bar is not None and can_rehydrate:
+                bar.phase(f"rehydrate {of}")
             restored = rehydrate_for_probe(cache, row, tokenizer, probe, messages) if can_rehydrate else None
             ids += probe["prompt_ids"]
             reading = ReadAtFirstQuery(cache, needed_positions(row, probe))
             budget = min(probe["max_new_tokens"], max_new_tokens or probe["max_new_tokens"])
-            answer = generate_answer(model, ids, cache, budget, stop_ids, chunk, [reading])
+            criteria = [reading]
+            if bar is not None:
+                bar.phase(f"prefill probe {of}", len(ids) - cache.get_seq_length())
+                criteria.append(bar.answering(f"answer {of}", budget, len(ids)))
+            answer = generate_reply(model, ids, cache, max_new_tokens=budget, stop_ids=stop_ids, chunk=chunk,
+                                    stopping_criteria=criteria)
+            if bar is not None:
+                bar.phase(f"scoring {of}")
             seconds = time.perf_counter() - start
             ids += answer + list(row["turn_end_ids"])
             text = tokenizer.decode(answer, skip_special_tokens=True)
@@ -302,54 +263,14 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
 # -- reporting ---------------------------------------------------------------------------------------------
 
 
-def _gap(value) -> str:
-    return "n/a" if value is None else f"{value:,.0f}"
-
-
 def progress_line(r: dict) -> str:
     """One line per scored probe, naming the facts of the checks that failed and why the probe did."""
     failed = sorted({c.get("fact") or c["name"] for c in r["checks"] if not c["passed"]})
     why = f" ({r['failure']})" if r.get("failure") else ""
     return (f"{r['arm']:>14} {r['session_id']} {r['probe']:<8} checks {r['checks_passed']}/{r['checks_total']} "
             f"recall {r['recall_hits']}/{r['recall_total']} residency {r.get('residency', 1.0):.3f} "
-            f"gap {_gap(r.get('rotary_gap'))} {r['seconds']:.0f}s"
+            f"gap {gap_text(r.get('rotary_gap'))} {r['seconds']:.0f}s"
             + (f"  failed{why}: {', '.join(failed)}" if failed else ""))
-
-
-def session_key(r: dict) -> tuple:
-    """A session, in a row or a record: its id and its definition distance (a distance sweep builds
-    session s0-0 once per D, with the same id)."""
-    return r["session_id"], r.get("distance")
-
-
-def pair_key(arm: str, r: dict) -> tuple:
-    """An (arm, session) pair: the unit a run plays, resumes and shards."""
-    return (arm, *session_key(r))
-
-
-def read_jsonl(paths) -> list[dict]:
-    """The records of the JSONL files ``paths`` (one path or several; missing files hold none), in
-    order, each (arm, session, probe) once: a record repeated in a later file is dropped."""
-    paths = [paths] if isinstance(paths, (str, Path)) else paths
-    records, seen = [], set()
-    for path in map(Path, paths):
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                key = (*pair_key(r["arm"], r), r["probe"])
-                if key not in seen:
-                    seen.add(key)
-                    records.append(r)
-    return records
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    """Replace ``path`` with ``records``, atomically (a run stopped meanwhile keeps the old file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, path)
 
 
 def completed_records(paths, probes_per_session: int) -> list[dict]:
@@ -378,68 +299,8 @@ def resumable_records(paths, rows) -> list[dict]:
     return completed_records(paths, {len(r["probes"]) for r in rows}.pop())
 
 
-def shard_paths(out_dir: Path) -> list[Path]:
-    """The per-process logs of a sharded run, ``probes.rank{N}.jsonl``, by rank."""
-    return sorted(Path(out_dir).glob("probes.rank*.jsonl"),
-                  key=lambda p: int(p.name.split(".")[1][4:]) if p.name.split(".")[1][4:].isdigit() else 1 << 30)
-
-
-def reference_for(records: list[dict], reference_arm: str | None) -> str | None:
-    """The arm the table pairs the others against: ``reference_arm`` if it was run, else the first arm
-    run (with a warning unless none was asked for), so that the paired column is never silently empty."""
-    arms = list(dict.fromkeys(r["arm"] for r in records))
-    if not arms or reference_arm in arms:
-        return reference_arm if arms else None
-    if reference_arm is not None:
-        warnings.warn(f"reference arm {reference_arm!r} was not run; pairing against {arms[0]!r}, the first arm run",
-                  stacklevel=2)
-    return arms[0]
-
-
-def summarize(records: list[dict], reference_arm: str | None) -> str:
-    """A Markdown table in the shape of the paper's Table 2. Probes with nothing resident have no rotary
-    gap: they are left out of the mean and counted as missing, never taken as 0."""
-    from pace_hf.metrics.pace_coding.pace_coding import paired_comparison
-
-    reference_arm = reference_for(records, reference_arm)
-    arms = list(dict.fromkeys(r["arm"] for r in records))
-    by_arm = {a: [r for r in records if r["arm"] == a] for a in arms}
-    key = lambda r: (*session_key(r), r["probe"])  # noqa: E731
-    memory = all("peak_cache_bytes" in r for r in records)  # logs written before it was recorded lack it
-    lines = [f"| arm | checks | full probes | recall | residency | mean rotary gap | vs {reference_arm} "
-             "(better/worse/tied, p) |" + (" peak KV (vs full cache) |" if memory else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if memory else "")]
-    ref = {key(r): r for r in by_arm.get(reference_arm, [])}
-    for arm, rs in by_arm.items():
-        passed, total = sum(r["checks_passed"] for r in rs), sum(r["checks_total"] for r in rs)
-        full = sum(r["checks_passed"] == r["checks_total"] for r in rs)
-        recall = sum(r["recall_hits"] for r in rs) / max(1, sum(r["recall_total"] for r in rs))
-        residency = sum(r.get("residency", 1.0) for r in rs) / len(rs)
-        gaps = [r["rotary_gap"] for r in rs if r.get("rotary_gap") is not None]
-        gap = _gap(sum(gaps) / len(gaps) if gaps else None)
-        if 0 < len(rs) - len(gaps) and gaps:
-            gap += f" ({len(rs) - len(gaps)} n/a)"
-        paired = "-"  # the reference arm itself
-        if arm != reference_arm:
-            pairs = [(r, ref[key(r)]) for r in rs if key(r) in ref]
-            p = paired_comparison([a for a, _ in pairs], [b for _, b in pairs])
-            paired = f"{p['better']}/{p['worse']}/{p['tied']}, p={p['p_value']:.3g}"
-        lines.append(f"| {arm} | {passed}/{total} ({100 * passed / max(1, total):.0f}%) | {full}/{len(rs)} | "
-                     f"{100 * recall:.0f}% | {residency:.3f} | {gap} | {paired} |"
-                     + (f" {_peak_memory(rs)} |" if memory else ""))
-    return "\n".join(lines)
-
-
-def _peak_memory(records: list[dict]) -> str:
-    """An arm's largest cache peak, in MiB, and its ratio to the full cache's size at the same length."""
-    peak = max(records, key=lambda r: r["peak_cache_bytes"])
-    return f"{peak['peak_cache_bytes'] / 2**20:,.0f} MiB ({peak['peak_cache_bytes'] / peak['full_cache_bytes']:.2f}x)"
-
-
 def plot(records: list[dict], out_dir: Path, settings: dict | None = None) -> list[Path]:
-    """The paper's Figures 1 and 3 (:func:`pace_hf.bench.figures.make_figures`) into ``out_dir``."""
-    from pace_hf.bench.figures import make_figures, settings_for
-
+    """The paper's Figures 1 and 3 (:func:`pace_bench.figures.make_figures`) into ``out_dir``."""
     return make_figures(records, out_dir, settings_for(out_dir, records, settings))
 
 
@@ -450,11 +311,11 @@ terms:
   B (--budget)  resident tokens per layer and KV head after each forward.
   H (--chunk)   prefill chunk size: tokens per forward while prefilling (generate's prefill_chunk_size);
                 bounded arms need L > B + H.
-  L (--limit)   the largest rotary position a bounded arm ever uses (positions_only, pace,
-                streaming_bounded); residents are renumbered before a chunk would pass it.
-  arms          full (no eviction), h2o, snapkv, streaming, positions_only (h2o + L),
-                retention_only (h2o + foresight), pace (h2o + foresight + L), snapkv_foresight,
-                streaming_bounded.
+  L (--limit)   the largest rotary position a bounded arm ever uses (BOUNDED_ARMS);
+                residents are renumbered before a chunk would pass it.
+
+arms (the registry pace_bench.arms.ARMS):
+ARM_LINES
 
 code execution:
   The checks run the model's code. It runs in a sandbox, but it is untrusted: opt in with
@@ -469,8 +330,9 @@ writes OUT/probes.rank{N}.jsonl, and the main process merges them into OUT/probe
 the figures; --resume reads the shards too). --multi_gpu starts one process per --num_processes with
 torchrun, one GPU each, or on a machine without CUDA, CPU processes over gloo:
   PACE_ALLOW_CODE_EVAL=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \\
-      --mixed_precision no --dynamo_backend no -m pace_hf.bench --arms h2o,pace --sessions 3 --out runs/48k
-"""
+      --mixed_precision no --dynamo_backend no -m pace_bench --arms h2o,pace --sessions 3 --out runs/48k
+""".replace("BOUNDED_ARMS", ", ".join(BOUNDED_ARMS)).replace(
+    "ARM_LINES", "\n".join(f"  {a.name:<18} {a.summary}" for a in ARMS.values()))
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -503,7 +365,7 @@ def _fraction(text: str) -> float:
 
 def _model_name(text: str) -> str:
     """A model the project can load without a hub: a packaged name, or a local directory."""
-    from pace_hf.bench.models import model_names
+    from pace_bench.models import model_names
 
     if text.lower() in model_names() or Path(text).is_dir():
         return text
@@ -520,12 +382,19 @@ def _arm_list(text: str) -> list[str]:
     return list(dict.fromkeys(arms))
 
 
+def _suite_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--suite", choices=("coding", "ruler"), default="coding",
+                    help="coding: the long-session coding benchmark; ruler: RULER through lm-eval (see --suite ruler --help)")
+    return ap
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from pace_hf.bench.filler import FILLER_MODES
-    from pace_hf.bench.models import DEFAULT_MODEL, model_names
+    from pace_bench.filler import FILLER_MODES
+    from pace_bench.models import DEFAULT_MODEL, model_names
 
     ap = argparse.ArgumentParser(prog="pace-bench", description=__doc__.split("\n\n")[0], epilog=_EPILOG,
-                                 formatter_class=_Formatter)
+                                 formatter_class=_Formatter, parents=[_suite_parser()])
     ap.add_argument("--model", type=_model_name, default=DEFAULT_MODEL, metavar="NAME",
                     help=f"one of {{{', '.join(model_names())}}}, or a local model directory")
     ap.add_argument("--arms", type=_arm_list, default="h2o,pace", metavar="ARM[,ARM...]",
@@ -570,11 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(ap: argparse.ArgumentParser, args) -> None:
     """Checks across arguments, before anything loads (``ap.error`` exits with a usage message)."""
-    bounded = [a for a in args.arms if ARM_PARTS[a][2]]
-    protected = max((DEFAULT_SINKS + (0 if ARM_PARTS[a][0] is Recency else DEFAULT_RECENT)
-                     for a in args.arms if ARM_PARTS[a][0] is not None), default=0)
-    if args.budget < protected:
-        ap.error(f"--budget {args.budget} cannot hold the {protected} sink and recent tokens that these arms protect")
+    settings = ArmSettings(budget=args.budget, limit=args.limit)
+    for arm in args.arms:
+        refusal = check_settings(arm, settings)  # the cache's own check of B and L
+        if refusal:
+            ap.error(f"--arms {arm} with --budget {args.budget} --limit {args.limit}: {refusal}")
+    # The chunk is generate's, not the cache's: the cache sees it only when a forward brings it, after
+    # the model has loaded, so the run checks it here.
+    bounded = [a for a in args.arms if ARMS[a].bounded]
     if bounded and args.limit <= args.budget + args.chunk:
         ap.error(f"bounded arms ({', '.join(bounded)}) need --limit > --budget + --chunk (L > B + H): "
                  f"{args.limit} <= {args.budget} + {args.chunk}")
@@ -599,6 +471,12 @@ def make_store(args, out_dir: Path):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    suite, argv = _suite_parser().parse_known_args(argv)
+    if suite.suite == "ruler":  # RULER through lm-eval: its own arguments (pace-bench --suite ruler --help)
+        from pace_bench.ruler import main as ruler_main
+
+        return ruler_main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
@@ -639,9 +517,9 @@ def _run(args) -> int:
     import evaluate
     from tqdm.auto import tqdm
 
-    from pace_hf.bench import load_sessions
-    from pace_hf.bench.build import SYSTEM_PROMPT
-    from pace_hf.bench.models import load_model, load_tokenizer, preferred_dtype
+    from pace_bench import load_sessions
+    from pace_bench.build import SYSTEM_PROMPT
+    from pace_bench.models import load_model, load_tokenizer, preferred_dtype
     from pace_hf.chat import ChatTemplate
     from pace_hf.metrics import PACE_CODING
 
@@ -720,8 +598,6 @@ def _run(args) -> int:
             write_jsonl(log_path, records)
             for path in shard_paths(out_dir):
                 path.unlink()
-        from pace_hf.bench.figures import with_distance_table
-
         table = with_distance_table(summarize(records, args.reference_arm), records)  # a sweep: Table 3 too
         header = (f"model {args.model} ({dtype}), {len(rows)} sessions x {len(rows[0]['probes'])} probes, "
                   f"~{args.tokens:,} context tokens, B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, "

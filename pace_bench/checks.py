@@ -1,7 +1,7 @@
-"""The hidden checks of each probe (the format is in :mod:`pace_hf.bench.sessions`).
+"""The hidden checks of each probe (the format is in :mod:`pace_bench.sessions`).
 
 Every check calls the answer's code with values chosen so that it fails when the fact it controls is
-wrong (see :mod:`pace_hf.bench.amounts`) and fails for a stub that returns a constant: each one sees
+wrong (see :mod:`pace_bench.amounts`) and fails for a stub that returns a constant: each one sees
 at least two different expected values.
 """
 

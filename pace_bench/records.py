@@ -1,0 +1,63 @@
+"""A run's log: one JSON record per probe, in ``probes.jsonl`` (``probes.rank{N}.jsonl`` per process of
+a sharded run, merged by the main process at the end). The runner writes and resumes it; the figures
+and tables read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def session_key(r: dict) -> tuple:
+    """A session, in a row or a record: its id and its definition distance (a distance sweep builds
+    session s0-0 once per D, with the same id)."""
+    return r["session_id"], r.get("distance")
+
+
+def pair_key(arm: str, r: dict) -> tuple:
+    """An (arm, session) pair: the unit a run plays, resumes and shards."""
+    return (arm, *session_key(r))
+
+
+def read_jsonl(paths) -> list[dict]:
+    """The records of the JSONL files ``paths`` (one path or several; missing files hold none), in
+    order, each (arm, session, probe) once: a record repeated in a later file is dropped."""
+    paths = [paths] if isinstance(paths, (str, Path)) else paths
+    records, seen = [], set()
+    for path in map(Path, paths):
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                key = (*pair_key(r["arm"], r), r["probe"])
+                if key not in seen:
+                    seen.add(key)
+                    records.append(r)
+    return records
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Replace ``path`` with ``records``, atomically (a run stopped meanwhile keeps the old file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def shard_paths(out_dir: Path) -> list[Path]:
+    """The per-process logs of a sharded run, ``probes.rank{N}.jsonl``, by rank."""
+    return sorted(Path(out_dir).glob("probes.rank*.jsonl"),
+                  key=lambda p: int(p.name.split(".")[1][4:]) if p.name.split(".")[1][4:].isdigit() else 1 << 30)
+
+
+def run_records(run_dir: Path) -> list[dict]:
+    """The records of the run in ``run_dir``: its ``probes.jsonl``, else (a sharded run not merged yet)
+    its shards. No record at all is an error."""
+    run_dir = Path(run_dir)
+    merged = run_dir / "probes.jsonl"
+    records = read_jsonl(merged if merged.exists() else shard_paths(run_dir))
+    if not records:
+        raise SystemExit(f"no probe records in {run_dir} (looked for probes.jsonl and probes.rank*.jsonl)")
+    return records

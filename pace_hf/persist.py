@@ -1,0 +1,247 @@
+"""Save and resume a cache, all or nothing: a session resumes as exactly one save, never a mix of two.
+
+Generations. Each save is a generation (``g17-3fa2c1``: a serial number and a random tag, so no two
+saves, writers or retries ever share a key). Its entries -- every layer's state and the caller's
+attachments (a ``PACESession``'s conversation) -- are written under keys of their own
+(``L3/state@g17-3fa2c1``), never over an older save's. The spill entries a save indexes were written
+once, under keys no writer reuses (``pace_hf.spill``). The manifest is written last, under the one key
+``manifest``: it names the generation and holds the digest (``tiers.entry.digest``) of every entry it
+covers, layer states, attachments and spill entries.
+
+Order. (1) The attempt's keys are recorded under ``save-pending``. (2) The entries are written, and
+each is confirmed on every durable tier (``TieredStore.durable_tiers``): a tier that missed one fails the
+save with ``SaveFailed`` naming the entry and the tier, before anything names the entry. Spill entries
+written while a tier was down are rewritten from a tier that holds them. (3) The manifest is written
+and confirmed the same way (the disk tier writes a temporary file, fsyncs it, renames it over the old
+one and fsyncs the directory; Valkey sets it in one transaction). (4) Only then are the replaced
+generation's entries, and those of attempts that never committed (``save-pending``), deleted. A crash
+at any point leaves the previous manifest and every entry it names whole.
+
+Resume reads the manifest, fetches every entry it names and checks each digest before it builds
+anything: an entry that is missing (a crash, a Valkey eviction, a TTL), damaged, or another save's (an
+older generation put back, another writer's) refuses the resume with ``IncompleteSave`` naming it. If a
+save committed while resume was reading, resume starts over on the new manifest.
+
+One writer per session. A save holds the session's lease (``TieredStore.lease``: flock on disk, SET NX
+PX in Valkey, a table in host memory), and refuses with ``WriterConflict`` when the session's current
+save is not the one this cache resumed or last saved: a second writer gets an error, and neither
+writer's save is lost or mixed.
+
+Format. ``SAVE_FORMAT`` is 2. Format 1 (before generations) tied nothing together, so a format-1 save
+cannot be told apart from a mix: resume refuses it naming the format; a fresh cache may save over it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from concurrent.futures import Future
+
+from .scoring import describe
+from .tiers.entry import digest, digest_algorithm
+from .tiers.errors import IntegrityError, TierError, WriterConflict
+
+SAVE_FORMAT = 2
+# The manifest of a saved session is readable whatever the model: it says which model saved it.
+MANIFEST_KEY, MANIFEST_FINGERPRINT = "manifest", "pace-session-manifest"
+PENDING_KEY = "save-pending"
+VERIFY_BATCH = 32  # spill entries read at once when resume verifies them
+
+
+class SaveFailed(TierError):
+    """A save did not reach every durable tier. Nothing names its entries: the previous save is whole."""
+
+
+class IncompleteSave(ValueError):
+    """A save's manifest names an entry that is missing or is not the one it wrote: resume refused."""
+
+
+# -- save --------------------------------------------------------------------------------------------
+def save(cache, attachments: dict | None = None) -> str:
+    """Write a new generation of ``cache``'s session (see the module docstring); return its id.
+
+    ``attachments``: ``{name: (tensors, meta)}`` saved in the same generation (resume returns them)."""
+    if cache.spill is None:
+        raise ValueError("save needs a cache with a store (store=..., session_id=...) bound to a model")
+    if cache.in_forward:
+        raise RuntimeError("save cannot run inside a forward")
+    store, sid, fp, spill = cache.store, cache.session_id, cache.fingerprint, cache.spill
+    with store.lease(sid) as lease:
+        current = _read(store, sid, MANIFEST_KEY)
+        current_gen = None if current is None else current.get("generation")
+        if current_gen != spill.generation:
+            raise WriterConflict(
+                f"session {sid!r} is at save {current_gen}, but this cache continues "
+                f"{spill.generation or 'no save (it is new)'}: another writer saved it. Resume it to continue "
+                f"that save, or delete it first (store.delete_session({sid!r})) to start over")
+        serial = int(current.get("serial", 0)) + 1 if current is not None else 1
+        gen = f"g{serial}-{secrets.token_hex(3)}"
+        pending = (_read(store, sid, PENDING_KEY) or {}).get("pending", [])
+        layers = [i for i, layer in enumerate(cache.layers) if layer.is_initialized]
+        attachments = dict(attachments or {})
+        keys = [f"L{i}/state@{gen}" for i in layers] + [f"{name}@{gen}" for name in attachments]
+        _confirm(store, sid, {PENDING_KEY: _put(store, sid, PENDING_KEY, {}, {"pending": pending + [keys]})})
+
+        spill.flush()
+        parts = {f"L{i}/state@{gen}": (cache.layers[i].tensors(), {"seen": cache.get_seq_length(i)}) for i in layers}
+        parts.update({f"{name}@{gen}": part for name, part in attachments.items()})
+        entries = {key: digest(*part) for key, part in parts.items()}
+        writes = {key: _put(store, sid, key, *part, fingerprint=fp) for key, part in parts.items()}
+        store.flush()
+        _confirm(store, sid, writes)
+        _confirm_spill(store, sid, spill)
+        lease.renew()
+
+        manifest = {
+            "format": SAVE_FORMAT, "generation": gen, "serial": serial, "class": type(cache).__name__,
+            "model_fingerprint": fp, "layers": [layer.is_initialized for layer in cache.layers],
+            "entries": entries, "attachments": sorted(attachments), "budget": cache.budget,
+            "sinks": cache.sinks, "recent": cache.recent, "limit": cache.limit,
+            "scoring": describe(cache.scoring), "step": cache.step, "renumbers": cache.renumbers,
+            "next_physical": cache.next_physical, "prefetch_steps": cache.prefetch_steps, "spill": spill.state(),
+        }
+        _confirm(store, sid, {MANIFEST_KEY: _put(store, sid, MANIFEST_KEY, {}, manifest)})
+        spill.generation = gen
+
+        # The new save is durable: the one it replaces and attempts that never committed can go.
+        doomed = {key for attempt in pending for key in attempt} | set(_entry_keys(current))
+        for key in sorted(doomed - set(entries)):
+            store.delete(key, session_id=sid)
+        _put(store, sid, PENDING_KEY, {}, {"pending": []})
+        store.flush()
+    return gen
+
+
+def _put(store, sid: str, key: str, tensors, meta, *, fingerprint: str = MANIFEST_FINGERPRINT) -> Future:
+    return store.put(key, tensors, meta, fingerprint=fingerprint, session_id=sid, through=True)
+
+
+def _read(store, sid: str, key: str) -> dict | None:
+    got = store.get(key, fingerprint=MANIFEST_FINGERPRINT, session_id=sid)
+    return None if got is None else got[1]
+
+
+def _entry_keys(manifest: dict | None) -> list[str]:
+    """Every entry a manifest names that its replacement may not: a format-2 manifest's own entries,
+    a format-1 manifest's fixed keys (a fresh cache saving over an old save cleans them up)."""
+    if manifest is None:
+        return []
+    if manifest.get("format") == SAVE_FORMAT:
+        return list(manifest.get("entries", {}))
+    n = len(manifest.get("layers", []))
+    spills = [e[0] for layer in manifest.get("spill", {}).get("index", []) for e in layer]
+    return [f"L{i}/state" for i in range(n)] + ["session"] + spills
+
+
+def _missed(store, outcome: dict) -> dict[str, str]:
+    """The durable tiers a write's confirmation says it did not reach, with why."""
+    return {t: outcome.get(t) or "not written" for t in store.durable_tiers if outcome.get(t, "not written") is not None}
+
+
+def _confirm(store, sid: str, writes: dict[str, Future]) -> None:
+    store.flush()
+    for key, done in writes.items():
+        missed = _missed(store, done.result())
+        if missed:
+            why = "; ".join(f"{t}: {reason}" for t, reason in missed.items())
+            raise SaveFailed(f"save of session {sid!r} failed: {key!r} was not written to every durable tier "
+                             f"({why}); the previous save is unchanged and is still the one resumed")
+
+
+def _confirm_spill(store, sid: str, spill) -> None:
+    """Every spill entry the manifest will index is on every durable tier: entries written while a tier
+    was down (or only to the top tier) are rewritten from a tier that holds them. An entry no tier holds
+    is lost: it leaves the index (its tokens cannot be restored by anyone) and the save fails, naming it."""
+    entries = spill.entries()
+    lost = []
+    for key, done in list(spill.unconfirmed.items()):
+        if _missed(store, done.result()):
+            layer_idx, dig = entries[key]
+            got = store.get(key, fingerprint=spill.fingerprint, session_id=sid)
+            if got is None or digest(*got) != dig:
+                lost.append(key)
+                continue
+            again = _put(store, sid, key, *got, fingerprint=spill.fingerprint)
+            _confirm(store, sid, {key: again})
+        del spill.unconfirmed[key]
+    if lost:
+        for layer in spill.index:
+            layer[:] = [e for e in layer if e[0] not in lost]
+        for key in lost:
+            del spill.unconfirmed[key]
+        raise SaveFailed(f"save of session {sid!r} failed: spill entries {lost} reached no durable tier and no "
+                         "tier holds them now: their evicted tokens are lost and were dropped from the spill "
+                         "index. The previous save is unchanged; save again to save the rest")
+
+
+# -- resume ------------------------------------------------------------------------------------------
+def resume(cls, session_id: str, *, store, model, scoring=None):
+    """``(cache, attachments)``: the session's current save, every entry verified against the manifest's
+    digests before anything is built (see the module docstring). ``cls._from_manifest`` builds the cache."""
+    from .tiers import model_fingerprint
+
+    fingerprint = model_fingerprint(model)
+    for attempt in range(3):
+        manifest = _read(store, session_id, MANIFEST_KEY)
+        if manifest is None:
+            raise KeyError(f"no saved session {session_id!r} in this store (or its manifest failed verification)")
+        check_manifest(manifest, session_id, fingerprint)
+        try:
+            states, attachments = _verified(store, session_id, manifest, fingerprint)
+            break
+        except IncompleteSave:
+            again = _read(store, session_id, MANIFEST_KEY)
+            if attempt == 2 or again is None or again.get("generation") == manifest.get("generation"):
+                raise
+            # a save committed (and dropped the entries we were reading) meanwhile: resume that one
+    cache = cls._from_manifest(manifest, states, store=store, session_id=session_id, model=model, scoring=scoring)
+    return cache, attachments
+
+
+def check_manifest(m: dict, session_id: str, fingerprint: str) -> None:
+    """Refuse a manifest of another format or another model, naming what differs."""
+    if m.get("format") != SAVE_FORMAT:
+        raise ValueError(
+            f"session {session_id!r} was saved in save format {m.get('format')}; this pace_hf resumes format "
+            f"{SAVE_FORMAT} only (format 1 has no generations or digests, so it cannot be told from a mix of "
+            "two saves). Start the session again; saving from a new cache replaces the old save")
+    if m.get("model_fingerprint") != fingerprint:
+        raise ValueError(f"session {session_id!r} was saved by another model, config or dtype "
+                         f"(fingerprint {m.get('model_fingerprint')}, this model {fingerprint}): its KV cannot be restored")
+    if not isinstance(m.get("entries"), dict) or not isinstance(m.get("spill", {}).get("index"), list):
+        raise IncompleteSave(f"session {session_id!r}: its manifest is malformed (no entry digests)")
+
+
+def _verified(store, sid: str, m: dict, fingerprint: str):
+    """Every entry ``m`` names, fetched and checked against its digest. Returns the layer states
+    ``{layer: (tensors, meta)}`` and the attachments; the spill entries are checked, not kept."""
+    gen = m["generation"]
+    keys = list(m["entries"])
+    got = dict(zip(keys, store.get_many(keys, fingerprint=fingerprint, session_id=sid)))
+    for key in keys:
+        _check_entry(sid, gen, key, got[key], m["entries"][key])
+    spill = [(e[0], e[3], i) for i, layer in enumerate(m["spill"]["index"]) for e in layer]
+    for start in range(0, len(spill), VERIFY_BATCH):
+        batch = spill[start:start + VERIFY_BATCH]
+        values = store.get_many([k for k, _, _ in batch], fingerprint=fingerprint, session_id=sid)
+        for (key, dig, layer_idx), value in zip(batch, values):
+            _check_entry(sid, gen, key, value, dig)
+            if value[1].get("layer") != layer_idx:
+                raise IncompleteSave(f"session {sid!r}, save {gen}: spill entry {key!r} is indexed for layer "
+                                     f"{layer_idx} but holds layer {value[1].get('layer')}")
+    states = {int(k[1:].split("/", 1)[0]): got[k] for k in keys if "/state@" in k}
+    attachments = {name: got[f"{name}@{gen}"] for name in m.get("attachments", [])}
+    return states, attachments
+
+
+def _check_entry(sid: str, gen: str, key: str, value, expected: str) -> None:
+    if value is None:
+        raise IncompleteSave(f"session {sid!r}, save {gen}: entry {key!r} is missing from every tier (or "
+                             "failed verification); refusing to resume part of a save")
+    try:
+        actual = digest(*value, algorithm=digest_algorithm(expected))
+    except IntegrityError as e:
+        raise IncompleteSave(f"session {sid!r}, save {gen}: entry {key!r} cannot be checked ({e})") from None
+    if actual != expected:
+        raise IncompleteSave(f"session {sid!r}, save {gen}: entry {key!r} is not the one this save wrote "
+                             f"(digest {actual}, the manifest says {expected}): it belongs to another save; "
+                             "refusing to resume a mix")

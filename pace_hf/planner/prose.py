@@ -1,0 +1,119 @@
+"""Plans in prose: the names a developer's sentence means, and a lexical ranker for steps that name nothing.
+
+A developer writes "fix how the version parser handles local tags", not "`VersionParser`". Two
+readings turn such a step into the session's definitions:
+
+* **Candidates** (:func:`candidates`): joins of adjacent words in every case the session could use
+  ("parse version" -> ``parse_version``, ``parseVersion``, ``ParseVersion``, ``PARSE_VERSION``, with a
+  leading underscore too; a plural last word also singular), camelCase <-> snake_case of the names it
+  writes (:func:`variants`), and a single word right before a word that says it is code ("the open
+  function"). Only names that the session defines are kept, so a candidate costs nothing when wrong.
+* **Lexical ranking** (:class:`Lexicon`): BM25 (``bm25s``) over the session's definitions, each a
+  document of its name split into words (weighted), its class's name, its signature and its docstring.
+  Used for a step that resolves nothing through names: it finds single lowercase words the session
+  defines ("fix the dispatch") and descriptions that name nothing at all.
+"""
+
+from __future__ import annotations
+
+import re
+
+import bm25s
+import numpy as np
+
+from .extract import STOPWORDS, Definition, plain_word
+
+KIND_WORDS = frozenset("""function functions method methods class classes constant constants helper helpers
+attribute attributes field fields property properties decorator decorators variable variables""".split())
+
+
+def split_name(name: str) -> list[str]:
+    """``parse_version`` / ``parseVersion`` / ``HTTPAdapter`` -> lowercase words."""
+    out = []
+    for piece in re.split(r"[_\W]+", name):
+        out += re.findall(r"[A-Z]+(?=[A-Z][a-z]|\d|\b)|[A-Z]?[a-z]+|[A-Z]+|\d+", piece)
+    return [w.lower() for w in out if w]
+
+
+def _stem(word: str) -> str:
+    """A light stem so that "parsers", "parser" and "parse" meet: plural and agent/verb endings."""
+    w = word.lower()
+    for suffix in ("ies", "ing", "ers", "er", "es", "ed", "s"):
+        if len(w) > len(suffix) + 2 and w.endswith(suffix) and not w.endswith("ss"):
+            return w[: -len(suffix)] + ("y" if suffix == "ies" else "")
+    return w
+
+
+def spellings(words: list[str]) -> set[str]:
+    """Every identifier spelling of a word sequence."""
+    lower = [w.lower() for w in words]
+    snake = "_".join(lower)
+    camel = lower[0] + "".join(w.capitalize() for w in lower[1:])
+    forms = {snake, snake.upper(), camel, camel[0].upper() + camel[1:], "".join(lower)}
+    return forms | {"_" + f for f in forms}
+
+
+def variants(name: str) -> set[str]:
+    """camelCase <-> snake_case spellings of a written name (not the name itself)."""
+    words = split_name(name)
+    return (spellings(words) - {name}) if words else set()
+
+
+def candidates(words: tuple[str, ...], defined) -> set[str]:
+    """Names that a prose step means, among those the session ``defined``: joins of 2-4 adjacent words
+    (not all of them stopwords; a plural last word also singular), and a single word right before a
+    word like "function" ("the open function")."""
+    out: set[str] = set()
+    lower = [w.lower() for w in words]
+    for n in (4, 3, 2):
+        for i in range(len(words) - n + 1):
+            chunk = lower[i:i + n]
+            if all(w in STOPWORDS for w in chunk) or any(w in KIND_WORDS for w in chunk):
+                continue
+            forms = [chunk]
+            if chunk[-1].endswith("s") and len(chunk[-1]) > 3:
+                forms.append(chunk[:-1] + [chunk[-1][:-1]])
+            for form in forms:
+                out |= spellings(form) & defined
+    for i, word in enumerate(words[:-1]):
+        if lower[i + 1] in KIND_WORDS:
+            out |= {word, lower[i], word.upper(), "_" + lower[i], "_" + word.upper()} & defined
+    return out
+
+
+class Lexicon:
+    """BM25 over a list of ``(message position, Definition)`` (see the module docstring)."""
+
+    NAME_WEIGHT = 3
+
+    def __init__(self, entries: list[tuple[int, Definition]]):
+        self.entries = entries
+        docs = [self._document(d) for _, d in entries]
+        self.where = np.array([i for i, _ in entries], dtype=np.int64)
+        self.bm25 = bm25s.BM25() if entries else None
+        if entries:
+            self.bm25.index([doc or ["_"] for doc in docs], show_progress=False)
+
+    def _document(self, d: Definition) -> list[str]:
+        name = [_stem(w) for w in split_name(d.name)]
+        owner = [_stem(w) for w in split_name(d.owner)] if d.owner and d.owner != "?" else []
+        doc = [_stem(w) for token in re.findall(r"[A-Za-z][A-Za-z0-9_]*", d.doc) for w in split_name(token)]
+        return name * self.NAME_WEIGHT + owner + [w for w in doc if w not in STOPWORDS]
+
+    @staticmethod
+    def query(words) -> list[str]:
+        return list(dict.fromkeys(_stem(w) for word in words for w in split_name(word) if w not in STOPWORDS))
+
+    def rank(self, words, before: int, k: int = 1, ratio: float = 0.75) -> list[tuple[int, Definition]]:
+        """The best definitions in messages before ``before``: the top one and any within ``ratio`` of its
+        score, at most ``k``."""
+        q = self.query(words)
+        if self.bm25 is None or not q:
+            return []
+        scores = np.asarray(self.bm25.get_scores(q), dtype=np.float64)
+        scores[self.where >= before] = 0.0
+        order = np.argsort(-scores, kind="stable")[:k]
+        if not len(order) or scores[order[0]] <= 0:
+            return []
+        best = scores[order[0]]
+        return [self.entries[j] for j in order if scores[j] >= ratio * best]

@@ -1,0 +1,289 @@
+"""Evicted context is searchable: when a turn arrives, find the evicted pages it asks about and
+restore them before the turn is prefilled.
+
+The symbol planner brings back messages that *define an identifier* a turn names; a question about a
+fact written in prose, or a needle in a document, names none. ``PageRetriever`` ranks the evicted
+context itself against the turn's text and restores the best pages through the tiers
+(``cache.restore``: exactly re-rotated, planned for the current step so their foresight bonus keeps
+them).
+
+Pages. The context seen so far is cut into fixed windows of logical positions: page ``k`` is
+``[k * page_tokens, (k + 1) * page_tokens)``, extended by ``overlap`` positions into the next page, so
+that a short fact cut by a page edge is still whole in one page. A page is a candidate when some layer
+and KV head has evicted some of its positions.
+
+Where the text comes from. A cache holds keys and values, not token ids; the caller owns the
+conversation's ids (``PACESession`` keeps every message's ids; a ``generate`` user has the prompt it
+passed). So ``cache.rehydrate(text, ids=..., tokenizer=...)`` takes them, and a page's text is the
+tokenizer's decoding of its ids. Nothing is saved with the session: after ``resume`` the index is
+rebuilt from the same ids.
+
+Signals (``signal=``):
+- ``"lexical"`` (default): BM25 (the ``bm25s`` package) over the lower-cased words of each page's text
+  against the turn's words, English stop words removed. A page that shares no word scores 0 and is
+  never restored.
+- ``"digest"``: Quest-style key digests. For every block of ``digest_tokens`` positions, the
+  per-channel min and max of layer 0's keys; a page scores the largest upper bound
+  ``sum_d max(q_d * min_d, q_d * max_d)`` of any block, over the turn's layer-0 queries (max over query
+  tokens, mean over query heads). Keys and queries are taken *before* rotation: a restored page is
+  re-rotated to a new, near position anyway, and scoring rotated keys at their old positions would
+  mix the rotary gap into the signal. In layer 0 a key depends on its token alone, so the digests are
+  computed from the page's ids (embedding and layer 0's projections, nothing more) and kept.
+- ``"both"``: reciprocal-rank fusion of the two rankings.
+
+Budget share. Restores stop at ``share`` tokens per KV head (default ``budget // 4``): a page costs the
+largest count, over layers and heads, of its positions that are not resident, and pages are taken in
+rank order while they fit. A turn can therefore never push more than ``share`` planned tokens into the
+working set.
+
+No store, or nothing spilled yet: a no-op. Counters go to ``cache.tier_stats``:
+``retrieval_pages_scored``, ``retrieval_pages_restored``, ``retrieval_tokens_restored``,
+``retrieval_seconds``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .blueprint import Span, as_index
+from .binding import decoder_of
+
+SIGNALS = ("lexical", "digest", "both")
+STAT_KEYS = ("retrieval_pages_scored", "retrieval_pages_restored", "retrieval_tokens_restored",
+             "retrieval_seconds")
+RRF_K = 60  # reciprocal-rank fusion's usual constant
+
+
+def _words(texts: list[str]) -> list[list[str]]:
+    import bm25s
+
+    return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
+
+
+class _StopAfterProjections(Exception):
+    """Raised from a hook once layer 0's query and key projections have run: nothing after them is needed."""
+
+
+def layer0_projections(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's query and key projections (before rotation) of ``ids`` ([batch, n]): ``q`` as
+    ``[batch, n, heads, head_dim]`` and ``k`` as ``[batch, n, kv_heads, head_dim]``. The model runs only
+    up to those projections."""
+    decoder = decoder_of(model)
+    layers = getattr(decoder, "layers", None)
+    attn = getattr(layers[0], "self_attn", None) if layers is not None and len(layers) else None
+    if attn is None or not all(hasattr(attn, name) for name in ("q_proj", "k_proj")):
+        raise NotImplementedError("the digest signal needs a decoder whose first layer has self_attn.q_proj and "
+                                  "self_attn.k_proj (fused projections are not supported); use signal='lexical'")
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    got: dict[str, torch.Tensor] = {}
+
+    def grab(name):
+        def hook(module, args, output):
+            got[name] = output
+            if len(got) == 2:
+                raise _StopAfterProjections
+
+        return hook
+
+    handles = [attn.q_proj.register_forward_hook(grab("q")), attn.k_proj.register_forward_hook(grab("k"))]
+    try:
+        with torch.no_grad():
+            decoder(input_ids=ids.to(model.device), use_cache=False)
+    except _StopAfterProjections:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    b, n = ids.shape
+    return (got["q"].float().reshape(b, n, -1, head_dim).cpu(), got["k"].float().reshape(b, n, -1, head_dim).cpu())
+
+
+class PageRetriever:
+    """The page index of one session (see the module docstring).
+
+    Args:
+        tokenizer: decodes page ids to text and encodes the turn's text.
+        page_tokens / overlap: page width and how far a page reaches into the next one.
+        share: the most tokens per KV head one turn restores (default: the cache's ``budget // 4``).
+        signal: ``"lexical"``, ``"digest"`` or ``"both"``.
+        digest_tokens: positions per key digest (Quest's page).
+    """
+
+    def __init__(self, tokenizer, *, page_tokens: int = 128, overlap: int = 16, share: int | None = None,
+                 signal: str = "lexical", digest_tokens: int = 16):
+        self.page_tokens, self.overlap = as_index(page_tokens, "page_tokens"), as_index(overlap, "overlap")
+        self.digest_tokens = as_index(digest_tokens, "digest_tokens")
+        if self.page_tokens < 1 or self.overlap < 0 or self.digest_tokens < 1:
+            raise ValueError(f"page_tokens and digest_tokens must be >= 1 and overlap >= 0 (got {page_tokens}, "
+                             f"{digest_tokens}, {overlap})")
+        self.share = None if share is None else as_index(share, "share")
+        if self.share is not None and self.share < 1:
+            raise ValueError(f"share must be >= 1, got {share}")
+        if signal not in SIGNALS:
+            raise ValueError(f"unknown signal {signal!r}; choose from {', '.join(SIGNALS)}")
+        if tokenizer is None:
+            raise ValueError("a PageRetriever needs the tokenizer of the model (to read page text)")
+        self.tokenizer, self.signal = tokenizer, signal
+        self._texts: list[str] = []  # page k's text, for the pages complete when it was decoded
+        self._ids: list[int] = []  # the ids the texts were decoded from (a different history re-decodes)
+        self._digests: list[torch.Tensor] = []  # per block: [2, kv_heads, head_dim] (min, max)
+        self._digest_ids: list[int] = []
+
+    # -- the index ------------------------------------------------------------------------------------
+    def pages(self, seen: int) -> list[tuple[int, int]]:
+        """The spans ``[start, end)`` of the pages of the first ``seen`` positions."""
+        p = self.page_tokens
+        return [(s, min(s + p + self.overlap, seen)) for s in range(0, seen, p)]
+
+    def texts(self, ids: list[int]) -> list[str]:
+        """Page texts of ``ids``, decoding only what changed since the last call."""
+        spans = self.pages(len(ids))
+        keep = 0  # pages decoded before whose ids (overlap included) are unchanged
+        while (keep < len(self._texts) and keep < len(spans) and spans[keep][1] <= len(self._ids)
+               and self._ids[spans[keep][0]:spans[keep][1]] == ids[spans[keep][0]:spans[keep][1]]
+               and spans[keep][1] - spans[keep][0] == self.page_tokens + self.overlap):
+            keep += 1
+        self._texts = self._texts[:keep] + [self.tokenizer.decode(ids[s:e], skip_special_tokens=True)
+                                            for s, e in spans[keep:]]
+        self._ids = list(ids)
+        return self._texts
+
+    def lexical_scores(self, ids: list[int], query: str) -> torch.Tensor:
+        """BM25 score of every page of ``ids`` against ``query`` (0 where they share no word)."""
+        import bm25s
+
+        texts = self.texts(ids)
+        words = _words(texts)
+        query_words = _words([query])[0]
+        if not query_words or not any(words):
+            return torch.zeros(len(texts))
+        index = bm25s.BM25()
+        index.index([w or [""] for w in words], show_progress=False)
+        return torch.as_tensor(index.get_scores(query_words), dtype=torch.float32)
+
+    def digest_scores(self, model, ids: list[int], query: str) -> torch.Tensor:
+        """Quest-style upper bound of layer-0 attention from the turn's queries to every page."""
+        d = self.digest_tokens
+        full = len(ids) // d
+        done = min(len(self._digests), full)
+        if self._digest_ids[: done * d] != ids[: done * d]:  # another history: recompute
+            done = 0
+        self._digests, self._digest_ids = self._digests[:done], list(ids)
+        blocks = [ids[i * d:(i + 1) * d] for i in range(done, full)]
+        for at in range(0, len(blocks), 256):
+            _, k = layer0_projections(model, torch.tensor(blocks[at:at + 256], dtype=torch.long))
+            self._digests += list(torch.stack([k.amin(1), k.amax(1)], 1))  # [blocks, 2, kv, hd]
+        tail = ids[full * d:]
+        digests = list(self._digests)
+        if tail:
+            _, k = layer0_projections(model, torch.tensor([tail], dtype=torch.long))
+            digests.append(torch.stack([k.amin(1), k.amax(1)], 1)[0])
+        q_ids = self.tokenizer(query, add_special_tokens=False)["input_ids"]
+        if not q_ids or not digests:
+            return torch.zeros(len(self.pages(len(ids))))
+        q, _ = layer0_projections(model, torch.tensor([q_ids], dtype=torch.long))
+        q = q[0]  # [t, heads, hd]
+        dig = torch.stack(digests)  # [blocks, 2, kv, hd]
+        group = q.shape[1] // dig.shape[2]
+        lo, hi = (dig[:, i].repeat_interleave(group, dim=1) for i in (0, 1))  # [blocks, heads, hd]
+        bound = torch.maximum(q[:, None] * lo[None], q[:, None] * hi[None]).sum(-1)  # [t, blocks, heads]
+        per_block = bound.mean(-1).amax(0)  # [blocks]
+        scores = []
+        for s, e in self.pages(len(ids)):
+            scores.append(per_block[s // d: (e + d - 1) // d].max())
+        return torch.stack(scores)
+
+    def rank(self, ids: list[int], query: str, model=None) -> tuple[list[int], torch.Tensor]:
+        """Page numbers in rank order (best first) and the scores of the chosen signal (for ``"both"``,
+        the fused score). Lexically, pages that share no word with ``query`` are left out."""
+        if self.signal == "lexical":
+            scores = self.lexical_scores(ids, query)
+            order = [int(i) for i in scores.argsort(descending=True, stable=True) if scores[i] > 0]
+            return order, scores
+        if model is None:
+            raise ValueError(f"signal={self.signal!r} needs the model (for layer 0's keys and queries)")
+        digest = self.digest_scores(model, ids, query)
+        if self.signal == "digest":
+            return [int(i) for i in digest.argsort(descending=True, stable=True)], digest
+        lexical = self.lexical_scores(ids, query)
+        fused = torch.zeros_like(digest)
+        lexical_order = [int(i) for i in lexical.argsort(descending=True, stable=True) if lexical[i] > 0]
+        for order in (lexical_order, digest.argsort(descending=True, stable=True).tolist()):
+            for r, i in enumerate(order):
+                fused[i] += 1.0 / (RRF_K + r + 1)
+        return [int(i) for i in fused.argsort(descending=True, stable=True)], fused
+
+    # -- restoring ------------------------------------------------------------------------------------
+    def not_resident(self, cache, seen: int) -> torch.Tensor:
+        """Per page, the largest count over layers and KV heads of its positions that are not resident."""
+        spans = self.pages(seen)
+        worst = torch.zeros(len(spans), dtype=torch.long)
+        for layer in cache.layers:
+            if layer.logical is None:
+                continue
+            logical = layer.logical.cpu()
+            resident = torch.zeros(logical.shape[0], seen + 1, dtype=torch.long)
+            resident.scatter_(1, logical.clamp(max=seen), 1)
+            prefix = torch.nn.functional.pad(resident[:, :seen].cumsum(1), (1, 0))  # [heads, seen + 1]
+            starts = torch.tensor([s for s, _ in spans])
+            ends = torch.tensor([e for _, e in spans])
+            missing = (ends - starts)[None] - (prefix[:, ends] - prefix[:, starts])
+            worst = torch.maximum(worst, missing.amax(0))
+        return worst
+
+    def rehydrate(self, cache, text: str, ids) -> list[Span]:
+        """Restore the evicted pages that ``text`` (the new turn) asks about, best first, within the share;
+        returns the spans restored (each planned for ``cache.step``)."""
+        if not isinstance(text, str):
+            raise TypeError(f"the turn's text must be a str, got {type(text).__name__}")
+        ensure_stats(cache)
+        if cache.spill is None or not cache.spill.spilled_tokens:
+            return []  # no store, or nothing evicted: nothing to find
+        if cache.blueprint is None:
+            raise ValueError("restored pages stay resident through their foresight bonus: retrieval needs a "
+                             "cache with a Foresight policy (PACECache)")
+        if cache.in_forward:
+            raise RuntimeError("rehydrate cannot run inside a forward")
+        ids = ids.flatten().tolist() if torch.is_tensor(ids) else list(ids)
+        seen = cache.get_seq_length()
+        if len(ids) < seen:
+            raise ValueError(f"ids holds {len(ids)} tokens but the cache has seen {seen}: pass the ids of "
+                             "everything the cache has seen (the whole conversation so far)")
+        started = time.perf_counter()
+        ids = ids[:seen]
+        missing = self.not_resident(cache, seen)
+        candidates = missing > 0
+        model = cache.binding.model_ref() if cache.binding is not None else None
+        order, _ = self.rank(ids, text, model)
+        share = self.share if self.share is not None else max(1, cache.budget // 4)
+        spans, used = [], 0
+        for page in order:
+            cost = int(missing[page])
+            if not candidates[page] or cost == 0 or used + cost > share:
+                continue
+            start, end = self.pages(seen)[page]
+            before = cache.ledger(0)[0].clone()
+            cache.restore(start, end)
+            after = cache.ledger(0)[0]
+            used += cost
+            missing = self.not_resident(cache, seen)  # overlapping pages now cost less
+            spans.append(Span(start, end, [cache.step]))
+            cache._restore_stats["retrieval_tokens_restored"] += sum(  # layer 0, every KV head
+                int((~torch.isin(new, old)).sum()) for new, old in zip(after, before))
+        stats = cache._restore_stats
+        stats["retrieval_pages_scored"] += int(candidates.sum())
+        stats["retrieval_pages_restored"] += len(spans)
+        stats["retrieval_seconds"] += time.perf_counter() - started
+        return spans
+
+
+def ensure_stats(cache) -> None:
+    """Start the retrieval counters of ``cache.tier_stats`` at 0."""
+    for key in STAT_KEYS:
+        cache._restore_stats.setdefault(key, 0.0 if key.endswith("seconds") else 0)
+
+
+__all__ = ["PageRetriever", "SIGNALS", "layer0_projections"]

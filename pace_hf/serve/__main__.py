@@ -1,0 +1,92 @@
+"""``pace-serve --model smollm2 --host 127.0.0.1 --port 8000 --store disk:runs/serve``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ..tiers import DiskTier, HostTier, TieredStore
+
+
+def parse_store(spec: str) -> TieredStore:
+    """Tiers, fastest first, comma-separated: ``host:BYTES``, ``disk:PATH``, ``valkey://HOST:PORT/DB``."""
+    tiers = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        kind, _, arg = part.partition(":")
+        if kind == "disk" and arg:
+            tiers.append(DiskTier(arg))
+        elif kind == "host":
+            tiers.append(HostTier(max_bytes=int(arg)) if arg else HostTier())
+        elif kind in ("valkey", "redis"):
+            from ..tiers import ValkeyTier
+
+            tiers.append(ValkeyTier(part))
+        else:
+            raise SystemExit(f"pace-serve: bad --store part {part!r} (host:BYTES, disk:PATH or valkey://HOST:PORT/DB)")
+    if not tiers:
+        raise SystemExit("pace-serve: --store names no tier")
+    return TieredStore(tiers)
+
+
+def load(name_or_path: str, dtype: str = "auto"):
+    """``(model, tokenizer)``: a benchmark model by name (``pace_bench.models``), or a local path."""
+    import torch
+
+    torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from pace_bench.models import load_model
+    except ImportError:
+        try:
+            from pace_hf.bench.models import load_model  # before the benchmark became its own package
+        except ImportError:
+            load_model = None
+    if load_model is not None:
+        return load_model(name_or_path, dtype=torch_dtype)
+    if not Path(name_or_path).is_dir():
+        raise SystemExit(f"pace-serve: {name_or_path!r} is no local model directory (and pace_bench is not installed)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype or "auto")
+    return model.eval(), AutoTokenizer.from_pretrained(name_or_path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="pace-serve", description=__doc__)
+    p.add_argument("--model", required=True, help="a benchmark model name (smollm2, qwen2.5-coder-0.5b) or a local path")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--store", default="disk:runs/serve", help="tiers, comma-separated: host:BYTES, disk:PATH, valkey://...")
+    p.add_argument("--served-name", action="append", help="a name requests may use for the model (default: --model)")
+    p.add_argument("--budget", type=int, default=2048, help="resident tokens per session cache")
+    p.add_argument("--limit", type=int, default=8192, help="rotary position limit (0: unbounded)")
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk size")
+    p.add_argument("--max-context", type=int, default=32768, help="prompt + max_tokens, per request")
+    p.add_argument("--max-tokens", type=int, default=512, help="default reply length")
+    p.add_argument("--max-resident", type=int, default=4, help="sessions kept in memory (LRU); the others are parked")
+    p.add_argument("--idle-ttl", type=float, default=600.0, help="seconds before an idle session is parked")
+    p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; more get a 429")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--log-level", default="warning")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+
+    import uvicorn
+
+    from .app import create_app
+    from .engine import Engine
+
+    model, tokenizer = load(args.model, args.dtype)
+    store = parse_store(args.store)
+    names = args.served_name or [args.model]
+    engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit or None, chunk=args.chunk,
+                    max_context=args.max_context, max_tokens=args.max_tokens, max_resident=args.max_resident,
+                    idle_ttl_s=args.idle_ttl, queue_size=args.queue_size)
+    uvicorn.run(create_app(engine, names), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

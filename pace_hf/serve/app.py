@@ -1,0 +1,160 @@
+"""The HTTP routes: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import Engine, Turn
+from .protocol import APIError, ChatRequest
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(engine: Engine, served_names: list[str]) -> FastAPI:
+    """The app around a (not yet started) engine; the app's lifespan starts and closes it."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="pace-serve", lifespan=lifespan)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        msg = f"malformed request: {first.get('msg', 'invalid body')}" + (f" at {where}" if where else "")
+        engine.metrics.requests.labels("400").inc()
+        return _error(APIError(400, msg, param=where, code="invalid_request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        return _error(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def internal(request, e: Exception):
+        return _error(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "pace_hf"}
+                                           for name in served_names]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "queue": engine.queue.qsize(), "resident": len(engine.resident)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        try:
+            return await _chat(body, request)
+        except APIError as e:
+            engine.metrics.requests.labels(str(e.status)).inc()
+            raise
+
+    async def _chat(body: ChatRequest, request: Request):
+        if body.model not in served_names:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served_names}",
+                           code="model_not_found", param="model")
+        system, messages = body.conversation()
+        sampling = {}
+        if body.temperature:  # None or 0: greedy
+            sampling.update(do_sample=True, temperature=body.temperature, top_p=body.top_p or 1.0)
+        turn = Turn(system=system, messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
+                    stops=body.stops(), sampling=sampling, session_name=request.headers.get("x-session-id"),
+                    loop=asyncio.get_running_loop())
+        engine.submit(turn)
+        cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        try:
+            kind, payload = await turn.events.get()  # started, or an error before generation
+        except asyncio.CancelledError:
+            turn.cancelled.set()
+            raise
+        if kind == "error":
+            raise payload
+        sid = payload["session"]
+        headers = {"X-Session-Id": sid}
+        if not body.stream:
+            try:
+                while True:
+                    kind, payload = await turn.events.get()
+                    if kind == "error":
+                        raise payload
+                    if kind == "done":
+                        break
+            except asyncio.CancelledError:
+                turn.cancelled.set()
+                raise
+            engine.metrics.requests.labels("200").inc()
+            return JSONResponse({
+                "id": cid, "object": "chat.completion", "created": now, "model": body.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": payload["content"]},
+                             "finish_reason": payload["finish_reason"]}],
+                "usage": _usage(payload)}, headers=headers)
+        return EventSourceResponse(_stream(turn, body, cid, now), headers=headers, ping=15)
+
+    async def _stream(turn: Turn, body: ChatRequest, cid: str, now: int):
+        def chunk(delta: dict, finish=None, usage=None) -> dict:
+            out = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": body.model,
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            if usage is not None:
+                out["usage"] = usage
+            return {"data": json.dumps(out)}
+
+        hold = max((len(s) for s in turn.stops), default=1) - 1  # text that may begin a stop string
+        text, sent = "", 0
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while True:
+                kind, payload = await turn.events.get()
+                if kind == "error":
+                    yield {"data": json.dumps(payload.body())}
+                    engine.metrics.requests.labels(str(payload.status)).inc()
+                    return
+                if kind == "done":
+                    rest = payload["content"][sent:]
+                    if rest:
+                        yield chunk({"content": rest})
+                    yield chunk({}, payload["finish_reason"], _usage(payload))
+                    yield {"data": "[DONE]"}
+                    engine.metrics.requests.labels("200").inc()
+                    return
+                text += payload
+                cut = min([text.find(s) for s in turn.stops if s in text], default=len(text) - hold)
+                if cut > sent:
+                    yield chunk({"content": text[sent:cut]})
+                    sent = cut
+        finally:
+            turn.cancelled.set()  # a no-op once done; mid-stream it stops the generation
+
+    return app
+
+
+def _usage(p: dict) -> dict:
+    return {"prompt_tokens": p["prompt_tokens"], "completion_tokens": p["completion_tokens"],
+            "total_tokens": p["prompt_tokens"] + p["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": p["reused_tokens"]}}

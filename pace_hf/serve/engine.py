@@ -1,0 +1,320 @@
+"""The one generation worker: a bounded queue of turns, the session table, parking and saves.
+
+Why one worker: one model, one generation at a time (a PACE cache holds one sequence, and the CPU or
+GPU is saturated by one forward anyway). Requests wait in a bounded queue; a full queue is a 429 with
+``Retry-After``, never a hang. Every model call happens on the worker thread, so sessions need no
+locks; saves run on a second thread, behind the reply, and a session's next turn waits for its save.
+
+Sessions. A session is found by a hash chain over its messages: ``h_0`` hashes the model and the
+system prompt, ``h_k = H(h_{k-1}, role_k, content_k)``. After each completed turn the hash of the whole
+conversation (the reply included, as the client will re-send it) maps to the session id, in memory
+and, once the turn is saved, in the store (so a restarted server finds it). A request continues the
+session of the longest prefix of its messages that is known; ``X-Session-Id`` names one instead.
+The session is then synced with the request (``PACESession.sync``): edited history is rewound, never
+reused, and only new messages are prefilled. At most ``max_resident`` sessions keep their cache in
+memory (LRU); the others, and any idle for ``idle_ttl_s``, are parked: their last turn is already
+saved, so parking only waits for that save and frees the layers. A parked session is resumed from the
+store; a missing or corrupt save starts a fresh session from the request's messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
+
+from ..chat import DEFAULT_SYSTEM
+from ..planner import SymbolPlanner
+from ..session import PACESession
+from .metrics import Metrics
+from .protocol import APIError
+
+log = logging.getLogger("pace_hf.serve")
+
+INDEX_SESSION, INDEX_FINGERPRINT = "pace-serve-index", "pace-serve-chain"
+
+
+def chain(model_name: str, system: str, messages) -> list[str]:
+    """``[h_0, h_1, ..., h_n]``: ``h_k`` names the conversation of the system prompt and the first k messages."""
+    h = hashlib.sha256(f"{model_name}\0{system}".encode()).hexdigest()
+    out = [h]
+    for role, content in messages:
+        h = hashlib.sha256(f"{h}\0{role}\0{content}".encode()).hexdigest()
+        out.append(h)
+    return out
+
+
+@dataclass
+class Turn:
+    """One request's work, and the channel its results go back on (to the event loop that waits)."""
+
+    system: str
+    messages: list[tuple[str, str]]
+    max_tokens: int | None
+    stops: list[str]
+    sampling: dict
+    session_name: str | None
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def send(self, kind: str, payload=None) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+@dataclass
+class Resident:
+    session: PACESession
+    last_used: float
+    saving: Future | None = None
+
+
+class _Cancelled(StoppingCriteria):
+    def __init__(self, flag: threading.Event):
+        self.flag = flag
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class _Deltas(TextStreamer):
+    """Sends each decoded piece of the reply to the turn's channel."""
+
+    def __init__(self, tokenizer, turn: Turn, on_first):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.turn, self.on_first = turn, on_first
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        if text:
+            if self.on_first is not None:
+                self.on_first()
+                self.on_first = None
+            self.turn.send("delta", text)
+
+
+class Engine:
+    """The worker (see the module docstring). ``start()`` it; ``submit(turn)`` from the event loop."""
+
+    def __init__(self, model, tokenizer, store, model_name: str, *, budget: int = 2048, limit: int | None = 8192,
+                 chunk: int | None = None, max_context: int = 32768, max_tokens: int = 512, max_resident: int = 4,
+                 idle_ttl_s: float = 600.0, queue_size: int = 16):
+        if store is None:
+            raise ValueError("pace-serve needs a store: sessions are saved and parked there")
+        self.model, self.tokenizer, self.store, self.model_name = model, tokenizer, store, model_name
+        self.session_kwargs = dict(budget=budget, limit=limit, chunk=chunk)
+        self.max_context, self.max_tokens = max_context, max_tokens
+        self.max_resident, self.idle_ttl_s = max_resident, idle_ttl_s
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.metrics = Metrics()
+        self.metrics.queue_depth.set_function(self.queue.qsize)
+        self.resident: OrderedDict[str, Resident] = OrderedDict()
+        self.parked: set[str] = set()
+        self.known: dict[str, str] = {}  # conversation hash -> session id
+        self.metrics.resident.set_function(lambda: len(self.resident))
+        self.metrics.parked.set_function(lambda: len(self.parked))
+        self.saver = ThreadPoolExecutor(1, thread_name_prefix="pace-serve-save")
+        self.turn_seconds = 1.0  # a running mean, for Retry-After
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="pace-serve-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the worker, finish the saves, close the store."""
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.saver.shutdown(wait=True)
+        self.store.close()
+
+    # -- the queue ----------------------------------------------------------------------------------
+    def submit(self, turn: Turn) -> None:
+        try:
+            self.queue.put_nowait(turn)
+        except queue.Full:
+            self.metrics.rejected.inc()
+            wait = max(1, math.ceil(self.turn_seconds * (self.queue.qsize() + 1)))
+            raise APIError(429, f"the server is busy: {self.queue.qsize()} requests are waiting; retry later",
+                           type="rate_limit_error", code="queue_full", headers={"Retry-After": str(wait)}) from None
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                turn = self.queue.get(timeout=0.5)
+            except queue.Empty:
+                self._park_idle()
+                continue
+            if turn.cancelled.is_set():  # the client left while it waited
+                continue
+            started = time.perf_counter()
+            try:
+                self._run(turn)
+            except APIError as e:
+                turn.send("error", e)
+            except Exception as e:  # noqa: BLE001 - one bad turn never kills the server
+                log.exception("pace-serve: a turn failed")
+                turn.send("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+            self.turn_seconds = 0.8 * self.turn_seconds + 0.2 * (time.perf_counter() - started)
+            self._park_idle()
+
+    # -- sessions -----------------------------------------------------------------------------------
+    def _new(self, system: str, session_id: str) -> PACESession:
+        return PACESession(self.model, self.tokenizer, system=system, store=self.store, session_id=session_id,
+                           planner=SymbolPlanner(), rehydrate=True, **self.session_kwargs)
+
+    def _find(self, turn: Turn, hashes: list[str]) -> str:
+        """The id of the session this turn continues (or a new id)."""
+        if turn.session_name:
+            return turn.session_name
+        for k in range(len(turn.messages), 0, -1):
+            if hashes[k] in self.known:
+                return self.known[hashes[k]]
+        for k in range(len(turn.messages), 0, -1):  # after a restart: the store's index
+            if turn.messages[k - 1][0] != "assistant":
+                continue
+            got = self.store.get(f"chain/{hashes[k]}", fingerprint=INDEX_FINGERPRINT, session_id=INDEX_SESSION)
+            if got is not None:
+                return got[1]["session"]
+        return uuid.uuid4().hex
+
+    def _session(self, session_id: str, system: str) -> PACESession:
+        """The session, resident, resumed from the store, or new."""
+        held = self.resident.get(session_id)
+        if held is not None:
+            if held.saving is not None:
+                held.saving.result()  # its previous turn is still being written
+            self.resident.move_to_end(session_id)
+            return held.session
+        try:
+            session = PACESession.resume(session_id, self.model, self.tokenizer, store=self.store,
+                                         planner=SymbolPlanner(), rehydrate=True)
+            self.metrics.resumes.inc()
+        except Exception as e:  # noqa: BLE001 - missing, corrupt or foreign: start afresh from the messages
+            if not isinstance(e, KeyError):
+                log.warning("pace-serve: session %s could not be resumed (%s); starting it afresh", session_id, e)
+                self.metrics.resume_failures.inc()
+                self.store.delete_session(session_id)
+            session = self._new(system, session_id)
+        self.parked.discard(session_id)
+        self.resident[session_id] = Resident(session, time.monotonic())
+        return session
+
+    def _drop(self, session_id: str) -> None:
+        held = self.resident.pop(session_id, None)
+        if held is not None:
+            held.session.cache.unbind()
+
+    def _park(self, session_id: str) -> None:
+        """Free a resident session's layers; its last completed turn is (being) saved."""
+        held = self.resident[session_id]
+        if held.saving is not None:
+            held.saving.result()
+        self._drop(session_id)
+        self.parked.add(session_id)
+
+    def _park_idle(self, keep: str | None = None) -> None:
+        now = time.monotonic()
+        for sid in [s for s, r in self.resident.items() if s != keep and now - r.last_used > self.idle_ttl_s]:
+            self._park(sid)
+        while len(self.resident) > self.max_resident:
+            sid = next(s for s in self.resident if s != keep)
+            self._park(sid)
+
+    # -- one turn -----------------------------------------------------------------------------------
+    def _run(self, turn: Turn) -> None:
+        system = turn.system if turn.system is not None else DEFAULT_SYSTEM
+        hashes = chain(self.model_name, system, turn.messages)
+        sid = self._find(turn, hashes)
+        session = self._session(sid, system)
+        if session.system != system:  # a named session with another system prompt: start it over
+            self._drop(sid)
+            self.store.delete_session(sid)
+            session = self._session(sid, system)
+        held = len(session.messages)
+        try:
+            keep = session.sync(turn.messages)
+        except ValueError:  # the edit reaches evicted tokens: start over from the messages
+            self.metrics.rebuilds.inc()
+            self._drop(sid)
+            self.store.delete_session(sid)
+            session = self._session(sid, system)
+            keep = session.sync(turn.messages)
+        else:
+            if keep < held:
+                session.planner = SymbolPlanner()  # the old one tracks spans the rewind dropped
+                self.metrics.rewinds.inc()
+        header = len(session.template.encode(session.template.gen_header))
+        prompt = len(session.ids) + header
+        room = self.max_context - prompt
+        max_tokens = turn.max_tokens if turn.max_tokens is not None else min(self.max_tokens, room)
+        if prompt + max_tokens > self.max_context:
+            session.rewind(keep)  # drop the messages just added (never prefilled): the session is as it was
+            raise APIError(400, f"this model's maximum context length is {self.max_context} tokens; the "
+                                f"messages take {prompt} and max_tokens asks for {max_tokens}",
+                           code="context_length_exceeded", param="messages")
+        reused = session.cache.get_seq_length()
+        before = dict(session.cache.tier_stats)
+        turn.send("started", {"session": sid, "prompt_tokens": prompt})
+        t0 = time.perf_counter()
+        kwargs = dict(turn.sampling)
+        if turn.stops:
+            kwargs.update(stop_strings=turn.stops, tokenizer=self.tokenizer)
+        streamer = _Deltas(self.tokenizer, turn, lambda: self.metrics.ttft.observe(time.perf_counter() - t0))
+        try:
+            text = session.generate(max_new_tokens=max_tokens, streamer=streamer,
+                                    stopping_criteria=StoppingCriteriaList([_Cancelled(turn.cancelled)]), **kwargs)
+        except Exception:
+            self._drop(sid)  # its cache may be half-written; the store still holds its last turn
+            raise
+        self.metrics.prefill.inc(prompt - reused)
+        self.metrics.reused.inc(reused)
+        after = session.cache.tier_stats
+        self.metrics.restores.inc(after["restores"] - before["restores"])
+        self.metrics.stall.inc(max(0.0, after["stall_seconds"] - before["stall_seconds"]))
+        reply = session.messages[-1]
+        out_tokens = reply.end - reply.start - header - len(session.template.turn_end_ids())
+        self.metrics.generated.inc(out_tokens)
+        if turn.cancelled.is_set():  # the client left mid-stream: forget the partial reply
+            self.metrics.cancelled.inc()
+            try:
+                session.rewind(len(session.messages) - 1)
+            except ValueError:
+                self._drop(sid)  # the store holds the last completed turn
+            return
+        content, stopped = text, False
+        for stop in turn.stops:
+            if stop in content:
+                content, stopped = content[:content.index(stop)], True
+        finish = "stop" if stopped or out_tokens < max_tokens else "length"
+        full = chain(self.model_name, system, turn.messages + [("assistant", content)])[-1]
+        self.known[full] = sid
+        turn.send("done", {"session": sid, "content": content, "finish_reason": finish, "prompt_tokens": prompt,
+                           "completion_tokens": out_tokens, "reused_tokens": reused,
+                           "prefilled_tokens": prompt - reused})
+        held = self.resident[sid]
+        held.last_used = time.monotonic()
+        held.saving = self.saver.submit(self._save, sid, session, full)
+        self._park_idle(keep=sid)
+
+    def _save(self, sid: str, session: PACESession, full: str) -> None:
+        """Behind the reply: the turn, then the index entry that finds it after a restart."""
+        try:
+            session.save()
+            self.store.put(f"chain/{full}", {}, {"session": sid}, fingerprint=INDEX_FINGERPRINT,
+                           session_id=INDEX_SESSION)
+            self.store.flush()
+            self.metrics.saves.inc()
+        except Exception:  # noqa: BLE001 - the reply is out; the next turn resumes from the last good save
+            log.exception("pace-serve: saving session %s failed", sid)
+            self.metrics.save_failures.inc()

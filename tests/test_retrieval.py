@@ -1,0 +1,155 @@
+"""Retrieval-triggered rehydration: evicted pages found by what a later turn asks, restored exactly."""
+
+import pytest
+import torch
+import transformers as tf
+from session_worker import session_model
+
+from pace_hf import H2OCache
+from pace_hf.retrieval import PageRetriever, layer0_projections
+from pace_hf.rope import RotaryParams, rerotate
+from pace_hf.session import PACESession
+from pace_hf.tiers import HostTier, TieredStore
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 6
+FACT = "The courier's password is zebrafinch seven seven three one."
+QUESTION = "What is the courier's zebrafinch password?"
+
+
+def retriever(tokenizer, **kwargs):
+    """Pages small enough for a 64-token budget (the default is 128 + 16 for budgets of thousands)."""
+    return PageRetriever(tokenizer, **{"page_tokens": 32, "overlap": 16, "share": 96, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return session_model()
+
+
+def read_context(model, tokenizer, store, facts=(FACT,), **kwargs):
+    """A session that has read tool outputs (the facts among filler) and been prefilled: what it evicted
+    is in the store. Returns the session and each fact's token span."""
+    session = PACESession(model, tokenizer, budget=64, limit=256, recent=8, chunk=64, store=store,
+                          session_id="s", **kwargs)
+    session.add("user", "Read these files.")
+    spans = []
+    for fact in facts:
+        session.add("tool", FILLER)
+        spans.append(_span_of(session, session.add("tool", FILLER[:90] + fact + " " + FILLER[:90]), fact))
+    session.add("tool", FILLER * 2)
+    session.generate(max_new_tokens=1)  # the agent reads them: the history is prefilled and evicted
+    return session, spans
+
+
+def _span_of(session, message, fact):
+    """The token span of ``fact`` inside ``message``."""
+    tok = session.tokenizer
+    block = session.template.block(message.role, message.content)
+    at = block.index(fact)
+    enc = tok(block, add_special_tokens=False, return_offsets_mapping=True)
+    toks = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < at + len(fact) and e > at]
+    return range(message.start + toks[0], message.start + toks[-1] + 1)
+
+
+def test_a_later_turn_finds_a_spilled_page_by_a_rare_word(tiny):
+    model, tokenizer = tiny
+    session, (fact,) = read_context(model, tokenizer, TieredStore([HostTier()]), retrieval=retriever(tokenizer))
+    cache = session.cache
+    assert cache.residency(fact) < 0.5  # the fact was evicted by the query-agnostic prefill
+    seen = cache.get_seq_length()
+    session.add("user", QUESTION)
+    assert cache.get_seq_length() == seen  # nothing prefilled yet: the restore came before the turn's forward
+    assert cache.residency(fact) == 1.0
+    stats = cache.tier_stats
+    assert stats["retrieval_pages_restored"] >= 1 and stats["retrieval_pages_scored"] >= stats["retrieval_pages_restored"]
+    assert stats["retrieval_tokens_restored"] > 0 and stats["retrieval_seconds"] > 0
+    assert any(s.start <= fact.start and fact.stop <= s.end and cache.step in s.readers for s in cache.blueprint)
+    with pytest.raises(ValueError, match="has seen"):  # the ids must cover what the cache has seen
+        cache.rehydrate(QUESTION, session.ids[:10])
+    reply = session.generate(max_new_tokens=2)  # and the turn is then answered from the restored state
+    assert isinstance(reply, str) and cache.residency(fact) == 1.0
+
+
+def test_a_restored_page_is_resident_and_exactly_rerotated_before_the_first_forward(tiny):
+    model, tokenizer = tiny
+    session, (fact,) = read_context(model, tokenizer, TieredStore([HostTier()]), retrieval=retriever(tokenizer))
+    cache = session.cache
+    forwards = []
+    handle = model.model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        session.add("user", QUESTION)
+    finally:
+        handle.remove()
+    assert not forwards and cache.residency(fact) == 1.0
+    full = tf.DynamicCache(config=model.config)  # every token's layer-0 key at its logical position
+    with torch.no_grad():
+        model(torch.tensor([session.ids[:cache.get_seq_length()]]), cache=full)
+    own = full.layers[0].keys[0]
+    logical, physical = cache.ledger(0)
+    assert torch.equal(physical, torch.arange(physical.shape[1]).expand_as(physical))  # renumbered in order
+    expected = rerotate(own.gather(1, logical[:, :, None].expand(-1, -1, own.shape[-1])), logical, physical,
+                        RotaryParams.from_config(model.config))
+    assert (cache.layers[0].keys[0] - expected).abs().max() <= 1e-5 * own.abs().max()
+
+
+@pytest.mark.parametrize("share", [40, None])
+def test_the_budget_share_is_respected(tiny, share):
+    model, tokenizer = tiny
+    facts = [FACT.replace("seven", w) for w in ("one", "two", "four", "five", "six")]
+    pages = retriever(tokenizer, share=share, page_tokens=8 if share is None else 32, overlap=4)
+    session, spans = read_context(model, tokenizer, TieredStore([HostTier()]), facts=facts, retrieval=pages)
+    cache = session.cache
+    cap = share if share is not None else cache.budget // 4  # the default: budget // 4 = 16
+    before = [cache.ledger(i)[0].clone() for i in range(len(cache.layers))]
+    matching = [s for s in spans if cache.residency(s) < 1.0]
+    assert len(matching) >= 3
+    session.add("user", QUESTION)
+    for i, old in enumerate(before):  # per layer and KV head, at most `share` tokens came back
+        for new_h, old_h in zip(cache.ledger(i)[0], old):
+            assert int((~torch.isin(new_h, old_h)).sum()) <= cap
+    restored = cache.tier_stats["retrieval_pages_restored"]
+    assert 1 <= restored < len(matching)  # the share stopped it before every matching page came back
+
+
+def test_no_store_or_nothing_spilled_is_a_no_op_and_a_cache_without_foresight_is_refused(tiny):
+    model, tokenizer = tiny
+    session = PACESession(model, tokenizer, budget=64, limit=256, recent=8, chunk=64, retrieval=True)
+    session.add("tool", FILLER * 3)
+    session.generate(max_new_tokens=1)
+    session.add("user", QUESTION)  # no store: nothing to restore from, and no error
+    assert session.cache.tier_stats["retrieval_pages_restored"] == 0
+    stored = PACESession(model, tokenizer, budget=64, limit=256, recent=8, chunk=64, retrieval=True,
+                         store=TieredStore([HostTier()]), session_id="t")
+    assert stored.cache.rehydrate(QUESTION, [], tokenizer) == []  # nothing seen, nothing spilled
+    h2o = H2OCache(model, budget=32, recent=8, store=TieredStore([HostTier()]), session_id="h")
+    ids = tokenizer(FILLER * 3, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        model(torch.tensor([ids]), cache=h2o)
+    with pytest.raises(ValueError, match="Foresight"):
+        h2o.rehydrate(QUESTION, ids, tokenizer)
+    with pytest.raises(ValueError, match="unknown signal"):
+        PageRetriever(tokenizer, signal="semantic")
+
+
+def test_layer0_projections_are_the_unrotated_keys_and_the_digest_bounds_attention(tiny):
+    model, tokenizer = tiny
+    ids = tokenizer(FILLER + FACT, add_special_tokens=False)["input_ids"][:96]
+    q, k = layer0_projections(model, torch.tensor([ids]))
+    full = tf.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([ids]), cache=full)
+    rotated = full.layers[0].keys[0]  # [kv, n, d], rotated at 0..n-1
+    n = len(ids)
+    mine = rerotate(k[0].transpose(0, 1), torch.zeros(2, n, dtype=torch.long), torch.arange(n).expand(2, n),
+                    RotaryParams.from_config(model.config))
+    assert (mine - rotated).abs().max() <= 1e-5 * rotated.abs().max()
+    retriever = PageRetriever(tokenizer, page_tokens=32, overlap=0, signal="digest", digest_tokens=8)
+    scores = retriever.digest_scores(model, ids, QUESTION)
+    qq, _ = layer0_projections(model, torch.tensor([tokenizer(QUESTION, add_special_tokens=False)["input_ids"]]))
+    group = qq.shape[2] // k.shape[2]
+    exact = torch.einsum("thd,nhd->tnh", qq[0], k[0].repeat_interleave(group, dim=1)).mean(-1)  # [t, n]
+    for page, (s, e) in enumerate(retriever.pages(n)):
+        assert scores[page] >= exact[:, s:e].max() - 1e-4  # Quest's bound is an upper bound
+    fused = PageRetriever(tokenizer, page_tokens=32, overlap=0, signal="both")
+    order, _ = fused.rank(ids, QUESTION, model)
+    assert sorted(order) == list(range(len(retriever.pages(n))))

@@ -1,0 +1,289 @@
+"""pace-serve: a real uvicorn server on loopback (a subprocess), driven by the real openai client.
+
+The model is a tiny random llama saved with save_pretrained next to the SmolLM2 tokenizer (its chat
+template), served with ``--model <path> --dtype float32``, so greedy replies are reproducible and a
+reply can be compared with the same conversation prefilled from scratch in a new session.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import http.client as httpclient
+import json
+import urllib.error
+import urllib.request
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from tiny_models import tiny_model  # noqa: E402
+
+from pace_bench.models import load_tokenizer  # noqa: E402
+from pace_hf.chat import ChatTemplate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def http(method, url, body=None, raw=None, timeout=60):
+    """``(status, headers, text)`` of one plain HTTP request (stdlib, so no client of ours is in the way)."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
+DEFS = "def settle(record):\n    return record.amount * RATE\n\nRATE = 7\nWhat does settle return?"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    tokenizer = load_tokenizer("smollm2-135m")
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, tokenizer
+
+
+class Server:
+    def __init__(self, model_dir, store, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.args = [sys.executable, "-m", "pace_hf.serve", "--model", str(model_dir), "--host", "127.0.0.1",
+                     "--port", str(self.port), "--store", f"disk:{store}", "--dtype", "float32", *extra]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = str(model_dir)
+        self.start()
+
+    def start(self):
+        self.log = open(Path(self.args[self.args.index("--store") + 1][5:]).with_suffix(".log"), "ab")
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, "the server exited while starting"
+            try:
+                if http("GET", self.url + "/v1/models", timeout=1)[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError("pace-serve did not start")
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def metric(self, name):
+        text = http("GET", self.url + "/metrics")[2]
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        return float(m.group(1))
+
+    def wait_metric(self, name, at_least, timeout=30):
+        deadline = time.time() + timeout
+        while self.metric(name) < at_least:
+            assert time.time() < deadline, f"{name} never reached {at_least}"
+            time.sleep(0.1)
+
+    def kill9(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    srv = Server(tiny_dir[0], tmp_path_factory.mktemp("serve") / "store", "--max-context", "1024",
+                 "--queue-size", "1", "--max-resident", "2")
+    yield srv
+    srv.stop()
+
+
+def ask(client, model, messages, session=None, **kw):
+    headers = {"X-Session-Id": session} if session else None
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=kw.pop("max_tokens", 12),
+                                       extra_headers=headers, **kw)
+    return r.choices[0].message.content, r.usage
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    """Greedy replies to a conversation's user turns from the same model in this process, with a
+    DynamicCache kept across turns: the run the server must equal while nothing is evicted."""
+    import torch
+    import transformers as tf
+
+    path, tokenizer = tiny_dir
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    t = ChatTemplate(tokenizer)
+
+    def replies(users, max_tokens=12):
+        ids, cache, out = list(t.system_ids), tf.DynamicCache(config=model.config), []
+        stop = t.stop_ids()
+        for user in users:
+            ids += t.encode(t.block("user", user)) + t.encode(t.gen_header)
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                y = model.generate(x, attention_mask=torch.ones_like(x), cache=cache, max_new_tokens=max_tokens,
+                                   do_sample=False, eos_token_id=stop, pad_token_id=stop[0])[0, len(ids):].tolist()
+            while y and y[-1] in stop:
+                y.pop()
+            out.append(tokenizer.decode(y, skip_special_tokens=True))
+            ids += y + t.turn_end_ids()
+        return out
+
+    return replies
+
+
+def new_tokens(tokenizer, *messages):
+    """Tokens a continuing turn must prefill: the blocks of the new messages, the generation header,
+    and the previous reply's last token and turn end (never fed to the model during that turn)."""
+    t = ChatTemplate(tokenizer)
+    return (sum(len(t.encode(t.block(role, content))) for role, content in messages) + len(t.encode(t.gen_header))
+            + 1 + len(t.turn_end_ids()))
+
+
+def test_second_turn_prefills_only_the_new_message(server, tiny_dir, reference):
+    c, m = server.client(), server.name
+    msgs = [{"role": "user", "content": DEFS}]
+    before = server.metric("pace_prefill_tokens_total"), server.metric("pace_reused_tokens_total")
+    a1, u1 = ask(c, m, msgs, session="reuse")
+    assert u1.prompt_tokens_details.cached_tokens == 0
+    msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": "And what is RATE?"}]
+    a2, u2 = ask(c, m, msgs)  # no header: found by the hash chain
+    cached = u2.prompt_tokens_details.cached_tokens
+    assert cached == u1.prompt_tokens + u1.completion_tokens - 1
+    assert u2.prompt_tokens - cached == new_tokens(tiny_dir[1], ("user", "And what is RATE?"))
+    assert server.metric("pace_prefill_tokens_total") - before[0] == u1.prompt_tokens + u2.prompt_tokens - cached
+    assert server.metric("pace_reused_tokens_total") - before[1] == cached
+    assert reference([DEFS, "And what is RATE?"]) == [a1, a2]
+
+
+def test_two_interleaved_conversations_stay_apart(server, reference):
+    c, m = server.client(), server.name
+    a = [{"role": "user", "content": "Conversation A: define class Ledger with owner and balance."}]
+    b = [{"role": "user", "content": "Conversation B: the weather in Lyon, in three words."}]
+    ra1, ua1 = ask(c, m, a)
+    rb1, ub1 = ask(c, m, b)
+    a += [{"role": "assistant", "content": ra1}, {"role": "user", "content": "A again: add a method."}]
+    b += [{"role": "assistant", "content": rb1}, {"role": "user", "content": "B again: and tomorrow?"}]
+    ra2, ua2 = ask(c, m, a)
+    rb2, ub2 = ask(c, m, b)
+    assert ua2.prompt_tokens_details.cached_tokens == ua1.prompt_tokens + ua1.completion_tokens - 1
+    assert ub2.prompt_tokens_details.cached_tokens == ub1.prompt_tokens + ub1.completion_tokens - 1
+    assert reference([a[0]["content"], a[2]["content"]]) == [ra1, ra2]
+    assert reference([b[0]["content"], b[2]["content"]]) == [rb1, rb2]
+
+
+def test_streaming_matches_the_plain_reply(server):
+    c, m = server.client(), server.name
+    msgs = [{"role": "user", "content": "Stream me something about queues."}]
+    plain, _ = ask(c, m, msgs, session="plain", max_tokens=20)
+    stream = c.chat.completions.create(model=m, messages=msgs, max_tokens=20, stream=True,
+                                       extra_headers={"X-Session-Id": "streamed"})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == plain
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 20
+    # a stop string ends the reply before it, streamed or not
+    stop = plain[len(plain) // 2:len(plain) // 2 + 3]
+    assert stop.strip()
+    cut, _ = ask(c, m, msgs, session="plain", max_tokens=20, stop=[stop])
+    assert cut == plain[:plain.index(stop)]
+    streamed = c.chat.completions.create(model=m, messages=msgs, max_tokens=20, stream=True, stop=[stop],
+                                         extra_headers={"X-Session-Id": "streamed"})
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == cut
+
+
+def test_bad_input_gets_openai_errors_and_the_server_lives(server, reference):
+    c, m = server.client(), server.name
+    post = lambda body=None, raw=None: http("POST", server.url + "/v1/chat/completions", body, raw)  # noqa: E731
+    for bad in ({"raw": b"{not json"}, {"body": {"model": m}}, {"body": {"model": m, "messages": []}},
+                {"body": {"model": m, "messages": [{"role": "robot", "content": "hi"}]}},
+                {"body": {"model": m, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}},
+                {"body": {"model": m, "messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}}):
+        status, _, text = post(**bad)
+        assert status == 400, (bad, text)
+        assert json.loads(text)["error"]["type"] == "invalid_request_error" and json.loads(text)["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        ask(c, "no-such-model", [{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(c, m, [{"role": "user", "content": "word " * 1100}])
+    assert e.value.body["code"] == "context_length_exceeded"
+
+    # a full queue: one turn runs, one waits, the next is refused with Retry-After
+    codes, retry_after = [], []
+
+    def long_turn(i):
+        status, headers, text = post({"model": m, "messages": [{"role": "user", "content": f"long {i}"}],
+                                      "max_tokens": 150})
+        codes.append(status)
+        if status == 429:
+            retry_after.append(headers.get("retry-after"))
+            assert json.loads(text)["error"]["code"] == "queue_full"
+
+    threads = [threading.Thread(target=long_turn, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.15)
+    for t in threads:
+        t.join()
+    assert 429 in codes and 200 in codes and all(int(v) >= 1 for v in retry_after)
+
+    # a client that leaves mid-stream: the generation stops, the session stays consistent
+    msgs = [{"role": "user", "content": "Tell a very long story."}]
+    cancelled = server.metric("pace_cancelled_total")
+    conn = httpclient.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"model": m, "messages": msgs, "max_tokens": 400,
+                                                             "stream": True}),
+                 {"Content-Type": "application/json", "X-Session-Id": "leaver"})
+    r = conn.getresponse()
+    assert r.status == 200
+    for _ in range(6):
+        r.readline()
+    conn.close()  # mid-stream
+    server.wait_metric("pace_cancelled_total", cancelled + 1)
+    again, usage = ask(c, m, msgs, session="leaver")
+    t = ChatTemplate(load_tokenizer("smollm2-135m"))
+    assert usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens == len(t.encode(t.gen_header))
+    assert [again] == reference([msgs[0]["content"]])
+    assert server.proc.poll() is None
+    assert json.loads(http("GET", server.url + "/v1/models")[2])["data"][0]["id"] == m
+
+
+def test_kill_and_restart_resumes_sessions_from_disk(tiny_dir, tmp_path, reference):
+    srv = Server(tiny_dir[0], tmp_path / "store", "--max-context", "2048")
+    try:
+        c, m = srv.client(), srv.name
+        msgs = [{"role": "user", "content": DEFS}]
+        a1, _ = ask(c, m, msgs)
+        msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": "Now call settle."}]
+        a2, u2 = ask(c, m, msgs)
+        srv.wait_metric("pace_saves_total", 2)  # saved behind the reply
+        srv.kill9()
+        srv.start()
+        msgs += [{"role": "assistant", "content": a2}, {"role": "user", "content": "Thanks. Anything else?"}]
+        a3, u3 = ask(c, m, msgs)
+        assert srv.metric("pace_session_resumes_total") == 1
+        assert u3.prompt_tokens_details.cached_tokens == u2.prompt_tokens + u2.completion_tokens - 1
+        assert u3.prompt_tokens - u3.prompt_tokens_details.cached_tokens == new_tokens(
+            tiny_dir[1], ("user", "Thanks. Anything else?"))
+        assert reference([DEFS, "Now call settle.", "Thanks. Anything else?"]) == [a1, a2, a3]
+    finally:
+        srv.stop()
