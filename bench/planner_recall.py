@@ -333,7 +333,7 @@ def load_tokenizer(name: str):
     try:
         from pace_bench.models import load_tokenizer as load
     except ImportError:
-        from pace_hf.bench.models import load_tokenizer as load
+        from pace_bench.models import load_tokenizer as load
     return load(name)
 
 
@@ -375,7 +375,7 @@ def run_synthetic(args) -> dict:
     try:
         from pace_bench import load_sessions, session_messages
     except ImportError:
-        from pace_hf.bench import load_sessions, session_messages
+        from pace_bench import load_sessions, session_messages
     tokenizer = load_tokenizer(args.tokenizer)
     template = ChatTemplate(tokenizer)
     rows = load_sessions(tokenizer, n_sessions=args.sessions, total_tokens=args.tokens, seed=args.seed)

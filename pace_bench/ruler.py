@@ -292,10 +292,12 @@ def resume_state(state, model, store):
 
 def answer(model, cache, ids: list[int], max_new_tokens: int, stop_ids, chunk: int, needle) -> tuple[list[int], dict]:
     """Greedy answer to ``ids`` (the cache holds a prefix), and the ledger at the answer's first query."""
-    from pace_bench.runner import ReadAtFirstQuery, generate_answer
+    from pace_bench.readings import ReadAtFirstQuery
+    from pace_hf.session import generate_reply
 
     reading = ReadAtFirstQuery(cache, torch.tensor(needle, dtype=torch.long))
-    tokens = generate_answer(model, ids, cache, max_new_tokens, stop_ids, chunk, [reading])
+    tokens = generate_reply(model, ids, cache, max_new_tokens=max_new_tokens, stop_ids=stop_ids, chunk=chunk,
+                            stopping_criteria=[reading])
     return tokens, reading.reading or {}
 
 
@@ -466,24 +468,24 @@ def _lengths(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from pace_bench.models import DEFAULT_MODEL
-    from pace_bench.runner import _int_at_least, _model_name
+    from pace_bench.cli import int_at_least, model_name
 
     ap = argparse.ArgumentParser(prog="pace-bench --suite ruler", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", type=_model_name, default=DEFAULT_MODEL, help="a packaged model name or a local directory")
+    ap.add_argument("--model", type=model_name, default=DEFAULT_MODEL, help="a packaged model name or a local directory")
     ap.add_argument("--tasks", type=_list(list(TASKS), "task(s)"), default="niah_single_1", metavar="TASK[,TASK...]",
                     help=f"from {{{', '.join(TASKS)}}}")
     ap.add_argument("--lengths", type=_lengths, default="8192", metavar="N[,N...]", help="RULER's max_seq_length(s)")
-    ap.add_argument("--samples", type=_int_at_least(1), default=5, help="samples per task and length")
+    ap.add_argument("--samples", type=int_at_least(1), default=5, help="samples per task and length")
     ap.add_argument("--arms", type=_list(ARMS, "arm(s)"), default="full,snapkv,pace_retrieval", metavar="ARM[,ARM...]",
                     help=f"from {{{', '.join(ARMS)}}}")
     ap.add_argument("--settings", type=_list(SETTINGS, "setting(s)"), default="session", metavar="S[,S...]",
                     help=f"from {{{', '.join(SETTINGS)}}}")
-    ap.add_argument("--budget", type=_int_at_least(1), default=2048, help="B: resident tokens per layer and KV head")
-    ap.add_argument("--limit", type=_int_at_least(1), default=8192, help="L: the bounded arms' rotary limit (L > B + H)")
-    ap.add_argument("--chunk", type=_int_at_least(1), default=4096, help="H: prefill chunk size")
-    ap.add_argument("--tool-tokens", type=_int_at_least(16), default=2048, help="tokens per tool output (session setting)")
-    ap.add_argument("--max-new-tokens", type=_int_at_least(1), default=None, help="cap the tasks' max_gen_toks")
+    ap.add_argument("--budget", type=int_at_least(1), default=2048, help="B: resident tokens per layer and KV head")
+    ap.add_argument("--limit", type=int_at_least(1), default=8192, help="L: the bounded arms' rotary limit (L > B + H)")
+    ap.add_argument("--chunk", type=int_at_least(1), default=4096, help="H: prefill chunk size")
+    ap.add_argument("--tool-tokens", type=int_at_least(16), default=2048, help="tokens per tool output (session setting)")
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help="cap the tasks' max_gen_toks")
     ap.add_argument("--ranks", action=argparse.BooleanOptionalAction, default=True,
                     help="record the needle page's rank under each retrieval signal (pace_retrieval)")
     ap.add_argument("--seed", type=int, default=0)

@@ -29,22 +29,21 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from transformers import StoppingCriteria
 
 from pace_hf import Blueprint, EvictionCache, Span
-from pace_hf.binding import decoder_of
-from pace_hf.cache import cache_nbytes
 from pace_hf.session import generate_reply
 
 from .arms import ARMS, BOUNDED_ARMS, ArmSettings, check_settings, make_cache
+from .cli import fraction, int_at_least, model_name
 from .figures import gap_text, make_figures, settings_for, summarize, with_distance_table
 from .progress import SessionProgress
+from .readings import ReadAtFirstQuery, full_cache_bytes, peak_cache_bytes, tier_reading
 from .records import pair_key, read_jsonl, session_key, shard_paths, write_jsonl
 from .sessions import session_messages
 
 PLANNERS = ("oracle", "symbols", "none")
 STORES = ("none", "host", "disk", "valkey")
-TIER_FIELDS = ("restores", "restored_tokens", "stall_seconds", "spilled_tokens")
+
 
 
 # -- blueprints: the oracle's (whole or with edges dropped), or a planner's ---------------------------
@@ -103,68 +102,6 @@ def needed_positions(row, probe) -> torch.Tensor:
     """Logical positions of the spans this probe reads (from the session's oracle blueprint)."""
     spans = [torch.arange(b["start"], b["end"]) for b in row["blueprint"] if probe["step"] in b["readers"]]
     return torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
-
-
-def ledger_at_probe(cache, needed: torch.Tensor) -> dict:
-    """Residency of the needed tokens (mean over layers and KV heads) and the rotary gap between the
-    probe's first query and the farthest resident needed token (None when none is resident)."""
-    if not isinstance(cache, EvictionCache):  # the full arm: everything resident at its logical position
-        seen = cache.get_seq_length()
-        return {"residency": 1.0, "rotary_gap": int(seen - needed.min()) if needed.numel() else None}
-    return {"residency": cache.residency(needed), "rotary_gap": cache.rotary_gap(needed)}
-
-
-class ReadAtFirstQuery(StoppingCriteria):
-    """Reads the ledger once, when generate has prefilled the probe and is about to feed its first
-    answer token (the first stopping check); never stops generation."""
-
-    def __init__(self, cache, needed: torch.Tensor):
-        self.cache, self.needed, self.reading = cache, needed, None
-
-    def __call__(self, input_ids, scores, **kwargs):
-        if self.reading is None:
-            self.reading = ledger_at_probe(self.cache, self.needed)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def tier_reading(cache) -> dict:
-    """The cache's tier counters (cumulative over the session so far), or {} without a store."""
-    if not isinstance(cache, EvictionCache) or cache.store is None:
-        return {}
-    stats = cache.tier_stats
-    return {"tier": {k: (round(stats[k], 4) if isinstance(stats.get(k), float) else stats.get(k, 0))
-                     for k in TIER_FIELDS}}
-
-
-@contextlib.contextmanager
-def peak_cache_bytes(model, cache):
-    """Yields ``{"bytes": n}``, the most the cache held (:func:`pace_hf.cache.cache_nbytes`) at the end
-    of any forward's last decoder layer. Why there: every layer holds the chunk it just appended and
-    the eviction caches evict only after the forward, so that is each forward's peak. A model whose
-    decoder has no ``layers`` list yields ``{"bytes": None}``: not measured."""
-    layers = getattr(decoder_of(model), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        yield {"bytes": None}
-        return
-    peak = {"bytes": 0}
-
-    def on_last_layer(*_):
-        peak["bytes"] = max(peak["bytes"], cache_nbytes(cache))
-
-    handle = layers[-1].register_forward_hook(on_last_layer)
-    try:
-        yield peak
-    finally:
-        handle.remove()
-
-
-def full_cache_bytes(model, tokens: int) -> int:
-    """What DynamicCache would hold for ``tokens`` tokens: keys and values of every layer and KV head,
-    in the model's dtype."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * tokens * model.dtype.itemsize
 
 
 def _score(metric, text: str, probe) -> dict:
@@ -339,40 +276,6 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
     pass
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"int >= {low}"
-    return parse
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
-def _model_name(text: str) -> str:
-    """A model the project can load without a hub: a packaged name, or a local directory."""
-    from pace_bench.models import model_names
-
-    if text.lower() in model_names() or Path(text).is_dir():
-        return text
-    raise argparse.ArgumentTypeError(f"unknown model {text!r}: choose from {', '.join(model_names())}, or give a "
-                                     "local model directory (no hub is reached)")
-
-
 def _arm_list(text: str) -> list[str]:
     arms = [a.strip() for a in text.split(",") if a.strip()]
     bad = [a for a in arms if a not in ARMS]
@@ -395,31 +298,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="pace-bench", description=__doc__.split("\n\n")[0], epilog=_EPILOG,
                                  formatter_class=_Formatter, parents=[_suite_parser()])
-    ap.add_argument("--model", type=_model_name, default=DEFAULT_MODEL, metavar="NAME",
+    ap.add_argument("--model", type=model_name, default=DEFAULT_MODEL, metavar="NAME",
                     help=f"one of {{{', '.join(model_names())}}}, or a local model directory")
     ap.add_argument("--arms", type=_arm_list, default="h2o,pace", metavar="ARM[,ARM...]",
                     help=f"comma-separated, from {{{', '.join(ARMS)}}}")
-    ap.add_argument("--sessions", type=_int_at_least(1), default=1, help="sessions per distance")
-    ap.add_argument("--tokens", type=_int_at_least(1), default=8192, help="context tokens before the first probe")
-    ap.add_argument("--distance", type=_int_at_least(0), nargs="+", default=None, metavar="D",
+    ap.add_argument("--sessions", type=int_at_least(1), default=1, help="sessions per distance")
+    ap.add_argument("--tokens", type=int_at_least(1), default=8192, help="context tokens before the first probe")
+    ap.add_argument("--distance", type=int_at_least(0), nargs="+", default=None, metavar="D",
                     help="definition distances to sweep: tokens of filler between the definitions and the first "
                          "probe; none: all the filler after the definitions")
     ap.add_argument("--seed", type=int, default=0, help="the sessions' seed (session i of seed s is s<s>-<i>)")
     ap.add_argument("--filler-mode", choices=FILLER_MODES, default="non-repeating",
                     help="non-repeating: no stdlib file twice; repeating: four small files, cycled")
-    ap.add_argument("--budget", type=_int_at_least(1), default=2048, help="B: resident tokens per layer and KV head")
-    ap.add_argument("--limit", type=_int_at_least(1), default=8192,
+    ap.add_argument("--budget", type=int_at_least(1), default=2048, help="B: resident tokens per layer and KV head")
+    ap.add_argument("--limit", type=int_at_least(1), default=8192,
                     help="L: rotary positions of bounded arms stay below it; needs L > B + H")
-    ap.add_argument("--chunk", type=_int_at_least(1), default=4096, help="H: prefill chunk size (tokens per forward)")
+    ap.add_argument("--chunk", type=int_at_least(1), default=4096, help="H: prefill chunk size (tokens per forward)")
     ap.add_argument("--reference-arm", choices=ARMS, default="h2o",
                     help="the arm the table pairs the others against (if it is not run: the first arm run)")
-    ap.add_argument("--max-new-tokens", type=_int_at_least(1), default=None, help="cap the per-probe answer length")
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help="cap the per-probe answer length")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                     help="auto: bfloat16 where the CPU or GPU runs it fast, else float32")
     ap.add_argument("--planner", choices=PLANNERS, default="oracle",
                     help="what foresight arms plan with: the session's oracle blueprint, SymbolPlanner's from "
                          "the session's text, or no plan")
-    ap.add_argument("--drop-edges", type=_fraction, default=0.0, metavar="P",
+    ap.add_argument("--drop-edges", type=fraction, default=0.0, metavar="P",
                     help="drop a seeded fraction P of the oracle blueprint's (span, reader) edges")
     ap.add_argument("--store", choices=STORES, default="none",
                     help="spill evicted tokens to this tier (planned spans are restored from it)")

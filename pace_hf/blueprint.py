@@ -12,6 +12,7 @@ Spans can be written in token positions, or derived from character offsets of a 
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -71,6 +72,7 @@ class Blueprint:
 
     def __init__(self, spans: Iterable[Span] = ()):
         self.spans: list[Span] = []
+        self._warned: set[tuple[int, int]] = set()
         for span in spans:
             self.add(span)
 
@@ -130,6 +132,22 @@ class Blueprint:
 
     def __repr__(self) -> str:
         return f"Blueprint({self.spans!r})"
+
+    def past(self, length: int) -> list[Span]:
+        """Spans that reach past the first ``length`` tokens."""
+        return [span for span in self.spans if span.end > length]
+
+    def warn_past(self, length: int) -> None:
+        """Warn (once per span) about spans that reach past a prompt of ``length`` tokens: every token
+        generated or added after the prompt, up to the span's end, would get the bonus. The cache calls
+        this when decoding starts, where the blueprint meets the prompt."""
+        for span in self.past(length):
+            if (span.start, span.end) not in self._warned:
+                self._warned.add((span.start, span.end))
+                warnings.warn(f"blueprint span [{span.start}, {span.end}) reaches past the end of the prompt "
+                              f"({length} tokens): the tokens that come after the prompt get its bonus; end "
+                              f"the span at the prompt's end, or plan new tokens once they exist",
+                              UserWarning, stacklevel=2)
 
     def due(self, step: int, within: int) -> list[Span]:
         """Spans whose next reader is in ``[step, step + within]``."""

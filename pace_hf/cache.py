@@ -615,6 +615,8 @@ class EvictionCache(DynamicCache):
         """Prepare for a forward of ``q_len`` new tokens; return the first physical position."""
         self._apply_due_restores()
         seen, n = self.get_seq_length(), self.resident_count()
+        if q_len == 1 and self.blueprint is not None:  # decoding: the prompt ends at seen
+            self.blueprint.warn_past(seen)
         if self.bounded:
             if n + q_len > self.limit:
                 raise ValueError(

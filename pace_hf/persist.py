@@ -8,14 +8,16 @@ once, under keys no writer reuses (``pace_hf.spill``). The manifest is written l
 ``manifest``: it names the generation and holds the digest (``tiers.entry.digest``) of every entry it
 covers, layer states, attachments and spill entries.
 
-Order. (1) The attempt's keys are recorded under ``save-pending``. (2) The entries are written, and
+Order. (1) The attempt's keys, and those of the save it replaces, are recorded under ``save-pending``. (2) The entries are written, and
 each is confirmed on every durable tier (``TieredStore.durable_tiers``): a tier that missed one fails the
 save with ``SaveFailed`` naming the entry and the tier, before anything names the entry. Spill entries
 written while a tier was down are rewritten from a tier that holds them. (3) The manifest is written
-and confirmed the same way (the disk tier writes a temporary file, fsyncs it, renames it over the old
+and confirmed the same way: a tier that missed only the manifest still holds the previous save whole,
+and the error says which tiers took the new one (the disk tier writes a temporary file, fsyncs it, renames it over the old
 one and fsyncs the directory; Valkey sets it in one transaction). (4) Only then are the replaced
-generation's entries, and those of attempts that never committed (``save-pending``), deleted. A crash
-at any point leaves the previous manifest and every entry it names whole.
+generation's entries, and whatever ``save-pending`` lists from attempts that crashed, deleted. A crash at
+any point leaves the previous manifest and every entry it names whole, and the next save that commits
+collects what the crash left.
 
 Resume reads the manifest, fetches every entry it names and checks each digest before it builds
 anything: an entry that is missing (a crash, a Valkey eviction, a TTL), damaged, or another save's (an
@@ -65,7 +67,13 @@ def save(cache, attachments: dict | None = None) -> str:
     if cache.in_forward:
         raise RuntimeError("save cannot run inside a forward")
     store, sid, fp, spill = cache.store, cache.session_id, cache.fingerprint, cache.spill
-    with store.lease(sid) as lease:
+    try:
+        lease = store.lease(sid)
+    except TierError as e:
+        if isinstance(e, WriterConflict):
+            raise
+        raise SaveFailed(f"save of session {sid!r} failed: {e}; the previous save is unchanged") from e
+    with lease:
         current = _read(store, sid, MANIFEST_KEY)
         current_gen = None if current is None else current.get("generation")
         if current_gen != spill.generation:
@@ -79,7 +87,9 @@ def save(cache, attachments: dict | None = None) -> str:
         layers = [i for i, layer in enumerate(cache.layers) if layer.is_initialized]
         attachments = dict(attachments or {})
         keys = [f"L{i}/state@{gen}" for i in layers] + [f"{name}@{gen}" for name in attachments]
-        _confirm(store, sid, {PENDING_KEY: _put(store, sid, PENDING_KEY, {}, {"pending": pending + [keys]})})
+        # What to delete once some later save commits: this attempt's entries and the ones it replaces.
+        pending = pending + [keys + _entry_keys(current)]
+        _confirm(store, sid, {PENDING_KEY: _put(store, sid, PENDING_KEY, {}, {"pending": pending})})
 
         spill.flush()
         parts = {f"L{i}/state@{gen}": (cache.layers[i].tensors(), {"seen": cache.get_seq_length(i)}) for i in layers}
@@ -99,11 +109,19 @@ def save(cache, attachments: dict | None = None) -> str:
             "scoring": describe(cache.scoring), "step": cache.step, "renumbers": cache.renumbers,
             "next_physical": cache.next_physical, "prefetch_steps": cache.prefetch_steps, "spill": spill.state(),
         }
-        _confirm(store, sid, {MANIFEST_KEY: _put(store, sid, MANIFEST_KEY, {}, manifest)})
-        spill.generation = gen
+        done = _put(store, sid, MANIFEST_KEY, {}, manifest)
+        store.flush()
+        written = [t for t, why in done.result().items() if why is None]
+        if written:  # the tiers that took it hold the new save whole, the others the old one
+            spill.generation = gen
+        missed = _missed(store, done.result())
+        if missed:
+            raise SaveFailed(f"save of session {sid!r} failed: the manifest of {gen} reached {written or 'no tier'} but "
+                             f"not every durable tier ({'; '.join(f'{t}: {w}' for t, w in missed.items())}); each tier "
+                             "holds one whole save, the new one or the previous")
 
         # The new save is durable: the one it replaces and attempts that never committed can go.
-        doomed = {key for attempt in pending for key in attempt} | set(_entry_keys(current))
+        doomed = {key for attempt in pending for key in attempt}
         for key in sorted(doomed - set(entries)):
             store.delete(key, session_id=sid)
         _put(store, sid, PENDING_KEY, {}, {"pending": []})
@@ -149,9 +167,19 @@ def _confirm(store, sid: str, writes: dict[str, Future]) -> None:
 
 def _confirm_spill(store, sid: str, spill) -> None:
     """Every spill entry the manifest will index is on every durable tier: entries written while a tier
-    was down (or only to the top tier) are rewritten from a tier that holds them. An entry no tier holds
-    is lost: it leaves the index (its tokens cannot be restored by anyone) and the save fails, naming it."""
+    was down (or only to the top tier) are rewritten from a tier that holds them, and so is every entry
+    when a durable tier failed since the last save (it may have come back without them). An entry no tier
+    holds is lost: it leaves the index (its tokens cannot be restored by anyone) and the save fails,
+    naming it. (A tier that loses entries without a failure the store sees, such as a Valkey restarted
+    empty between two requests, is caught by resume, which refuses naming the entry.)"""
     entries = spill.entries()
+    stats = store.stats
+    errors = {t: stats[t]["errors"] for t in store.durable_tiers}
+    if any(n > spill.tier_errors.get(t, 0) for t, n in errors.items()):
+        resync = {key: Future() for key in entries if key not in spill.unconfirmed}
+        for done in resync.values():
+            done.set_result({})  # written nowhere known: rewrite it below
+        spill.unconfirmed.update(resync)
     lost = []
     for key, done in list(spill.unconfirmed.items()):
         if _missed(store, done.result()):
@@ -171,6 +199,7 @@ def _confirm_spill(store, sid: str, spill) -> None:
         raise SaveFailed(f"save of session {sid!r} failed: spill entries {lost} reached no durable tier and no "
                          "tier holds them now: their evicted tokens are lost and were dropped from the spill "
                          "index. The previous save is unchanged; save again to save the rest")
+    spill.tier_errors = {t: store.stats[t]["errors"] for t in store.durable_tiers}
 
 
 # -- resume ------------------------------------------------------------------------------------------

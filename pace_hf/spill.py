@@ -63,6 +63,7 @@ class SpillLog:
         self.spilled_tokens = 0
         self.unconfirmed: dict[str, Future] = {}  # key -> its write's confirmation, until a save checks it
         self.generation: str | None = None  # the save this log continues (set by save and resume)
+        self.tier_errors: dict[str, int] = {}  # each durable tier's error count when a save last confirmed it
 
     def add(self, layer_idx: int, tokens: dict[str, torch.Tensor]) -> None:
         """Buffer evicted tokens (copied to the CPU); write the layer's entry once it is full."""

@@ -36,6 +36,7 @@ TURN1 = "Define VAULT_CODE = 4471 and a class Ledger with owner and balance. " *
 TURN2 = "Now some unrelated notes about trains, weather and lunch. " * 3
 RACE_TURNS = ("Writer A says: the river is wide. " * 3, "Writer B says: the mountain is tall. " * 3)
 HOOKED = ("open", "write", "fsync", "replace", "unlink", "mkdir")
+RACE_DELAYS = (0.0, 0.001, 0.01, 0.3)  # writer B starts its save this much later: from at once to after A's
 
 
 def layer_tensors(cache) -> dict:
@@ -138,7 +139,8 @@ def main(root, out):
     root = Path(root)
     torch.set_num_threads(1)  # no OpenMP pool in a process that forks
     model, tokenizer = session_model()
-    report = {"kills": [], "random": [], "races": []}
+    report = {"kills": [], "random": [], "races": [], "seconds": {}}
+    started = time.perf_counter()
 
     base = root / "base"
     store = TieredStore([DiskTier(base)])
@@ -189,6 +191,7 @@ def main(root, out):
             store.close()
         return verdict
 
+    report["seconds"]["setup"] = time.perf_counter() - started
     for k in range(1, ref_stats["io"] + 2):  # the last one is past the save's final call: no kill
         where = root / f"kill{k}"
         shutil.copytree(base, where)
@@ -196,6 +199,7 @@ def main(root, out):
         report["kills"].append({"k": k, "exit": code, **outcome(where)})
         shutil.rmtree(where)
 
+    report["seconds"]["kills"] = time.perf_counter() - started
     rng = random.Random(0)
     for i in range(4):
         where = root / f"random{i}"
@@ -224,7 +228,7 @@ def main(root, out):
                 def barrier(session):
                     os.write(ready_w, b"!")
                     os.read(go_r, 1)
-                    time.sleep(0.002 * r * w)  # from simultaneous to a few ms apart
+                    time.sleep(RACE_DELAYS[r] * w)
 
                 def saved(session, gen):
                     torch.save({"tensors": layer_tensors(session.cache), "ids": list(session.ids)}, root / f"race{r}-{w}.pt")
@@ -251,6 +255,7 @@ def main(root, out):
             os.close(fd)
         shutil.rmtree(where)
 
+    report["seconds"]["total"] = time.perf_counter() - started
     Path(out).write_text(json.dumps(report, indent=1))
 
 

@@ -176,3 +176,28 @@ def test_torch_compile_runs_the_pass_eagerly_without_recompiling():
         attention.ACTIVE_CACHE.reset(token)
         torch._dynamo.reset()
     assert len(cache.recorded) == 4
+
+
+def test_the_core_imports_and_runs_without_triton():
+    """Triton is the ``cuda`` extra: with it unimportable, pace_hf imports, scores and re-rotates on CPU."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["triton"] = None  # import triton now raises ImportError
+import torch, pace_hf, pace_hf.kernels
+from pace_hf.attention import attention_with_column_sums
+from pace_hf.rope import RotaryParams, rerotate
+q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 5, 16)
+out, sums = attention_with_column_sums(q, k, k, None, 0.25, None)
+p = RotaryParams(inv_freq=1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16)), head_dim=16, layout="half")
+rerotate(k, torch.arange(5), torch.arange(5) + 3, p)
+assert "triton" not in [m.split(".")[0] for m in sys.modules if sys.modules[m] is not None]
+try:
+    pace_hf.kernels.rerotate_triton
+except ImportError:
+    print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

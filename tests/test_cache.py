@@ -424,7 +424,7 @@ def test_in_place_eviction_keeps_exactly_what_plain_compaction_keeps(make):
         cache.bind(model)
         log = []
         handle = ledgers_after_every_forward(model, cache, log)
-        out = model.generate(prompt(150, seed=11), max_new_tokens=300, min_new_tokens=300, do_sample=False,
+        out = model.generate(prompt(150, seed=11), max_new_tokens=160, min_new_tokens=160, do_sample=False,
                              cache=cache, prefill_chunk_size=32)
         handle.remove()
         cache.unbind()
@@ -432,7 +432,7 @@ def test_in_place_eviction_keeps_exactly_what_plain_compaction_keeps(make):
         runs.append((out, log, cache))
     (out, log, cache), (ref_out, ref_log, ref_cache) = runs
     assert torch.equal(out, ref_out)
-    assert len(log) == len(ref_log) == 5 + 299  # 5 prefill chunks, then one forward per later token
+    assert len(log) == len(ref_log) == 5 + 159  # 5 prefill chunks, then one forward per later token
     for step, (layers, ref_layers) in enumerate(zip(log, ref_log)):  # kept sets, keys, scores: bit for bit
         for layer, ref in zip(layers, ref_layers):
             assert layer.keys() == ref.keys()

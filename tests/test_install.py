@@ -113,7 +113,7 @@ def test_a_bare_install_runs_the_readme_example_without_the_extras(tmp_path):
     python = venv / "bin" / "python"
     site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
     requirements = wheel_requirements(wheel)
-    assert {r.name for r in requirements} == {"torch", "transformers", "tqdm", "xxhash"}
+    assert {"torch", "transformers"} <= {r.name for r in requirements} and not {r.name for r in requirements} & set(EXTRAS_ONLY)
     _link(_closure(requirements), tmp_path / "requirements")
     (site / "requirements.pth").write_text(str(tmp_path / "requirements") + "\n")
     _run(python, "-m", "pip", "install", "-q", wheel)

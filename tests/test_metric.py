@@ -312,8 +312,8 @@ def _random_reference(rng):
     return json.dumps(ref) if rng.random() < 0.8 else ref
 
 
-def _random_report(rng, nonce, i):
-    msg = {"n": nonce, "i": i, "status": rng.choice(["ok", "raised", "error", "bogus"])}
+def _random_report(rng, nonce):
+    msg = {"c": nonce, "status": rng.choice(["ok", "raised", "error", "bogus"])}
     for key in rng.sample(["value", "exc_type", "exc_args", "exc_attrs", "detail"], rng.randrange(6)):
         msg[key] = _random_json(rng)
     if rng.random() < 0.5:
@@ -335,18 +335,20 @@ def test_random_results_and_references_raise_only_documented_errors(monkeypatch)
     def fake_run_calls(program, calls, limits):
         rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
+        run = S._Run(list(calls), os.getpid(), wfd)
+
+        def asked():
+            return os.read(rfd, 1 << 16).split(b" ")[0].decode()  # the nonce of the request just sent
+
         try:
-            run = S._Run(list(calls), "nonce", os.getpid(), wfd)
-            run.feed(json.dumps({"n": "nonce", "setup": ["landlock v7"]}).encode())
-            run.feed(json.dumps({"n": "nonce", "ready": True}).encode())
-            for i in range(len(calls)):
-                run.feed(_random_report(rng, "nonce", i))
-                if len(run.done) <= i:  # a line the parent ignored: the call would time out
-                    break
+            run.feed(json.dumps({"setup": ["landlock v7"]}).encode())
+            run.feed(json.dumps({"c": asked(), "ready": True}).encode())
+            for _ in range(len(calls)):
+                run.feed(_random_report(rng, asked()))
             return run.results(None, 1.0, "")
         finally:
             os.close(rfd)
-            os.close(wfd)
+            run.close_calls()
 
     monkeypatch.setattr(M, "run_calls", fake_run_calls)
     outcomes = {"scored": 0, "refused": 0}

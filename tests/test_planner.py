@@ -22,8 +22,10 @@ def session_of(*turns):
 
 
 def edges(blueprint):
-    """{(message index, reader step)} of a blueprint over session_of() messages."""
-    return {((s.start - 10) // 100, r) for s in blueprint for r in s.readers}
+    """{(message index, reader step)} of a blueprint over session_of() messages (a span that covers
+    neighbouring messages, merged, counts for each)."""
+    return {(k, r) for s in blueprint for k in range((s.start - 10) // 100, (s.end - 10 + 99) // 100)
+            for r in s.readers}
 
 
 # ------------------------------------------------------------------------------------------ extraction
@@ -48,8 +50,8 @@ def test_definitions_in_code():
         "RATE, QUANTUM = 2, 5\nBASE_FEE: int = 3\n\n"
         "def settle(record):\n    total = record.amount\n    return total\n")
     # imports and locals (total, record) are not definitions; fields, methods' self.X and constants are
-    assert p.definitions(code) == {"Invoice", "invoice_id", "amount", "LedgerError", "code", "RATE", "QUANTUM",
-                                   "BASE_FEE", "settle"}
+    assert p.definitions(code) == {"Invoice", "invoice_id", "amount", "LedgerError", "__init__", "code", "RATE",
+                                   "QUANTUM", "BASE_FEE", "settle"}
 
 
 def test_definitions_in_prose_and_fragments():

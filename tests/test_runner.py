@@ -8,9 +8,11 @@ import transformers as tf
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, EvictionCache, ObservationWindow, Span
-from pace_bench import runner
-from pace_bench.runner import (ARMS, ArmSettings, completed_records, ledger_at_probe, main, make_cache,
-                                  progress_line, summarize)
+from pace_bench import readings, runner
+from pace_bench.arms import ARMS, ArmSettings, make_cache
+from pace_bench.figures import summarize
+from pace_bench.readings import ledger_at_probe
+from pace_bench.runner import completed_records, main, progress_line
 
 
 def test_every_arm_builds_the_cache_it_names():
@@ -19,6 +21,7 @@ def test_every_arm_builds_the_cache_it_names():
     caches = {arm: make_cache(arm, model, bp, ArmSettings(budget=256, limit=512)) for arm in ARMS}
     assert type(caches["full"]).__name__ == "DynamicCache"
     flags = {arm: (c.blueprint is not None, c.bounded) for arm, c in caches.items() if isinstance(c, EvictionCache)}
+    assert flags == {a.name: (a.foresight, a.bounded) for a in ARMS.values() if a.name != "full"}  # the registry is right
     assert flags["h2o"] == (False, False) and flags["pace"] == (True, True)
     assert flags["positions_only"] == (False, True) and flags["retention_only"] == (True, False)
     assert flags["snapkv_foresight"] == (True, False) and flags["streaming_bounded"] == (False, True)
@@ -321,7 +324,7 @@ def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progr
                                       progress=True)
         assert [r["probe"] for r in records] == ["a", "b"]
         for r in records:
-            assert set(r["tier"]) == set(runner.TIER_FIELDS) and r["tier"]["spilled_tokens"] > 0
+            assert set(r["tier"]) == set(readings.TIER_FIELDS) and r["tier"]["spilled_tokens"] > 0
             assert r["rehydrated_tokens"] == 0 and r["residency"] == 1.0  # foresight kept the planned span
         assert all(n <= total for n, total, _ in seen)  # never past its total
         assert seen[-1][0] == seen[-1][1] >= row["context_len"] + sum(len(p["prompt_ids"]) for p in row["probes"])
@@ -492,8 +495,8 @@ def test_cache_nbytes_counts_every_layer_tensor_once():
     dynamic = tf.DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, cache=dynamic)
-    assert cache_nbytes(dynamic) == runner.full_cache_bytes(model, 200)  # keys and values, nothing else
-    pace = runner.make_cache("pace", model, Blueprint(), ArmSettings(budget=160, limit=400))
+    assert cache_nbytes(dynamic) == readings.full_cache_bytes(model, 200)  # keys and values, nothing else
+    pace = make_cache("pace", model, Blueprint(), ArmSettings(budget=160, limit=400))
     with torch.no_grad():
         model(ids, cache=pace)
     layer = pace.layers[0]
@@ -512,7 +515,7 @@ def test_play_session_records_the_peak_cache_against_the_full_cache():
     for r in full:
         assert r["peak_cache_bytes"] == r["full_cache_bytes"] > 0
     assert [r["full_cache_bytes"] for r in pace] == [r["full_cache_bytes"] for r in full]  # same tokens
-    per_token = runner.full_cache_bytes(model, 1)
+    per_token = readings.full_cache_bytes(model, 1)
     assert pace[-1]["peak_cache_bytes"] < pace[-1]["full_cache_bytes"]
     assert pace[-1]["peak_cache_bytes"] >= (192 + 64) * per_token  # budget + a chunk, before the eviction
     assert not model.model.layers[-1]._forward_hooks  # the measuring hook is gone

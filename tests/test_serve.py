@@ -232,7 +232,7 @@ def test_bad_input_gets_openai_errors_and_the_server_lives(server, reference):
 
     def long_turn(i):
         status, headers, text = post({"model": m, "messages": [{"role": "user", "content": f"long {i}"}],
-                                      "max_tokens": 150})
+                                      "max_tokens": 80})
         codes.append(status)
         if status == 429:
             retry_after.append(headers.get("retry-after"))
@@ -267,23 +267,21 @@ def test_bad_input_gets_openai_errors_and_the_server_lives(server, reference):
     assert json.loads(http("GET", server.url + "/v1/models")[2])["data"][0]["id"] == m
 
 
-def test_kill_and_restart_resumes_sessions_from_disk(tiny_dir, tmp_path, reference):
-    srv = Server(tiny_dir[0], tmp_path / "store", "--max-context", "2048")
-    try:
-        c, m = srv.client(), srv.name
-        msgs = [{"role": "user", "content": DEFS}]
-        a1, _ = ask(c, m, msgs)
-        msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": "Now call settle."}]
-        a2, u2 = ask(c, m, msgs)
-        srv.wait_metric("pace_saves_total", 2)  # saved behind the reply
-        srv.kill9()
-        srv.start()
-        msgs += [{"role": "assistant", "content": a2}, {"role": "user", "content": "Thanks. Anything else?"}]
-        a3, u3 = ask(c, m, msgs)
-        assert srv.metric("pace_session_resumes_total") == 1
-        assert u3.prompt_tokens_details.cached_tokens == u2.prompt_tokens + u2.completion_tokens - 1
-        assert u3.prompt_tokens - u3.prompt_tokens_details.cached_tokens == new_tokens(
-            tiny_dir[1], ("user", "Thanks. Anything else?"))
-        assert reference([DEFS, "Now call settle.", "Thanks. Anything else?"]) == [a1, a2, a3]
-    finally:
-        srv.stop()
+def test_kill_and_restart_resumes_sessions_from_disk(server, tiny_dir, reference):
+    """The last test of the module: it kills the module's server (kill -9) and starts it again."""
+    srv = server
+    c, m = srv.client(), srv.name
+    msgs = [{"role": "user", "content": DEFS}]
+    a1, _ = ask(c, m, msgs, session="restart")
+    msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": "Now call settle."}]
+    a2, u2 = ask(c, m, msgs)
+    srv.wait_metric("pace_saves_total", srv.metric("pace_requests_total{status=\"200\"}"))  # behind the reply
+    srv.kill9()
+    srv.start()
+    msgs += [{"role": "assistant", "content": a2}, {"role": "user", "content": "Thanks. Anything else?"}]
+    a3, u3 = ask(c, m, msgs)
+    assert srv.metric("pace_session_resumes_total") == 1
+    assert u3.prompt_tokens_details.cached_tokens == u2.prompt_tokens + u2.completion_tokens - 1
+    assert u3.prompt_tokens - u3.prompt_tokens_details.cached_tokens == new_tokens(
+        tiny_dir[1], ("user", "Thanks. Anything else?"))
+    assert reference([DEFS, "Now call settle.", "Thanks. Anything else?"]) == [a1, a2, a3]

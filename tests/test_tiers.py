@@ -14,13 +14,14 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from pace_hf.tiers import (
-    DiskTier, HostTier, IntegrityError, TieredStore, TierError, ValkeyTier, decode, encode, full_key,
+    DiskTier, HostTier, IntegrityError, LeaseHeld, TieredStore, TierError, ValkeyTier, decode, encode, full_key,
     model_fingerprint,
 )
 
@@ -496,3 +497,69 @@ def test_model_fingerprint():
     assert model_fingerprint(cfg(rope_theta=1e6), torch.float32) != a
     assert model_fingerprint(cfg(), torch.float32, extra="rev2") != a
     assert model_fingerprint(b.to_dict(), torch.float32) == a
+
+
+# -- confirmations and leases (what a save builds on) ---------------------------------------------
+
+def test_put_confirms_which_tiers_took_the_entry(tmp_path, store_factory):
+    (tmp_path / "file").write_text("not a directory")
+    s = store_factory([HostTier(), DiskTier(tmp_path / "ok"), DiskTier(tmp_path / "file" / "kv", name="bad")])
+    assert s.durable_tiers == ["disk", "bad"]
+    outcome = s.put("a", _tensors(), {}, fingerprint=FP, session_id=SID).result(timeout=10)
+    assert outcome["host"] is None and outcome["disk"] is None
+    assert outcome["bad"].startswith("write failed: NotADirectoryError")
+    assert store_factory([HostTier()]).durable_tiers == ["host"]  # nothing outlives the process: host it is
+    top = store_factory([HostTier(), DiskTier(tmp_path / "top")], write_policy="top")
+    assert top.put("b", _tensors(), {}, fingerprint=FP, session_id=SID).result(timeout=10)["disk"] is not None
+    forced = top.put("c", _tensors(), {}, fingerprint=FP, session_id=SID, through=True).result(timeout=10)
+    assert forced == {"host": None, "disk": None}
+
+
+@pytest.mark.parametrize("backend", ["host", "disk", "valkey"])
+def test_one_writer_per_session_lease(backend, tmp_path, vurl, store_factory):
+    if backend == "host":
+        shared = HostTier()
+        a, b = store_factory([shared]), store_factory([shared])
+    elif backend == "disk":
+        a, b = store_factory([DiskTier(tmp_path)]), store_factory([DiskTier(tmp_path)])
+    else:
+        a, b = store_factory([ValkeyTier(vurl)]), store_factory([ValkeyTier(vurl)])
+    with a.lease(SID) as held:
+        with pytest.raises(LeaseHeld, match=f"another writer holds this session's lease on tier {backend}"):
+            b.lease(SID)
+        with pytest.raises(LeaseHeld):
+            a.lease(SID)  # one writer, even within one store
+        held.renew()
+        with b.lease("another-session"):
+            pass
+    with b.lease(SID):  # released: the next writer gets it
+        pass
+
+
+def test_disk_lease_dies_with_its_holder(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom pace_hf.tiers import DiskTier\n"
+        f"assert DiskTier({str(tmp_path)!r}).acquire_lease('pace:s:lease', 'holder', 60)\n"
+        "print('held', flush=True)\ntime.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert not DiskTier(tmp_path).acquire_lease("pace:s:lease", "me", 60)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        assert DiskTier(tmp_path).acquire_lease("pace:s:lease", "me", 60)  # no stale lock after a crash
+    finally:
+        holder.kill()
+
+
+def test_valkey_lease_expires_and_a_stale_holder_cannot_touch_the_next(vurl, vserver):
+    a, b = ValkeyTier(vurl), ValkeyTier(vurl)
+    assert a.acquire_lease("pace:s:lease", "A", 0.2)
+    assert not b.acquire_lease("pace:s:lease", "B", 0.2)
+    assert a.renew_lease("pace:s:lease", "A", 0.2)
+    time.sleep(0.35)  # A stalled past its TTL
+    assert b.acquire_lease("pace:s:lease", "B", 5)
+    assert not a.renew_lease("pace:s:lease", "A", 5)
+    a.release_lease("pace:s:lease", "A")  # compare-and-delete: B's lease stays
+    assert vserver.client().get("pace:s:lease") == b"B"
+    b.release_lease("pace:s:lease", "B")
+    assert vserver.client().get("pace:s:lease") is None

@@ -1,16 +1,20 @@
 """Fast kernels. Each has a plain torch reference beside it and a test that holds them equal.
 
-Triton is an extra (``pip install pace_hf[cuda]``): this package is imported only when a CUDA tensor
-reaches a kernel, so the core runs on CPU without it.
+Triton is an optional dependency (``pip install pace_hf[cuda]``): importing this package needs none,
+and a kernel's module (which imports triton) loads on first use, which the library only makes for
+CUDA tensors.
 """
 
-try:
-    import triton  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the install
-    raise ImportError("pace_hf's CUDA kernels need Triton, which the core install leaves out: "
-                      "pip install pace_hf[cuda]") from e
+import importlib
 
-from .attention_scores_triton import attention_with_column_sums_triton
-from .rerotate_triton import rerotate_triton
+_KERNELS = {"attention_with_column_sums_triton": ".attention_scores_triton", "rerotate_triton": ".rerotate_triton"}
 
-__all__ = ["attention_with_column_sums_triton", "rerotate_triton"]
+__all__ = list(_KERNELS)
+
+
+def __getattr__(name):
+    if name not in _KERNELS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    kernel = getattr(importlib.import_module(_KERNELS[name], __name__), name)
+    globals()[name] = kernel  # importing the submodule bound its name here: rerotate_triton is both
+    return kernel

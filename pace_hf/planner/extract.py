@@ -111,7 +111,8 @@ class Definition:
     """One definition in a message: ``name`` (a member of class ``owner``, or top-level when ``owner`` is
     None), its ``kind`` (function, class, assignment, member or fact) and the character ranges
     ``parts`` of its source in the message. ``doc``: its signature and docstring (for the lexical
-    ranker); ``uses``: the free names it loads; ``path``: the file it came from, when the text says."""
+    ranker); ``uses``: the free names it loads; ``fields``: the attribute names a function reads or writes
+    on its parameters (``record.status``); ``path``: the file it came from, when the text says."""
 
     name: str
     owner: str | None
@@ -121,6 +122,7 @@ class Definition:
     doc: str = ""
     uses: frozenset[str] = frozenset()
     path: str | None = None
+    fields: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -474,6 +476,16 @@ def _free_names(node) -> frozenset[str]:
     return frozenset(s.id for s in ast.walk(node) if isinstance(s, ast.Name) and isinstance(s.ctx, ast.Load)) - local
 
 
+def _fields(node) -> frozenset[str]:
+    """Attribute names used on a function's parameters (not ``self``/``cls``): ``record.status``."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return frozenset()
+    a = node.args
+    params = {arg.arg for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs] if arg.arg not in ("self", "cls")}
+    return frozenset(sub.attr for sub in ast.walk(node) if isinstance(sub, ast.Attribute)
+                     and isinstance(sub.value, ast.Name) and sub.value.id in params)
+
+
 def _signature(node) -> str:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         a = node.args
@@ -518,7 +530,8 @@ def _class(node: ast.ClassDef, region: Region, base: int, path) -> list[Definiti
         seen.add(name)
         own = region.chars(_first_line(stmt) + base, stmt.end_lineno + base)
         parts = (header, own) if own[0] > header[1] else (region.chars(first, stmt.end_lineno + base),)
-        out.append(Definition(name, node.name, kind, parts, (), _doc(stmt), _free_names(stmt), path))
+        out.append(Definition(name, node.name, kind, parts, (), _doc(stmt), _free_names(stmt), path,
+                              _fields(stmt)))
 
     for stmt in node.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -551,7 +564,7 @@ def _module(tree: ast.Module, region: Region, base: int, owner: str | None = Non
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             defs.append(Definition(node.name, owner, "function" if owner is None else "member",
                                    (region.chars(_first_line(node) + base, node.end_lineno + base),), (),
-                                   _doc(node), _free_names(node), path))
+                                   _doc(node), _free_names(node), path, _fields(node)))
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             span = (region.chars(node.lineno + base, node.end_lineno + base),)
             uses = _free_names(node)

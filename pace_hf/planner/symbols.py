@@ -20,8 +20,9 @@ definition wins.
   spellings and a word before "function"/"class"/...; a step that resolves nothing at all is ranked
   lexically (BM25 over names, signatures and docstrings) and gets its best match.
 * Closure (``depth``, default 1): a needed function also needs the module-level constants it reads
-  (``timeout=DEFAULT_TIMEOUT``), as its own message saw them. Other uses (helpers, attribute names)
-  are not followed: on real code they add tokens and false edges, not recall.
+  (``timeout=DEFAULT_TIMEOUT``) and the class of a field it uses on a parameter when only one class
+  defines that member (``record.status``), as its own message saw them. Other uses (helpers, any
+  attribute name) are not followed: on real code they added tokens and false edges, not recall.
 
 Spans: each definition's character ranges map to tokens through the chat template's offsets
 (``pace_hf.chat.ChatTemplate.content_offsets``); spans with the same readers that touch are merged.
@@ -52,7 +53,7 @@ import bisect
 from dataclasses import dataclass
 
 from ..blueprint import Blueprint, Span, as_index
-from .extract import Definition, mentions, read
+from .extract import Definition, mentions, plain_word, read
 from .prose import Lexicon, candidates, variants
 
 LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
@@ -210,8 +211,10 @@ class _Index:
                         return i, d
         return self.name(name, before)
 
-    def constants(self, i: int, d: Definition):
-        """The module-level assignments a function or class reads, as its own message saw them."""
+    def closure(self, i: int, d: Definition) -> list:
+        """What a needed function also needs, as its own message saw it: the module-level assignments
+        it reads, and the class of each field it uses on a parameter when exactly one class defines a
+        member of that name (``settle(record)`` reads ``record.status``: the record's dataclass)."""
         if d.kind not in ("function", "class", "member"):
             return []
         out = []
@@ -219,6 +222,12 @@ class _Index:
             got = self.latest(self.top, u, i + 1)
             if got and got[1].kind == "assignment" and got[1] is not d:
                 out.append(got)
+        for f in d.fields:
+            owners = {e[1].owner for e in self.member_names.get(f, ()) if e[0] <= i and e[1].owner != "?"}
+            if len(owners) == 1:
+                got = self.latest(self.classes, owners.pop(), i + 1)
+                if got:
+                    out.append(got)
         return out
 
 
@@ -227,8 +236,8 @@ class SymbolPlanner:
 
     Args:
         steps: the agent's plan, ``{future step number: step description}``.
-        depth: 1 (default) adds the module-level constants a needed function reads; 0 plans only what
-            the steps name.
+        depth: 1 (default) adds the constants and the record classes a needed function reads; 0 plans
+            only what the steps name.
         share: each step's plan stays under ``share * budget`` tokens (default 0.5).
         max_restore_tokens: the most tokens one ``rehydrate`` restores (default: half the cache budget).
     """
@@ -265,8 +274,10 @@ class SymbolPlanner:
 
     # -- readings -----------------------------------------------------------------------------------------
     def identifiers(self, text: str) -> set[str]:
-        """Names that ``text`` writes as code or as identifier-shaped words."""
-        return set(mentions(text).names)
+        """Names that ``text`` writes as code or as identifier-shaped words, without the keywords,
+        builtins, stopwords and dunders that no session is needed to rule out (resolution against a
+        session does not filter: there a defined ``print`` counts)."""
+        return {n for n in mentions(text).names if not plain_word(n) and not (n.startswith("__") and n.endswith("__"))}
 
     def definitions(self, text: str) -> set[str]:
         """Names that ``text`` defines (top-level names, class members and prose facts)."""
@@ -295,12 +306,13 @@ class SymbolPlanner:
                     add(index.name(v, before), DERIVED)
         for name in candidates(said.words, index.defined):
             add(index.name(name, before), DERIVED)
-        if not found and said.words:  # a step that names nothing: the lexical ranker
+        if not found and not said.chains and LITERAL not in said.names.values() and said.words:
+            # a step that names nothing literally: the lexical ranker
             for got in index.lexicon.rank(list(said.words) + list(said.names), before):
                 add(got, LEXICAL)
         if self.depth:
             for (i, d), how in list(found.items()):
-                for got in index.constants(i, d):
+                for got in index.closure(i, d):
                     add(got, min(how, DERIVED))
         return [Need(step, i, d, how) for (i, d), how in found.items()]
 

@@ -100,9 +100,11 @@ class Lease:
         for tier in tiers:
             try:
                 ok = tier.acquire_lease(name, self.token, ttl_s)
-            except BaseException:
+            except BaseException as e:
                 self.release()
-                raise
+                if isinstance(e, TierError) or not isinstance(e, Exception):
+                    raise
+                raise TierError(f"{name}: tier {tier.name} cannot take the lease: {e!r}") from e
             if not ok:
                 self.release()
                 raise LeaseHeld(f"{name}: another writer holds this session's lease on tier {tier.name}; "

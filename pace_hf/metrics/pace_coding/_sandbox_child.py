@@ -132,8 +132,9 @@ _DENIED_EVENTS = frozenset({
     "function.__new__",
 })
 # code.__new__ (also raised by code.replace) builds hand-made bytecode: refused, except from
-# types.coroutine, which only sets a flag on the code of the function it decorates.
-_CODE_NEW = "code.__new__"
+# types.coroutine, which only sets a flag on the code of the function it decorates. marshal.loads
+# builds code objects from bytes: allowed only to the import system, for the stdlib's .pyc files.
+_CODE_NEW, _MARSHAL_LOADS = "code.__new__", ("marshal.loads", "marshal.load")
 _DENIED_PREFIXES = ("ctypes.", "_winapi.", "winreg.", "msvcrt.", "syslog.")
 _PROCESS_EVENTS = frozenset({
     "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
@@ -905,6 +906,7 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
     getrlimit, setrlimit, exit_, get_ident = resource.getrlimit, resource.setrlimit, os._exit, _thread.get_ident
     harness_globals, always_denied = globals(), _ALWAYS_DENIED_ATTRS
     getframe, code_new, flag_setter = sys._getframe, _CODE_NEW, _types.coroutine.__code__
+    marshal_loads, pyc_loader = _MARSHAL_LOADS, sys.modules["_frozen_importlib_external"]._compile_bytecode.__code__
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     default_dir_fds = (None, -1, -100)  # -100: AT_FDCWD
     denied_events, denied_prefixes = _DENIED_EVENTS, _DENIED_PREFIXES
@@ -1029,6 +1031,9 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
         elif event == code_new:
             if caller_code() is not flag_setter:
                 deny(event + " (hand-made code objects)")
+        elif event in marshal_loads:
+            if caller_code() is not pyc_loader:
+                deny(event + " (code objects from bytes)")
         elif event == "sys._getframe":
             if get_ident() not in inside and harness_frame(args[0]):
                 deny("sys._getframe reaching a harness frame")

@@ -44,7 +44,7 @@ Args:
          "preamble": str (optional: code the file already holds; it runs before the answer's code),
          "answer_prefix": str (optional: the start of the answer, given in the prompt; see "Answer
          forms" in the card)}
-        (the `reference` field of a probe in pace_hf.bench.load_sessions rows).
+        (the `reference` field of a probe in pace_bench.load_sessions rows).
     baseline_predictions: optional list of str, a reference arm's answers to the same probes, for
         the paired comparison.
     timeout_s: optional float, wall-clock limit per answer, in (0, 3600] (default 10 s).
@@ -151,7 +151,7 @@ def _is_raise_spec(expected):
 
 
 def check_passed(expected, result):
-    """Whether a CallResult meets a check's expected outcome (see pace_hf.bench.sessions)."""
+    """Whether a CallResult meets a check's expected outcome (see pace_bench.sessions)."""
     if _is_raise_spec(expected):
         if result.status != "raised":
             return False

@@ -1,20 +1,31 @@
 """Run untrusted, model-generated Python code in a child process and get plain data back.
 
-A benchmark metric executes generated code against hidden unit tests. The code is untrusted, so:
+A benchmark metric executes generated code against hidden unit tests. The code is untrusted, and
+from the moment it loads, so is the child's whole interpreter: the program may rewrite it (replace
+``json`` or ``__builtins__``, reach frames, build bytecode, call C). No guarantee rests on it:
 
-* the parent holds the calls and decides pass/fail: it sends call ``i`` only after it has the
-  result of call ``i - 1``, so the program never sees a call before it is asked, and expected
-  values never leave the parent;
-* the child (``pace_hf/metrics/pace_coding/_sandbox_child.py``) returns only plain data (JSON values, with
-  ``decimal.Decimal`` as ``{"__decimal__": str(x)}``), one JSON line per call over a dedicated
-  pipe; the parent checks each value's types, depth and size and never unpickles or evals it;
-* the child is confined at the OS level: nothing outside its scratch tmpfs is writable (a
-  read-only mount namespace as root, Landlock anywhere Linux >= 5.13 allows it; without either,
-  :func:`run_calls` refuses with :class:`SandboxUnavailable`), plus an isolated interpreter, an
-  empty environment, resource limits, a network namespace, a fresh unprivileged uid and seccomp
-  where the OS allows, a wall-clock deadline after which its process group is killed, and an
-  audit hook as a second layer that refuses network, processes, signals, ctypes, harness frames
-  and file changes outside its directory. A call during which the program attempted a refused
+* **The parent scores.** It holds the calls and the expected values (which never leave it), sends
+  one request at a time (the load, then call ``i`` only after call ``i - 1`` was answered), each
+  with a fresh random nonce, and accepts exactly one answer carrying that nonce. Any other line on
+  the report pipe (unasked, a duplicate, an answer before its request, malformed) fails that call
+  and every later one. A value is plain data decoded from bytes here (JSON, with
+  ``decimal.Decimal`` as ``{"__decimal__": str(x)}``); its types, depth and size are checked here;
+  nothing is unpickled or evaluated. Exception types come back as names, compared here.
+* **The kernel confines.** The child (``pace_hf/metrics/pace_coding/_sandbox_child.py``) runs the
+  program as pid 2 of new pid, IPC, UTS, network and mount namespaces (no pid counter, System V
+  object, POSIX queue, abstract socket or host name shared with the host or another run; whatever
+  is left dies with the namespace), under a read-only root with a fresh ``/proc`` and a scratch
+  tmpfs capped by ``size=`` and ``nr_inodes=``, Landlock, resource limits, a fresh uid and a
+  seccomp allowlist (deny by default: no System V IPC, ``mq_*``, ``memfd_create``, ``userfaultfd``,
+  ``io_uring``, ``ptrace``, sockets but AF_UNIX pairs, or new processes unless allowed). Where the
+  namespaces or a wall against writes cannot be set up, :func:`run_calls` refuses with
+  :class:`SandboxUnavailable`; it never runs the code half-confined. A wall-clock deadline kills
+  the child's process group.
+* **Layers inside the child** make honest failures clear and attacks harder, but are not relied
+  on: the harness reads and writes the pipes with ``os.read``/``os.write`` and encodes with
+  functions captured before the program loads, gives each call fresh builtins, and an audit hook
+  refuses network, processes, signals, ctypes, hand-made code objects, suspended frames and file
+  changes outside the scratch directory. A call during which the program attempted a refused
   operation is an error even if the program caught the refusal; the parent counts refusals
   through a kernel counter the program cannot raise (see ``_Run``).
 
@@ -73,8 +84,9 @@ class CodeExecutionNotAllowed(RuntimeError):
 
 
 class SandboxUnavailable(RuntimeError):
-    """Raised when the child could not wall off the host's files on this machine (no Landlock and
-    no root for a read-only mount namespace), or its setup failed: no code is run then."""
+    """Raised when the child could not confine itself on this machine (no new pid, IPC, UTS,
+    network and mount namespaces, neither as root nor in a user namespace; or no Landlock and no
+    read-only mount namespace), or its setup failed: no code is run then."""
 
 
 def opted_in() -> bool:
@@ -220,10 +232,12 @@ def run_calls(program: str, calls: list[str], limits: SandboxLimits = SandboxLim
 
 def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
     """Which OS-level layers the child sets up on this machine (for logs and tests; runs no
-    generated code): e.g. ``["netns", "mountns", "read-only root", "tmpfs", "stdlib bind mounts",
-    "rlimits", "uid 1234", "landlock v7", "seccomp", "violation counter"]``. :func:`run_calls`
-    refuses unless "read-only root" or a "landlock" layer is present. The audit hook is not
-    listed: it is always installed."""
+    generated code): e.g. ``["netns", "mountns", "pidns", "ipcns", "utsns", "read-only root",
+    "fresh /proc", "tmpfs 16 MB, 4096 inodes", "stdlib bind mounts", "utsns hostname", "rlimits",
+    "uid 1234", "landlock v7", "seccomp allowlist", "violation counter"]`` (``"userns"`` first where
+    they were made without root). :func:`run_calls` refuses unless the namespaces are there and
+    "read-only root" or a "landlock" layer is present. The audit hook is not listed: it is always
+    installed."""
     return _run("", [], limits)[1]
 
 

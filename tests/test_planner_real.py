@@ -1,0 +1,328 @@
+"""SymbolPlanner on real code as agents print it (issue 24): definition-level spans within a budget, tool
+output formats, namespaces and resolution, remarks, closure, and plans in prose.
+
+Sessions are built from the standard library's own source (``inspect.getsource``) and tokenized with
+SmolLM2's tokenizer under its chat template, so every span is an exact token range."""
+
+import argparse
+import inspect
+import json
+import textwrap
+
+import pytest
+
+from pace_hf.chat import ChatTemplate
+from pace_hf.planner import SymbolPlanner
+from pace_hf.session import Message
+
+
+def _load_tokenizer():
+    try:
+        from pace_bench.models import load_tokenizer
+    except ImportError:
+        from pace_hf.bench.models import load_tokenizer
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def template():
+    return ChatTemplate(_load_tokenizer())
+
+
+class Session:
+    """Messages with their exact token spans; ``tokens(k, text)`` is the token range of ``text`` in
+    message ``k``."""
+
+    def __init__(self, template, *turns):
+        self.template, self.messages, at, step = template, [], len(template.system_ids), 0
+        for role, content in turns:
+            step += role == "user"
+            n = len(template.encode(template.block(role, content)))
+            self.messages.append(Message(len(self.messages), role, content, at, at + n, step))
+            at += n
+
+    def tokens(self, k: int, text: str) -> tuple[int, int]:
+        m = self.messages[k]
+        a = m.content.index(text)
+        offsets, _, at = self.template.content_offsets(m.role, m.content)
+        s, e = offsets.span(a + at, a + len(text) + at)
+        return m.start + s, m.start + e
+
+    def plan(self, steps, budget=2048, **kw):
+        return SymbolPlanner(steps, **kw).blueprint_for(self.messages, template=self.template, budget=budget)
+
+
+def planned(plan, step) -> list[tuple[int, int]]:
+    return sorted((s.start, s.end) for s in plan if step in s.readers)
+
+
+def covered(spans, target) -> float:
+    """The share of ``target``'s tokens inside ``spans``."""
+    inside = sum(max(0, min(target[1], e) - max(target[0], s)) for s, e in spans)
+    return inside / (target[1] - target[0])
+
+
+def size(spans) -> int:
+    return sum(e - s for s, e in spans)
+
+
+def assert_found(sess, plan, step, k, source, tight=2.0):
+    """``source`` (in message ``k``) is planned for ``step`` (>= 90% of its tokens), and the step's plan is
+    at most ``tight`` times its size: the definition, not the message."""
+    target = sess.tokens(k, source)
+    got = planned(plan, step)
+    assert covered(got, target) >= 0.9, (step, got, target)
+    assert size(got) <= tight * (target[1] - target[0]), (size(got), target)
+
+
+TEXTWRAP = inspect.getsource(textwrap)
+DEDENT = inspect.getsource(textwrap.dedent)
+
+
+def cat(path, text):
+    return [("assistant", f"$ cat {path}"), ("tool", text)]
+
+
+# ------------------------------------------------------------------------------------------ spans
+
+
+def test_a_step_plans_the_definition_not_the_file(template):
+    sess = Session(template, ("user", "Task: read the code."), *cat("textwrap.py", TEXTWRAP))
+    plan = sess.plan({2: "Write a test for `dedent`.", 3: "Explain `TextWrapper.wrap`.",
+                      4: "What is `_whitespace_only_re`?"})
+    assert_found(sess, plan, 2, 2, DEDENT)
+    method = inspect.getsource(textwrap.TextWrapper.wrap)
+    assert_found(sess, plan, 3, 2, method.strip(), tight=2.5)  # the method and its class's header line
+    header = sess.tokens(2, "class TextWrapper:")
+    assert covered(planned(plan, 3), header) == 1.0
+    assert_found(sess, plan, 4, 2, "_whitespace_only_re = re.compile('^[ \\t]+$', re.MULTILINE)")
+    assert size(planned(plan, 2)) < (sess.messages[2].end - sess.messages[2].start) / 10
+
+
+def test_decorators_are_part_of_the_definition(template):
+    source = inspect.getsource(json.JSONEncoder)
+    text = "import functools\n\n\n@functools.lru_cache(maxsize=None)\ndef cached_encoder(indent):\n" \
+           "    return JSONEncoder(indent=indent)\n\n\n" + source
+    sess = Session(template, ("user", "Task."), *cat("enc.py", text))
+    plan = sess.plan({2: "Change `cached_encoder`."})
+    assert_found(sess, plan, 2, 2, "@functools.lru_cache(maxsize=None)\ndef cached_encoder(indent):\n"
+                                   "    return JSONEncoder(indent=indent)")
+
+
+def test_a_plan_over_the_share_of_the_budget_is_cut_and_says_what_it_dropped(template):
+    sess = Session(template, ("user", "Task."), *cat("textwrap.py", TEXTWRAP))
+    plan = SymbolPlanner({2: "Rewrite `TextWrapper`, `dedent`, `indent`, `wrap`, `fill` and `shorten`."}) \
+        .blueprint_for(sess.messages, template=template, budget=600)
+    assert plan.cap == 300 and size(planned(plan, 2)) <= 300
+    assert {n.definition.name for n in plan.dropped} >= {"TextWrapper"}  # the 3K-token class did not fit
+    assert {n.definition.name for n in plan.needs} & {"dedent", "indent", "wrap", "fill", "shorten"}
+    for need in plan.dropped:  # nothing dropped silently: every need is either kept or listed
+        assert need not in plan.needs
+
+
+# ------------------------------------------------------------------------------------------ tool output
+
+
+def numbered(text, fmt):
+    return "\n".join(fmt.format(n=n, line=line) for n, line in enumerate(text.split("\n"), 1))
+
+
+@pytest.mark.parametrize("fmt", ["{n:6d}\t{line}", "{n:>6}→{line}", "{n}:{line}"], ids=["cat-n", "arrow", "colon"])
+def test_line_numbered_listings_are_code(template, fmt):
+    listing = numbered(TEXTWRAP, fmt)
+    sess = Session(template, ("user", "Task."), ("assistant", "$ cat -n textwrap.py"), ("tool", listing))
+    plan = sess.plan({2: "Write a test for `dedent`."})
+    first = DEDENT.split("\n")[0]
+    last_line = [line for line in DEDENT.split("\n") if line.strip()][-1]
+    start = listing.index(first)
+    end = listing.index(last_line, start) + len(last_line)
+    assert_found(sess, plan, 2, 2, listing[start:end])
+
+
+def test_grep_hits_and_diffs_are_code(template):
+    lines = TEXTWRAP.split("\n")
+    n0 = next(i for i, line in enumerate(lines) if line.startswith("def dedent"))
+    n1 = n0 + len(DEDENT.rstrip("\n").split("\n"))
+    grep = "\n".join(f"Lib/textwrap.py{':' if i == n0 else '-'}{i + 1}{':' if i == n0 else '-'}{lines[i]}"
+                     for i in range(n0 - 2, n1))
+    body = "\n".join(" " + line for line in DEDENT.rstrip("\n").split("\n"))
+    diff = (f"diff --git a/Lib/textwrap.py b/Lib/textwrap.py\n--- a/Lib/textwrap.py\n+++ b/Lib/textwrap.py\n"
+            f"@@ -{n0 + 1},3 +{n0 + 1},4 @@\n" + body.replace(" def dedent(text):", "-def dedent(text, old):\n+def dedent(text):", 1))
+    sess = Session(template, ("user", "Task."), ("assistant", "$ grep -n -A40 'def dedent' Lib/textwrap.py"),
+                   ("tool", grep), ("assistant", "$ git diff"), ("tool", diff), ("user", "Next."))
+    plan = sess.plan({2: "Explain `dedent`.", 3: "Explain `dedent` again."})
+    got = planned(plan, 2)
+    # the latest definition before step 2 is the diff's new side (and the module regexes it reads, which
+    # only the grep hits show)
+    new_side = sess.tokens(4, diff[diff.index("+def dedent") + 1:])
+    assert covered(got, new_side) >= 0.9
+    assert covered(got, sess.tokens(4, "-def dedent(text, old):")) < 0.5
+    assert covered(got, sess.tokens(2, lines[n0 - 2])) == 1.0
+    assert size(got) < 1.3 * (new_side[1] - new_side[0])
+    sess2 = Session(template, ("user", "Task."), ("assistant", "$ grep"), ("tool", grep))
+    plan2 = sess2.plan({2: "Explain `dedent`."})
+    assert_found(sess2, plan2, 2, 2, grep[grep.index("def dedent"):])
+
+
+def test_markdown_fences_and_notebook_cells_are_code(template):
+    markdown = "Here is the helper I found:\n\n```python\n" + DEDENT + "```\n\nIt removes common indentation."
+    cells = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": ["# Notes\n"]},
+                       {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": 1,
+                        "source": [line + "\n" for line in DEDENT.rstrip("\n").split("\n")]}],
+             "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    notebook = json.dumps(cells, indent=1, ensure_ascii=False)
+    for text, first in ((markdown, "def dedent"), (notebook, '"def dedent')):
+        sess = Session(template, ("user", "Task."), ("assistant", "$ cat notes"), ("tool", text))
+        plan = sess.plan({2: "Explain `dedent`."})
+        last = DEDENT.rstrip("\n").split("\n")[-1].strip()
+        if text is notebook:
+            last = json.dumps(DEDENT.rstrip("\n").split("\n")[-1] + "\n")[1:-1].strip()
+        start = text.index(first)
+        assert_found(sess, plan, 2, 2, text[start:text.index(last, start) + len(last)], tight=1.6)
+
+
+FENCED_DOCSTRING = '''"""Loading helpers.
+
+Example:
+
+```py
+>>> from loaders import load_table
+>>> table = load_table("data.csv")
+```
+"""
+import csv
+
+DEFAULT_DELIMITER = ","
+
+
+def load_table(path, delimiter=DEFAULT_DELIMITER):
+    """Read a table.
+
+    ```python
+    rows = load_table("x.csv")
+    ```
+    """
+    with open(path) as f:
+        return list(csv.reader(f, delimiter=delimiter))
+
+
+class TableWriter:
+    def write(self, rows):
+        return len(rows)
+'''
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut-mid-file"])
+def test_a_fence_inside_a_docstring_is_not_the_code(template, cut):
+    text = FENCED_DOCSTRING + ("\n\ndef broken(a,\n" if cut else "")  # cut: the file no longer parses
+    sess = Session(template, ("user", "Task."), *cat("loaders.py", text))
+    plan = sess.plan({2: "Test `load_table`.", 3: "Test `TableWriter.write`."})
+    assert_found(sess, plan, 2, 2, text[text.index("def load_table"):text.index("delimiter=delimiter))") + 21],
+                 tight=2.3)  # with the constant it reads
+    assert covered(planned(plan, 3), sess.tokens(2, "    def write(self, rows):\n        return len(rows)")) == 1.0
+
+
+# ------------------------------------------------------------------------------------------ resolution
+
+
+def test_top_level_names_and_members_are_separate_namespaces(template):
+    wrap_function = inspect.getsource(textwrap.wrap)
+    wrapper_class = inspect.getsource(textwrap.TextWrapper)  # defines a member wrap, later
+    sess = Session(template, ("user", "Task."), *cat("a.py", wrap_function), *cat("b.py", wrapper_class))
+    plan = sess.plan({2: "Call `wrap`.", 3: "Fix `TextWrapper.wrap`."})
+    assert_found(sess, plan, 2, 2, wrap_function.strip())
+    assert_found(sess, plan, 3, 4, inspect.getsource(textwrap.TextWrapper.wrap).strip(), tight=1.3)
+    assert covered(planned(plan, 3), sess.tokens(2, wrap_function.strip())) == 0.0
+
+
+def test_a_member_resolves_through_bases_defined_later(template):
+    sub = inspect.getsource(argparse.RawDescriptionHelpFormatter)
+    base = inspect.getsource(argparse.HelpFormatter)
+    sess = Session(template, ("user", "Task."), *cat("sub.py", sub), *cat("base.py", base))
+    plan = sess.plan({2: "Explain `RawDescriptionHelpFormatter.format_help`.",
+                      3: "Explain `RawDescriptionHelpFormatter._fill_text`."})
+    method = inspect.getsource(argparse.HelpFormatter.format_help).strip()
+    assert_found(sess, plan, 2, 4, method, tight=1.5)
+    assert_found(sess, plan, 3, 2, inspect.getsource(argparse.RawDescriptionHelpFormatter._fill_text).strip(),
+                 tight=1.5)  # the override, not the base's
+
+
+def test_a_module_qualified_name_goes_through_the_import_alias(template):
+    shorten = inspect.getsource(textwrap.shorten)
+    other = "def shorten(name):\n    return name[:3]\n"  # a later, unrelated shorten
+    sess = Session(template, ("user", "Task."), ("assistant", "$ cat app.py"),
+                   ("tool", "import textwrap as tw\n\nprint(tw.shorten('abc', 2))\n"),
+                   *cat("Lib/textwrap.py", TEXTWRAP), *cat("names.py", other))
+    plan = sess.plan({2: "Explain `tw.shorten`.", 3: "Explain `textwrap.shorten`.", 4: "Explain `shorten`."})
+    assert_found(sess, plan, 2, 4, shorten.strip())
+    assert_found(sess, plan, 3, 4, shorten.strip())
+    assert_found(sess, plan, 4, 6, other.strip(), tight=3)  # bare: the latest wins
+
+
+def test_a_name_the_session_defines_counts_even_if_it_is_a_builtin(template):
+    text = ('def print(*objects, sep=" ", end="\\n"):\n    """Print with markup."""\n    return objects\n\n\n'
+            'class With:\n    def open(self, path):\n        return path\n')
+    sess = Session(template, ("user", "Task."), *cat("console.py", text))
+    plan = sess.plan({2: "Wrap `print`.", 3: "Test `With`.", 4: "Fix `With.open`."})
+    assert_found(sess, plan, 2, 2, text[:text.index("return objects") + 14])
+    assert_found(sess, plan, 3, 2, text[text.index("class With"):].rstrip())
+    assert covered(planned(plan, 4), sess.tokens(2, "    def open(self, path):\n        return path")) == 1.0
+
+
+def test_a_remark_is_a_mention_not_a_definition(template):
+    sess = Session(template, ("user", "Task."), *cat("textwrap.py", TEXTWRAP),
+                   ("assistant", "`dedent` is defined in `textwrap.py`. `dedent` is the helper we need."))
+    plan = sess.plan({2: "Write a test for `dedent`."})
+    assert_found(sess, plan, 2, 2, DEDENT)
+    assert covered(planned(plan, 2), (sess.messages[3].start, sess.messages[3].end)) == 0.0
+
+
+def test_the_closure_does_not_follow_any_attribute_name(template):
+    text = ("class Response:\n    def __init__(self):\n        self.headers = {}\n\n\n"
+            "class Request:\n    def __init__(self):\n        self.headers = {}\n\n\n"
+            "def content_type(response):\n    return response.headers.get('content-type')\n")
+    sess = Session(template, ("user", "Task."), *cat("models.py", text))
+    plan = sess.plan({2: "Fix `content_type`."})
+    assert_found(sess, plan, 2, 2, text[text.index("def content_type"):].rstrip())  # no class: headers is ambiguous
+
+
+# ------------------------------------------------------------------------------------------ prose
+
+
+VERSIONS = '''import re
+
+VERSION_PATTERN = r"v?(?P<release>[0-9]+(?:\\.[0-9]+)*)"
+
+
+def parse_version(text):
+    """Split a version string into its release numbers."""
+    return tuple(int(p) for p in re.match(VERSION_PATTERN, text).group("release").split("."))
+
+
+class VersionParser:
+    """Parses many version strings at once."""
+
+    def parse_all(self, texts):
+        return [parse_version(t) for t in texts]
+
+
+def dispatch(event, handlers):
+    """Call every handler registered for the event, in order of registration."""
+    for handler in handlers.get(event, []):
+        handler(event)
+'''
+
+
+@pytest.mark.parametrize("words,name", [
+    ("Fix how we parse version strings with a local tag.", "def parse_version"),
+    ("Make parseVersion accept a leading v.", "def parse_version"),
+    ("The version parser is slow; speed it up.", "class VersionParser"),
+    ("Fix the dispatch function.", "def dispatch"),
+    ("Something calls every handler registered for an event; make it skip failures.", "def dispatch"),
+], ids=["spaced-words", "camel-for-snake", "class-as-words", "lowercase-word", "description"])
+def test_plans_in_prose(template, words, name):
+    sess = Session(template, ("user", "Task."), *cat("versions.py", VERSIONS))
+    plan = sess.plan({2: words}, depth=0)
+    start = VERSIONS.index(name)
+    end = VERSIONS.find("\n\n\n", start)
+    assert_found(sess, plan, 2, 2, VERSIONS[start:end if end > 0 else len(VERSIONS)].rstrip())

@@ -1,0 +1,160 @@
+"""The kernel walls of the sandbox hold when the interpreter does not: a stand-in for a program that
+has taken over the child's interpreter (native code, ctypes in hand, no audit hook) runs inside the
+real confinement of ``_sandbox_child`` and tries what issue 22 found getting through."""
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+
+import pytest
+
+from pace_hf.metrics.pace_coding import sandbox as S
+
+_NATIVE = r'''
+import ctypes, errno, json, os, socket, sys
+sys.path.insert(0, sys.argv[1])
+import _sandbox_child as C
+job, out_fd, mode = json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+
+def err(result):
+    return ctypes.get_errno() if result < 0 else 0
+
+def os_err(action):
+    try:
+        action()
+        return 0
+    except OSError as e:
+        return e.errno
+
+facts = {}
+if mode == "namespaces":  # only the namespaces, no seccomp: objects made here must die with the run
+    C._enter_namespaces(C._load_libc(), job["parent_pid"], (out_fd,))
+    facts = {"shm": libc.shmget(0, 1 << 20, 0o1600), "msg": libc.msgget(0, 0o1600),
+             "sem": libc.semget(0, 1, 0o1600),
+             "mq": libc.mq_open(job["queue"].encode(), os.O_CREAT | os.O_RDWR, 0o600, None),
+             "pid": os.getpid()}
+else:
+    layers, _roots = C._confine(job, (out_fd,))
+    buf = ctypes.create_string_buffer(512)
+    work = job["work"]
+    facts["layers"] = layers
+    facts["pid"], facts["proc_self"], facts["hostname"] = os.getpid(), os.readlink("/proc/self"), os.uname().nodename
+    facts["denied"] = {
+        "shmget": err(libc.shmget(0, 32 << 20, 0o1600)), "msgget": err(libc.msgget(0, 0o1600)),
+        "semget": err(libc.semget(0, 1, 0o1600)),
+        "mq_open": err(libc.mq_open(job["queue"].encode(), os.O_CREAT | os.O_RDWR, 0o600, None)),
+        "memfd_create": err(libc.syscall(319, b"x", 0)), "userfaultfd": err(libc.syscall(323, 0)),
+        "io_uring_setup": err(libc.syscall(425, 1, buf)), "sysinfo": err(libc.syscall(99, buf)),
+        "ptrace": err(libc.syscall(101, 16, 1, 0, 0)), "prctl": err(libc.prctl(4, 0, 0, 0, 0)),
+        "unshare": err(libc.unshare(0x10000000)), "setns": err(libc.syscall(308, 0, 0)),
+        "kill init": os_err(lambda: os.kill(1, 0)), "fork": os_err(lambda: os.fork() or os._exit(0)),
+        "inet socket": os_err(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)),
+        "link": os_err(lambda: (open(work + "/f", "w").close(), os.link(work + "/f", work + "/g"))),
+        "symlink": os_err(lambda: os.symlink("/", work + "/s")),
+        "mknod": os_err(lambda: os.mknod(work + "/fifo", 0o10600)),
+        "write outside": os_err(lambda: open(job["outside"] + "/escaped", "w")),
+    }
+    made, code = 0, 0
+    while made < 100_000:
+        try:
+            os.mkdir("%s/d%d" % (work, made))
+            made += 1
+        except OSError as e:
+            code = e.errno
+            break
+    facts["mkdir"] = [made, code]
+os.write(out_fd, json.dumps(facts).encode())
+'''
+
+
+def _sysv():
+    found = {}
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            found[kind] = sorted(f.read().splitlines()[1:])
+    return found
+
+
+def _queue_exists(name):
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.mq_open(name.encode(), os.O_RDONLY)
+    if fd < 0:
+        return False
+    os.close(fd)
+    libc.mq_unlink(name.encode())
+    return True
+
+
+def _native(mode, tmp_path):
+    """Run the stand-in in ``mode`` under the real confinement; returns what it reported."""
+    base = tempfile.mkdtemp(prefix="pace-sandbox-walls-")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.chmod(outside, 0o777)
+    try:
+        os.chmod(base, 0o711)
+        work, lib = os.path.join(base, "work"), os.path.join(base, "lib")
+        os.mkdir(work, 0o700)
+        os.mkdir(lib, 0o755)
+        limits = {k: v for k, v in asdict(S.SandboxLimits()).items() if k != "timeout_s"}
+        job = {"program": "", "work": work, "lib": lib, "uid": S._pick_uid(), "parent_pid": os.getpid(),
+               "limits": limits, "queue": "/pace-walls-%d" % os.getpid(), "outside": str(outside)}
+        script = tmp_path / "native.py"
+        script.write_text(_NATIVE)
+        r, w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-B", str(script), os.path.dirname(S._CHILD), json.dumps(job),
+                 str(w), mode], pass_fds=(w,), cwd=work, stderr=subprocess.PIPE, start_new_session=True)
+            os.close(w)
+            w = -1
+            chunks = []
+            while chunk := os.read(r, 1 << 16):
+                chunks.append(chunk)
+            _, stderr = proc.communicate(timeout=30)
+        finally:
+            os.close(r)
+            if w >= 0:
+                os.close(w)
+        assert chunks, stderr.decode()[-2000:]
+        assert os.listdir(outside) == []
+        return json.loads(b"".join(chunks)), job
+    finally:
+        shutil.rmtree(os.path.join(base, "work"), ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux namespaces")
+def test_kernel_objects_made_inside_die_with_the_run(tmp_path):
+    """Without seccomp, only the namespaces: System V objects and a POSIX queue made in the run
+    are the run's IPC namespace's, and go with it; the host never sees them."""
+    before = _sysv()
+    facts, job = _native("namespaces", tmp_path)
+    assert facts["pid"] == 2  # pid 2 of its own pid namespace (init is 1)
+    assert min(facts["shm"], facts["msg"], facts["sem"], facts["mq"]) >= 0, facts  # made, inside
+    assert _sysv() == before
+    assert not _queue_exists(job["queue"])
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86_64 seccomp")
+def test_native_code_meets_the_kernel_walls(tmp_path):
+    """With the whole confinement and no audit hook: every call issue 22 named (and more) is
+    refused by the kernel, nothing is written outside, and a mkdir flood stops at the inode cap."""
+    before = _sysv()
+    facts, job = _native("full", tmp_path)
+    assert "seccomp allowlist" in facts["layers"] and "ipcns" in facts["layers"], facts
+    assert facts["pid"] == 2 and facts["proc_self"] == "2" and facts["hostname"] == "pace-sandbox"
+    allowed = {name: code for name, code in facts["denied"].items() if code == 0}
+    assert not allowed, allowed
+    assert all(code in (1, 13, 30) for code in facts["denied"].values()), facts  # EPERM, EACCES, EROFS
+    made, code = facts["mkdir"]
+    assert code == 28 and made < job["limits"]["max_inodes"], facts  # ENOSPC at the cap
+    assert _sysv() == before
+    assert not _queue_exists(job["queue"])
