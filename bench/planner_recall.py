@@ -212,10 +212,11 @@ def build_session(files, split, style, rng, tokens, template, n_steps) -> dict:
     for (owner, name), where in by_name.items():
         if owner is None:
             top_count[name] = top_count.get(name, 0) + len(where)
-    member_count = {}
-    for (owner, name), where in by_name.items():
-        if owner is not None:
-            member_count[name] = member_count.get(name, 0) + len(where)
+    member_count = {}  # every member binding counts, self.X attributes too
+    for fi, _, _ in printed:
+        for d in read(files[fi][1]).definitions:
+            if d.owner is not None:
+                member_count[d.name] = member_count.get(d.name, 0) + 1
     wordings = WORDINGS[split]
     steps, needs = {}, {}
     rng.shuffle(pool)

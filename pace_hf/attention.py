@@ -83,6 +83,8 @@ def attention_with_column_sums(
     output, lse = _flash_attention_lse(query, key, value, mask, scaling)
     if score_from >= q_len:
         sums = torch.zeros(b, hkv, kv_len, dtype=torch.float32, device=key.device)
+    elif mask is None and q_len == 1:
+        sums = _column_sums_one_query(query, key, lse, scaling)
     elif mask is None and q_len - score_from > _DIRECT_ROWS:
         sums = _column_sums_causal(query, key, lse, scaling, score_from)
     else:
@@ -129,6 +131,19 @@ def _column_sums_causal(query, key, lse, scaling, score_from):
     zeros = rows.new_zeros(1, 1, 1, 1).expand(rows.shape)
     _, log_sums = _flash_cpu(cols, rows, zeros.contiguous(), 0.0, True, scale=1.0)  # [b, hq, kv]
     return log_sums.exp_().view(b, hkv, group, kv_len).mean(2).flip(-1)
+
+
+def _column_sums_one_query(query, key, lse, scaling):
+    """Decode: one query sees every key, so its probabilities are the column sums themselves, one
+    ``[kv_heads, group, kv]`` block: one matmul, then ``exp(logit - lse)`` in place and the group
+    mean. O(kv) per step, nothing of the keys copied in fp32 (they are read as they are when fp32).
+    The same operations, in the same order, as ``_column_sums_masked`` on one row, so the same bits."""
+    b, hq, _, d = query.shape
+    hkv, kv_len = key.shape[1], key.shape[2]
+    group = hq // hkv
+    q = (query.float() * scaling).reshape(b, hkv, group, d)
+    logits = torch.matmul(q, key.float().transpose(-1, -2)).sub_(lse.reshape(b, hkv, group, 1))
+    return logits.exp_().sum(dim=-2).div_(group)
 
 
 def _column_sums_masked(query, key, lse, mask, scaling, score_from):

@@ -249,7 +249,7 @@ class EvictingLayer(DynamicLayer):
         head, rank = (index != torch.arange(m, device=index.device)).nonzero(as_tuple=True)
         if rank.numel():
             base = head * self.capacity
-            src, dst = base + index[head, rank], base + rank
+            src, dst = base + index.view(-1).index_select(0, head * m + rank), base + rank
             for name, buffer in self._buffers.items():
                 flat = buffer.view(heads * self.capacity, -1) if name in _ROWS else buffer.view(-1)
                 flat.index_copy_(0, dst, flat.index_select(0, src))

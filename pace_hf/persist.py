@@ -24,6 +24,9 @@ anything: an entry that is missing (a crash, a Valkey eviction, a TTL), damaged,
 older generation put back, another writer's) refuses the resume with ``IncompleteSave`` naming it. If a
 save committed while resume was reading, resume starts over on the new manifest.
 
+The session's current save is the manifest its first durable tier holds (the first that answers): a
+host tier may hold a stale one.
+
 One writer per session. A save holds the session's lease (``TieredStore.lease``: flock on disk, SET NX
 PX in Valkey, a table in host memory), and refuses with ``WriterConflict`` when the session's current
 save is not the one this cache resumed or last saved: a second writer gets an error, and neither
@@ -77,6 +80,9 @@ def save(cache, attachments: dict | None = None) -> str:
         current = _read(store, sid, MANIFEST_KEY)
         current_gen = None if current is None else current.get("generation")
         if current_gen != spill.generation:
+            if current is None:  # deleted, or another store: the spill entries our index names may be gone too
+                raise WriterConflict(f"session {sid!r} has no save in this store any more, but this cache continues "
+                                     f"{spill.generation}: it was deleted or the store lost it; start a new session")
             raise WriterConflict(
                 f"session {sid!r} is at save {current_gen}, but this cache continues "
                 f"{spill.generation or 'no save (it is new)'}: another writer saved it. Resume it to continue "
@@ -112,7 +118,7 @@ def save(cache, attachments: dict | None = None) -> str:
         done = _put(store, sid, MANIFEST_KEY, {}, manifest)
         store.flush()
         written = [t for t, why in done.result().items() if why is None]
-        if written:  # the tiers that took it hold the new save whole, the others the old one
+        if store.durable_tiers[0] in written:  # the session is at what its first durable tier holds
             spill.generation = gen
         missed = _missed(store, done.result())
         if missed:
@@ -134,8 +140,16 @@ def _put(store, sid: str, key: str, tensors, meta, *, fingerprint: str = MANIFES
 
 
 def _read(store, sid: str, key: str) -> dict | None:
-    got = store.get(key, fingerprint=MANIFEST_FINGERPRINT, session_id=sid)
-    return None if got is None else got[1]
+    """The meta under ``key`` on the first durable tier that answers: the session's save is the one that
+    tier holds (host memory may hold a stale one, e.g. after another process saved)."""
+    for tier in store.durable_tiers:
+        errors = store.stats[tier]["errors"]
+        got = store.get(key, fingerprint=MANIFEST_FINGERPRINT, session_id=sid, tiers=[tier])
+        if got is not None:
+            return got[1]
+        if store.healthy(tier) and store.stats[tier]["errors"] == errors:
+            return None  # it answered: there is none
+    return None
 
 
 def _entry_keys(manifest: dict | None) -> list[str]:

@@ -6,7 +6,8 @@ One process imports torch once and forks a child per case (the store's threads e
 - ``base``: turn 1, save (generation 1) to a disk store; that store is closed before any fork.
 - ``reference``: a child resumes a copy of base, plays turn 2 and saves (generation 2) without a kill,
   counting the I/O calls of its save (open, write, fsync, replace, unlink, mkdir) and timing it.
-- ``kill k``: the same in another copy, SIGKILLed just before the k-th I/O call of the save, for every k;
+- ``kill k``: the same in another copy, SIGKILLed just before the k-th I/O call of the save, for every k
+  (two children at a time);
   ``random``: SIGKILLed by the parent at a random time inside the save.
 - ``race r``: two children resume one copy, play different turns and save at once.
 After each, the parent resumes what is on disk and reports whether it is exactly generation 1 or 2 (by
@@ -192,12 +193,17 @@ def main(root, out):
         return verdict
 
     report["seconds"]["setup"] = time.perf_counter() - started
-    for k in range(1, ref_stats["io"] + 2):  # the last one is past the save's final call: no kill
-        where = root / f"kill{k}"
-        shutil.copytree(base, where)
-        code = wait(child(lambda: continue_and_save(model, tokenizer, where, TURN2, lambda s: IOCounter(k))))
-        report["kills"].append({"k": k, "exit": code, **outcome(where)})
-        shutil.rmtree(where)
+    points = list(range(1, ref_stats["io"] + 2))  # the last one is past the save's final call: no kill
+    for pair in (points[i:i + 2] for i in range(0, len(points), 2)):  # two at a time: one per core
+        pids = {}
+        for k in pair:
+            where = root / f"kill{k}"
+            shutil.copytree(base, where)
+            pids[k] = child(lambda: continue_and_save(model, tokenizer, where, TURN2, lambda s: IOCounter(k)))
+        for k, pid in pids.items():
+            code = wait(pid)
+            report["kills"].append({"k": k, "exit": code, **outcome(root / f"kill{k}")})
+            shutil.rmtree(root / f"kill{k}")
 
     report["seconds"]["kills"] = time.perf_counter() - started
     rng = random.Random(0)

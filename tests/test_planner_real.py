@@ -326,3 +326,32 @@ def test_plans_in_prose(template, words, name):
     start = VERSIONS.index(name)
     end = VERSIONS.find("\n\n\n", start)
     assert_found(sess, plan, 2, 2, VERSIONS[start:end if end > 0 else len(VERSIONS)].rstrip())
+
+
+# ------------------------------------------------------------------------------------------ offsets, rehydration
+
+
+def test_token_offsets_match_a_scan_of_every_token(template):
+    from pace_hf.chat import TokenOffsets
+
+    enc = template.tok(TEXTWRAP, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = TokenOffsets(enc["offset_mapping"])
+    for a, b in [(0, 1), (10, 400), (5000, 5003), (len(TEXTWRAP) - 7, len(TEXTWRAP)), (123, 124)]:
+        scan = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < b and e > a and e > s]
+        assert offsets.span(a, b) == (scan[0], scan[-1] + 1)
+
+
+def test_rehydration_restores_the_definition_a_turn_names_not_its_file(template):
+    from types import SimpleNamespace
+
+    from test_planner import FakeCache
+
+    sess = Session(template, ("user", "Task."), *cat("textwrap.py", TEXTWRAP), ("user", "Why does `dedent` fail?"))
+    turn = sess.messages[-1]
+    cache = FakeCache(resident=(), seen=turn.start, budget=4096)
+    session = SimpleNamespace(messages=sess.messages, cache=cache, step=turn.step, template=template)
+    spans = SymbolPlanner().rehydrate(session, turn)
+    target = sess.tokens(2, DEDENT)
+    restored = [(s, e) for s, e, _ in cache.restored]
+    assert covered(restored, target) >= 0.9 and size(restored) <= 2 * (target[1] - target[0])
+    assert all(s.readers == (turn.step,) for s in spans)

@@ -187,3 +187,20 @@ def test_restore_and_save_need_a_store_and_foresight():
     with pytest.raises(ValueError, match="start < end"):
         PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8, store=TieredStore([HostTier()]),
                   session_id="x").restore(10, 10)
+
+
+def test_a_span_past_the_end_of_the_prompt_is_warned_about_once():
+    import warnings
+
+    model = tiny_model("llama")
+    ids = prompt(1000)
+    late = Span(900, 50000, [1])
+    cache = PACECache(Blueprint([Span(100, 200, [1]), late]), model=model, budget=64, limit=256, recent=8)
+    with pytest.warns(UserWarning, match=r"\[900, 50000\) reaches past the end of the prompt \(1000 tokens\)") as got:
+        model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, prefill_chunk_size=128)
+    assert sum("reaches past" in str(w.message) for w in got) == 1  # once, not at every decoded token
+    cache = PACECache(Blueprint([Span(100, 200, [1]), Span(900, 1000, [1])]), model=model, budget=64, limit=256,
+                      recent=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a span that ends with the prompt is fine
+        model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, prefill_chunk_size=128)

@@ -92,8 +92,9 @@ def _queue_exists(name):
     return True
 
 
-def _native(mode, tmp_path):
-    """Run the stand-in in ``mode`` under the real confinement; returns what it reported."""
+def _native(mode, tmp_path, prefix=()):
+    """Run the stand-in in ``mode`` under the real confinement (``prefix``: a command that
+    execs it, e.g. with fewer capabilities); returns what it reported and the job."""
     base = tempfile.mkdtemp(prefix="pace-sandbox-walls-")
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -111,7 +112,7 @@ def _native(mode, tmp_path):
         r, w = os.pipe()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", str(script), os.path.dirname(S._CHILD), json.dumps(job),
+                [*prefix, sys.executable, "-I", "-S", "-B", str(script), os.path.dirname(S._CHILD), json.dumps(job),
                  str(w), mode], pass_fds=(w,), cwd=work, stderr=subprocess.PIPE, start_new_session=True)
             os.close(w)
             w = -1
@@ -143,13 +144,23 @@ def test_kernel_objects_made_inside_die_with_the_run(tmp_path):
     assert not _queue_exists(job["queue"])
 
 
+# Without CAP_SYS_ADMIN (as for a user without root), the namespaces come from a user namespace.
+_NO_ADMIN = ("setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin", "--")
+
+
 @pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86_64 seccomp")
-def test_native_code_meets_the_kernel_walls(tmp_path):
+@pytest.mark.parametrize("prefix", [(), _NO_ADMIN], ids=["as-is", "user-namespace"])
+def test_native_code_meets_the_kernel_walls(tmp_path, prefix):
     """With the whole confinement and no audit hook: every call issue 22 named (and more) is
-    refused by the kernel, nothing is written outside, and a mkdir flood stops at the inode cap."""
+    refused by the kernel, nothing is written outside, and a mkdir flood stops at the inode cap;
+    the same from a user namespace, where the process keeps no capabilities."""
+    if prefix and (shutil.which("setpriv") is None or os.geteuid() != 0):
+        pytest.skip("needs root and setpriv to drop CAP_SYS_ADMIN")
     before = _sysv()
-    facts, job = _native("full", tmp_path)
+    facts, job = _native("full", tmp_path, prefix)
     assert "seccomp allowlist" in facts["layers"] and "ipcns" in facts["layers"], facts
+    if prefix:
+        assert facts["layers"][0] == "userns" and "no capabilities" in facts["layers"], facts
     assert facts["pid"] == 2 and facts["proc_self"] == "2" and facts["hostname"] == "pace-sandbox"
     allowed = {name: code for name, code in facts["denied"].items() if code == 0}
     assert not allowed, allowed

@@ -260,7 +260,7 @@ def test_spill_entries_only_in_the_top_tier_are_made_durable_before_the_manifest
 
 
 def test_a_second_writer_gets_a_clear_error_and_loses_nothing(model, tmp_path):
-    store = TieredStore([DiskTier(tmp_path)])
+    store = TieredStore([HostTier(), DiskTier(tmp_path)])  # a's host tier keeps a's manifest: stale once b saves
     a = _cache(model, store)
     _run(model, a, _ids(160))
     a.save()

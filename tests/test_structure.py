@@ -4,8 +4,10 @@ an import cycle.
 Core modules are every module under ``pace_hf/`` outside ``pace_hf/metrics/``; the benchmark is the
 top-level package ``pace_bench/``. No core module imports the benchmark, the metric or the model-wheel
 loader (absolute or relative imports, at any depth in the module), and none mentions the benchmark, in
-code, strings or comments. The import graphs are read with ``ast`` (every import, including those inside
-functions and under ``TYPE_CHECKING``), never by importing.
+code, strings or comments. Scoring imports nothing of the cache (a policy scores plain tensors), and the
+integration with transformers (``binding``, ``attention``) imports no cache (it talks to small protocols).
+The import graphs are read with ``ast`` (every import, including those inside functions and under
+``TYPE_CHECKING``), never by importing.
 """
 
 import ast
@@ -23,10 +25,9 @@ EVIDENCE = ("metrics",)  # the metric's room inside pace_hf (the benchmark has i
 FORBIDDEN = ("pace_bench", "pace_hf.metrics", "pace_hf.bench", "pace_hf.models")  # the last two: old homes
 MENTIONS = re.compile(r"\bbench(mark)?s?\b|pace[-_]bench|pace_coding|load_sessions|PACE_ALLOW_CODE_EVAL", re.I)
 
-# Edges of a cycle that is being removed (issue 23: binding and scoring stop depending on the cache
-# class). The lead drops this set when that work lands; nothing else may join it.
-KNOWN_CYCLE_EDGES = {("pace_hf.cache", "pace_hf.binding"), ("pace_hf.binding", "pace_hf.cache"),
-                     ("pace_hf.scoring.base", "pace_hf.cache")}
+SCORING = "pace_hf.scoring"  # scores plain tensors: nothing of the cache
+INTEGRATION = ("pace_hf.binding", "pace_hf.attention")  # the transformers seam: small protocols, no cache class
+CACHE = "pace_hf.cache"
 
 
 def package_modules(root: Path) -> dict[str, Path]:
@@ -147,8 +148,29 @@ def test_core_module_does_not_mention_the_benchmark(path):
 def test_no_import_cycle(root):
     graph = import_graph(root)
     assert len(graph) > 5
-    cycle = find_cycle(graph, ignore=KNOWN_CYCLE_EDGES)
+    cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def _imports_of(prefix: str) -> dict[str, set[str]]:
+    return {module_name(p): imported_modules(p) for p in core_modules()
+            if module_name(p) == prefix or module_name(p).startswith(prefix + ".")}
+
+
+def _within(modules: set[str], prefix: str) -> set[str]:
+    return {m for m in modules if m == prefix or m.startswith(prefix + ".")}
+
+
+def test_scoring_imports_nothing_of_the_cache():
+    found = _imports_of(SCORING)
+    assert len(found) > 3
+    assert {name: _within(mods, CACHE) for name, mods in found.items() if _within(mods, CACHE)} == {}
+
+
+@pytest.mark.parametrize("name", INTEGRATION)
+def test_integration_imports_no_cache_class(name):
+    (mods,) = _imports_of(name).values()
+    assert not _within(mods, CACHE)
 
 
 def test_the_cycle_check_finds_cycles_and_ignores_parent_packages(tmp_path):

@@ -109,7 +109,8 @@ def sentence_start(text: str, i: int) -> bool:
 @dataclass(frozen=True)
 class Definition:
     """One definition in a message: ``name`` (a member of class ``owner``, or top-level when ``owner`` is
-    None), its ``kind`` (function, class, assignment, member or fact) and the character ranges
+    None), its ``kind`` (top-level: function, class, assignment or fact; members: method, field for a
+    class-body assignment, attribute for ``self.X = ...``) and the character ranges
     ``parts`` of its source in the message. ``doc``: its signature and docstring (for the lexical
     ranker); ``uses``: the free names it loads; ``fields``: the attribute names a function reads or writes
     on its parameters (``record.status``); ``path``: the file it came from, when the text says."""
@@ -522,27 +523,29 @@ def _class(node: ast.ClassDef, region: Region, base: int, path) -> list[Definiti
     bases = tuple(d.rsplit(".", 1)[-1] for d in map(_dotted, node.bases) if d)
     out = [Definition(node.name, None, "class", (region.chars(first, node.end_lineno + base),), bases,
                       _doc(node), _free_names(node), path)]
-    seen: set[str] = set()
+    members: dict[str, Definition] = {}
 
-    def member(name, stmt, kind="member"):
-        if name in seen:
+    def member(name, stmt, kind, rebinds=True):
+        """A later binding in the class body wins (``@overload`` stubs, then the real method); a
+        ``self.X`` in a method only adds a member the body does not bind."""
+        if name in members and not rebinds:
             return
-        seen.add(name)
         own = region.chars(_first_line(stmt) + base, stmt.end_lineno + base)
         parts = (header, own) if own[0] > header[1] else (region.chars(first, stmt.end_lineno + base),)
-        out.append(Definition(name, node.name, kind, parts, (), _doc(stmt), _free_names(stmt), path,
-                              _fields(stmt)))
+        members.pop(name, None)
+        members[name] = Definition(name, node.name, kind, parts, (), _doc(stmt), _free_names(stmt), path,
+                                   _fields(stmt))
 
     for stmt in node.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            member(stmt.name, stmt)
+            member(stmt.name, stmt, "method")
         elif isinstance(stmt, ast.AnnAssign):
             for n in _targets(stmt.target):
-                member(n, stmt)
+                member(n, stmt, "field")
         elif isinstance(stmt, (ast.Assign, ast.AugAssign)):
             for target in getattr(stmt, "targets", None) or [stmt.target]:
                 for n in _targets(target):
-                    member(n, stmt)
+                    member(n, stmt, "field")
     for stmt in node.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for sub in ast.walk(stmt):
@@ -550,8 +553,8 @@ def _class(node: ast.ClassDef, region: Region, base: int, path) -> list[Definiti
                     for target in getattr(sub, "targets", None) or [sub.target]:
                         if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
                                 and target.value.id == "self":
-                            member(target.attr, sub)
-    return out
+                            member(target.attr, sub, "attribute", rebinds=False)
+    return out + list(members.values())
 
 
 def _module(tree: ast.Module, region: Region, base: int, owner: str | None = None) -> tuple[list, list]:
@@ -562,7 +565,7 @@ def _module(tree: ast.Module, region: Region, base: int, owner: str | None = Non
         if isinstance(node, ast.ClassDef):
             defs += _class(node, region, base, path)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            defs.append(Definition(node.name, owner, "function" if owner is None else "member",
+            defs.append(Definition(node.name, owner, "function" if owner is None else "method",
                                    (region.chars(_first_line(node) + base, node.end_lineno + base),), (),
                                    _doc(node), _free_names(node), path, _fields(node)))
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):

@@ -3,11 +3,12 @@
 A developer writes "fix how the version parser handles local tags", not "`VersionParser`". Two
 readings turn such a step into the session's definitions:
 
-* **Candidates** (:func:`candidates`): joins of adjacent words in every case the session could use
-  ("parse version" -> ``parse_version``, ``parseVersion``, ``ParseVersion``, ``PARSE_VERSION``, with a
-  leading underscore too; a plural last word also singular), camelCase <-> snake_case of the names it
-  writes (:func:`variants`), and a single word right before a word that says it is code ("the open
-  function"). Only names that the session defines are kept, so a candidate costs nothing when wrong.
+* **Candidates** (:func:`candidates`): joins of adjacent words in any spelling the session uses
+  ("parse version" -> ``parse_version``, ``parseVersion``, ``PARSE_VERSION``, ``_parse_version``: names
+  are matched by a key without case or underscores; a plural last word also singular), the other
+  spellings of the names it writes (:func:`variants`: camelCase for a snake_case name), and a single
+  word right before a word that says it is code ("the open function"). Only names that the session
+  defines are kept, so a candidate costs nothing when wrong.
 * **Lexical ranking** (:class:`Lexicon`): BM25 (``bm25s``) over the session's definitions, each a
   document of its name split into words (weighted), its class's name, its signature and its docstring.
   Used for a step that resolves nothing through names: it finds single lowercase words the session
@@ -44,25 +45,30 @@ def _stem(word: str) -> str:
     return w
 
 
-def spellings(words: list[str]) -> set[str]:
-    """Every identifier spelling of a word sequence."""
-    lower = [w.lower() for w in words]
-    snake = "_".join(lower)
-    camel = lower[0] + "".join(w.capitalize() for w in lower[1:])
-    forms = {snake, snake.upper(), camel, camel[0].upper() + camel[1:], "".join(lower)}
-    return forms | {"_" + f for f in forms}
+def key(name_or_words) -> str:
+    """The spelling-free key of a name or a word sequence: ``parse_version``, ``parseVersion``,
+    ``PARSE_VERSION`` and "parse version" all give ``parseversion``."""
+    words = name_or_words if isinstance(name_or_words, (list, tuple)) else [name_or_words]
+    return "".join(w.lower() for w in words).replace("_", "")
 
 
-def variants(name: str) -> set[str]:
-    """camelCase <-> snake_case spellings of a written name (not the name itself)."""
-    words = split_name(name)
-    return (spellings(words) - {name}) if words else set()
+def keyed(names) -> dict[str, set[str]]:
+    """Names by :func:`key`."""
+    out: dict[str, set[str]] = {}
+    for name in names:
+        out.setdefault(key(name), set()).add(name)
+    return out
 
 
-def candidates(words: tuple[str, ...], defined) -> set[str]:
-    """Names that a prose step means, among those the session ``defined``: joins of 2-4 adjacent words
-    (not all of them stopwords; a plural last word also singular), and a single word right before a
-    word like "function" ("the open function")."""
+def variants(name: str, by_key: dict[str, set[str]]) -> set[str]:
+    """The other spellings of a written name that the session defines (camelCase for snake_case ...)."""
+    return by_key.get(key(name), set()) - {name}
+
+
+def candidates(words: tuple[str, ...], by_key: dict[str, set[str]]) -> set[str]:
+    """Names that a prose step means, among the session's (``by_key``, from :func:`keyed`): joins of 2-4
+    adjacent words (not all of them stopwords; a plural last word also singular), and a single word
+    right before a word like "function" ("the open function")."""
     out: set[str] = set()
     lower = [w.lower() for w in words]
     for n in (4, 3, 2):
@@ -70,14 +76,12 @@ def candidates(words: tuple[str, ...], defined) -> set[str]:
             chunk = lower[i:i + n]
             if all(w in STOPWORDS for w in chunk) or any(w in KIND_WORDS for w in chunk):
                 continue
-            forms = [chunk]
+            out |= by_key.get(key(chunk), set())
             if chunk[-1].endswith("s") and len(chunk[-1]) > 3:
-                forms.append(chunk[:-1] + [chunk[-1][:-1]])
-            for form in forms:
-                out |= spellings(form) & defined
+                out |= by_key.get(key(chunk)[:-1], set())
     for i, word in enumerate(words[:-1]):
         if lower[i + 1] in KIND_WORDS:
-            out |= {word, lower[i], word.upper(), "_" + lower[i], "_" + word.upper()} & defined
+            out |= by_key.get(key(word), set())
     return out
 
 

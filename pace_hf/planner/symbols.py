@@ -21,7 +21,7 @@ definition wins.
   lexically (BM25 over names, signatures and docstrings) and gets its best match.
 * Closure (``depth``, default 1): a needed function also needs the module-level constants it reads
   (``timeout=DEFAULT_TIMEOUT``) and the class of a field it uses on a parameter when only one class
-  defines that member (``record.status``), as its own message saw them. Other uses (helpers, any
+  declares that field in its body (``record.status`` of a dataclass), as its own message saw them. Other uses (helpers, any
   attribute name) are not followed: on real code they added tokens and false edges, not recall.
 
 Spans: each definition's character ranges map to tokens through the chat template's offsets
@@ -39,8 +39,9 @@ it adds what is new and removes its own spans that went stale (never spans someo
 as restores; a span equal to one the blueprint already holds is not added twice).
 
 ``rehydrate(session, message)``: when a user turn arrives, the definitions it names (resolved the same
-way, against the messages before it) that are not fully resident are restored from the tiers before the
-turn is prefilled, read at the current step; a part not prefilled yet is planned for the current step.
+way, against the messages before it, but never by lexical ranking: a turn is not a plan) that are not
+fully resident are restored from the tiers before the turn is prefilled, read at the current step; a
+part not prefilled yet is planned for the current step.
 Restores stop at ``max_restore_tokens`` (default: half the cache budget); the most recent go first.
 
 Step numbers are those of ``PACESession``: its k-th user message is step k; a message of step k is read
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 
 from ..blueprint import Blueprint, Span, as_index
 from .extract import Definition, mentions, plain_word, read
-from .prose import Lexicon, candidates, variants
+from .prose import Lexicon, candidates, keyed, variants
 
 LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
 
@@ -125,6 +126,7 @@ class _Index:
             for alias, target in r.imports:
                 self.aliases.setdefault(alias, []).append((i, target))
         self.defined = set(self.top) | set(self.facts) | set(self.member_names)
+        self.by_key = keyed(self.defined)
         self._lexicon = None
 
     @property
@@ -213,9 +215,9 @@ class _Index:
 
     def closure(self, i: int, d: Definition) -> list:
         """What a needed function also needs, as its own message saw it: the module-level assignments
-        it reads, and the class of each field it uses on a parameter when exactly one class defines a
-        member of that name (``settle(record)`` reads ``record.status``: the record's dataclass)."""
-        if d.kind not in ("function", "class", "member"):
+        it reads, and the class of each field it uses on a parameter when exactly one class declares a
+        field of that name in its body (``settle(record)`` reads ``record.status``: the dataclass)."""
+        if d.kind not in ("function", "class", "method"):
             return []
         out = []
         for u in d.uses:
@@ -223,7 +225,8 @@ class _Index:
             if got and got[1].kind == "assignment" and got[1] is not d:
                 out.append(got)
         for f in d.fields:
-            owners = {e[1].owner for e in self.member_names.get(f, ()) if e[0] <= i and e[1].owner != "?"}
+            owners = {e[1].owner for e in self.member_names.get(f, ()) if e[0] <= i and e[1].owner != "?"
+                      and e[1].kind == "field"}
             if len(owners) == 1:
                 got = self.latest(self.classes, owners.pop(), i + 1)
                 if got:
@@ -283,8 +286,9 @@ class SymbolPlanner:
         """Names that ``text`` defines (top-level names, class members and prose facts)."""
         return {d.name for d in read(text).definitions}
 
-    def needs(self, index: _Index, text: str, step: int, before: int) -> list[Need]:
-        """What a step (or turn) ``text`` needs from the messages before position ``before``."""
+    def needs(self, index: _Index, text: str, step: int, before: int, lexical: bool = True) -> list[Need]:
+        """What a step (or turn) ``text`` needs from the messages before position ``before``; ``lexical``:
+        rank the definitions when the text names nothing literally (for plans, not for user turns)."""
         said = mentions(text)
         found: dict[tuple[int, Definition], int] = {}
 
@@ -302,11 +306,11 @@ class SymbolPlanner:
             got = index.name(name, before)
             add(got, LITERAL if how == LITERAL else DERIVED)
             if got is None:  # camelCase written for a snake_case name, or the other way round
-                for v in variants(name) & index.defined:
+                for v in variants(name, index.by_key):
                     add(index.name(v, before), DERIVED)
-        for name in candidates(said.words, index.defined):
+        for name in candidates(said.words, index.by_key):
             add(index.name(name, before), DERIVED)
-        if not found and not said.chains and LITERAL not in said.names.values() and said.words:
+        if lexical and not found and not said.chains and LITERAL not in said.names.values() and said.words:
             # a step that names nothing literally: the lexical ranker
             for got in index.lexicon.rank(list(said.words) + list(said.names), before):
                 add(got, LEXICAL)
@@ -404,7 +408,7 @@ class SymbolPlanner:
         seen = cache.get_seq_length()
         cache.step = session.step
         cap = self.max_restore_tokens if self.max_restore_tokens is not None else cache.budget // 2
-        spans = {s for need in self.needs(index, message.content, session.step, before)
+        spans = {s for need in self.needs(index, message.content, session.step, before, lexical=False)
                  for s in self._tokens(messages[need.message], template, need.definition.parts)}
         planned, used = [], 0
         for start, stop in _merge(sorted(spans), gap=0)[::-1]:

@@ -31,32 +31,36 @@ def parse_store(spec: str) -> TieredStore:
     return TieredStore(tiers)
 
 
-def load(name_or_path: str, dtype: str = "auto"):
-    """``(model, tokenizer)``: a benchmark model by name (``pace_bench.models``), or a local path."""
+LOADERS = "pace_hf.model_loaders"  # entry points: name_or_path, dtype=... -> (model, tokenizer)
+
+
+def load(name_or_path: str, dtype: str = "auto", loader=None):
+    """``(model, tokenizer)``: from ``loader``, else from a loader another package registers under the
+    entry-point group ``pace_hf.model_loaders`` (this project's model zoo registers its named models
+    there), else ``from_pretrained`` of a local directory."""
     import torch
 
     torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        from pace_bench.models import load_model
-    except ImportError:
-        try:
-            from pace_hf.bench.models import load_model  # before the benchmark became its own package
-        except ImportError:
-            load_model = None
-    if load_model is not None:
-        return load_model(name_or_path, dtype=torch_dtype)
+    if loader is None:
+        from importlib.metadata import entry_points
+
+        found = list(entry_points(group=LOADERS))
+        loader = found[0].load() if found else None
+    if loader is not None:
+        return loader(name_or_path, dtype=torch_dtype)
     if not Path(name_or_path).is_dir():
-        raise SystemExit(f"pace-serve: {name_or_path!r} is no local model directory (and pace_bench is not installed)")
+        raise SystemExit(f"pace-serve: {name_or_path!r} is no local model directory, and no model loader is "
+                         f"registered under the entry-point group {LOADERS!r} to resolve it by name")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype or "auto")
     return model.eval(), AutoTokenizer.from_pretrained(name_or_path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, loader=None) -> None:
+    """The command; ``loader`` replaces the registered model loader (see ``load``)."""
     p = argparse.ArgumentParser(prog="pace-serve", description=__doc__)
-    p.add_argument("--model", required=True, help="a benchmark model name (smollm2, qwen2.5-coder-0.5b) or a local path")
+    p.add_argument("--model", required=True, help="a model name a registered loader knows (smollm2, qwen2.5-coder-0.5b) or a local path")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--store", default="disk:runs/serve", help="tiers, comma-separated: host:BYTES, disk:PATH, valkey://...")
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     from .app import create_app
     from .engine import Engine
 
-    model, tokenizer = load(args.model, args.dtype)
+    model, tokenizer = load(args.model, args.dtype, loader)
     store = parse_store(args.store)
     names = args.served_name or [args.model]
     engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit or None, chunk=args.chunk,

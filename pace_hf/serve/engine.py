@@ -206,6 +206,8 @@ class Engine:
                 self.metrics.resume_failures.inc()
                 self.store.delete_session(session_id)
             session = self._new(system, session_id)
+        while len(self.resident) >= self.max_resident:  # make room first: the cap holds at every moment
+            self._park(next(iter(self.resident)))
         self.parked.discard(session_id)
         self.resident[session_id] = Resident(session, time.monotonic())
         return session

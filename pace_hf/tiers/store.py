@@ -220,13 +220,19 @@ class TieredStore:
             self._cv.notify_all()
         return item.done
 
-    def get(self, key: str, *, fingerprint: str, session_id: str) -> tuple[dict[str, torch.Tensor], dict] | None:
+    def get(self, key: str, *, fingerprint: str, session_id: str,
+            tiers: Sequence[str] | None = None) -> tuple[dict[str, torch.Tensor], dict] | None:
         """The verified ``(tensors, meta)`` under ``key``, or ``None`` (see module docstring)."""
-        return self.get_many([key], fingerprint=fingerprint, session_id=session_id)[0]
+        return self.get_many([key], fingerprint=fingerprint, session_id=session_id, tiers=tiers)[0]
 
-    def get_many(self, keys: Sequence[str], *, fingerprint: str, session_id: str) -> list:
-        """``get`` for many keys; each tier is read once for all keys it still has to answer."""
+    def get_many(self, keys: Sequence[str], *, fingerprint: str, session_id: str,
+                 tiers: Sequence[str] | None = None) -> list:
+        """``get`` for many keys; each tier is read once for all keys it still has to answer. ``tiers``
+        (names): read only those, and not the pending writes (what a tier itself holds)."""
         fks = [full_key(k, session_id) for k in keys]
+        if tiers is not None:
+            return self._read_tiers(fks, [i for i, t in enumerate(self.tiers) if t.name in tiers],
+                                    list(range(len(fks))), [None] * len(fks), fingerprint, session_id)
         with self._lock:
             self._counts["gets"] += len(fks)
         out: list = [None] * len(fks)
@@ -249,7 +255,12 @@ class TieredStore:
                 except IntegrityError as e:
                     self._integrity("host", e)
             todo.append(i)
-        for ti, tier in enumerate(self.tiers):
+        return self._read_tiers(fks, range(len(self.tiers)), todo, out, fingerprint, session_id)
+
+    def _read_tiers(self, fks, tier_indices, todo, out, fingerprint, session_id) -> list:
+        """Fill ``out[i]`` for each ``i`` in ``todo`` from the tiers at ``tier_indices``, in order."""
+        for ti in tier_indices:
+            tier = self.tiers[ti]
             if not todo:
                 break
             name = tier.name

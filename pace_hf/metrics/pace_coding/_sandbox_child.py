@@ -62,6 +62,7 @@ _SYSTEM_READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/
 RLIMIT_LOCKS = 10  # ignored by Linux since 2.4.25: free to serve as the violation counter
 VIOLATION_BUDGET = 1_000_000  # RLIMIT_LOCKS hard limit at start; each refusal lowers it by one
 SANDBOX_PID = 2  # the sandbox process's pid in its namespace (init is 1)
+_SYS_CAPSET = {"x86_64": 126, "aarch64": 91}  # per architecture
 
 # seccomp allowlist (x86_64 only: syscall numbers differ per architecture). Every other system
 # call fails with EPERM: among them System V IPC, mq_*, memfd_create, userfaultfd, io_uring, bpf,
@@ -103,7 +104,14 @@ _X86_64_ALLOW = {
     "sched_get_priority_max": 146, "sched_get_priority_min": 147, "sched_rr_get_interval": 148,
     "getcpu": 309, "getrandom": 318, "close_range": 436,
 }
-_X86_64_PROCESS = {"fork": 57, "vfork": 58, "execve": 59, "setsid": 112, "setpgid": 109}
+# Answered "not supported" (EOPNOTSUPP), as on a file system without them, so that shutil's copies
+# carry on: extended attributes.
+_X86_64_UNSUPPORTED = {
+    "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "getxattr": 191, "lgetxattr": 192,
+    "fgetxattr": 193, "listxattr": 194, "llistxattr": 195, "flistxattr": 196, "removexattr": 197,
+    "lremovexattr": 198, "fremovexattr": 199,
+}
+_X86_64_PROCESS = {"fork": 57, "vfork": 58, "execve": 59, "setsid": 112, "setpgid": 109, "arch_prctl": 158}
 _X86_64_CLONE, _X86_64_CLONE3, _X86_64_KILL, _X86_64_TGKILL = 56, 435, 62, 234
 _X86_64_SOCKET, _X86_64_SOCKETPAIR, _X86_64_PRLIMIT64 = 41, 53, 302
 _X86_64_IOCTL, _X86_64_FCNTL = 16, 72
@@ -558,6 +566,8 @@ def _confine(job, pipes):
             pass
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # keeps /proc/self/fd readable after the uid drop
+    if _drop_capabilities(libc):  # root in a user namespace (or a failed uid drop) keeps none
+        layers.append("no capabilities")
     if ruleset is not None:  # needs no_new_privs; applies to this thread and all it starts
         import ctypes
         if libc.syscall(_SYS_LANDLOCK_RESTRICT, ctypes.c_int(ruleset), ctypes.c_uint32(0)) == 0:
@@ -616,6 +626,14 @@ def _enter_namespaces(libc, parent_pid, pipes):
     if os.getpid() != SANDBOX_PID:
         raise OSError("the new pid namespace gave pid %d, not %d" % (os.getpid(), SANDBOX_PID))
     return layers
+
+
+def _drop_capabilities(libc):
+    """Empty this process's capability sets (capset, version 3); returns whether it worked."""
+    header = struct.pack("=Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = bytes(24)  # two __user_cap_data_struct: effective, permitted, inheritable, all empty
+    nr = _SYS_CAPSET.get(os.uname().machine)
+    return nr is not None and libc.syscall(nr, header, data) == 0
 
 
 def _wait_and_pass_on(pid):
@@ -780,9 +798,10 @@ def _load_libc():
 def _install_seccomp(libc, allow_processes):
     """The seccomp allowlist (see ``_X86_64_ALLOW``); returns whether the filter is active.
 
-    Deny by default, with EPERM. Checked arguments: clone only for threads (CLONE_THREAD, no
+    Deny by default, with EPERM (extended attributes: EOPNOTSUPP). Checked arguments: clone only for threads (CLONE_THREAD, no
     namespace flags) unless processes are allowed, and clone3 (whose flags a filter cannot read)
-    answers ENOSYS so that glibc falls back to clone; kill/tgkill only to this process, prlimit64
+    answers ENOSYS so that glibc falls back to clone; kill/tgkill only to this process (unless
+    processes are allowed: then to the run's pid namespace, which holds only its own), prlimit64
     only on itself, sockets only AF_UNIX stream ones (asyncio's self-pipe), ioctl and fcntl only
     the harmless commands."""
     import ctypes
@@ -790,7 +809,7 @@ def _install_seccomp(libc, allow_processes):
         return False
     LD, JEQ, JSET, AND, RET = 0x20, 0x15, 0x45, 0x54, 0x06
     ALLOW, KILL = 0x7FFF0000, 0x80000000
-    EPERM, ENOSYS = 0x00050000 | 1, 0x00050000 | 38
+    EPERM, ENOSYS, EOPNOTSUPP = 0x00050000 | 1, 0x00050000 | 38, 0x00050000 | 95
     NR, ARCH, ARG0, ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data (little endian)
     me = os.getpid()
 
@@ -812,16 +831,20 @@ def _install_seccomp(libc, allow_processes):
     prog = [(LD, 0, 0, ARCH), (JEQ, 1, 0, _AUDIT_ARCH_X86_64), (RET, 0, 0, KILL), (LD, 0, 0, NR)]
     prog += only(_X86_64_CLONE, clone)
     prog += only(_X86_64_CLONE3, [(RET, 0, 0, ENOSYS)])
-    prog += only(_X86_64_KILL, argument_in(ARG0, [me]))
-    prog += only(_X86_64_TGKILL, argument_in(ARG0, [me]))
+    if not allow_processes:  # else the pid namespace holds only the program's own processes
+        prog += only(_X86_64_KILL, argument_in(ARG0, [me]))
+        prog += only(_X86_64_TGKILL, argument_in(ARG0, [me]))
     prog += only(_X86_64_PRLIMIT64, argument_in(ARG0, [0, me]))
     prog += only(_X86_64_SOCKET, unix_stream)
     prog += only(_X86_64_SOCKETPAIR, unix_stream)
     prog += only(_X86_64_IOCTL, argument_in(ARG1, _IOCTL_ALLOW))
     prog += only(_X86_64_FCNTL, argument_in(ARG1, _FCNTL_ALLOW))
-    allowed = list(_X86_64_ALLOW.values()) + (list(_X86_64_PROCESS.values()) if allow_processes else [])
+    allowed = list(_X86_64_ALLOW.values()) + (list(_X86_64_PROCESS.values()) + [_X86_64_KILL, _X86_64_TGKILL]
+                                               if allow_processes else [])
     for nr in allowed:  # x32 numbers (>= 0x40000000) are never equal to these
         prog += [(JEQ, 0, 1, nr), (RET, 0, 0, ALLOW)]
+    for nr in _X86_64_UNSUPPORTED.values():
+        prog += [(JEQ, 0, 1, nr), (RET, 0, 0, EOPNOTSUPP)]
     prog.append((RET, 0, 0, EPERM))
 
     class SockFilter(ctypes.Structure):
