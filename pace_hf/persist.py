@@ -98,7 +98,8 @@ def save(cache, attachments: dict | None = None) -> str:
         _confirm(store, sid, {PENDING_KEY: _put(store, sid, PENDING_KEY, {}, {"pending": pending})})
 
         spill.flush()
-        parts = {f"L{i}/state@{gen}": (cache.layers[i].tensors(), {"seen": cache.get_seq_length(i)}) for i in layers}
+        parts = {f"L{i}/state@{gen}": (_on_cpu(cache.layers[i].tensors()), {"seen": cache.get_seq_length(i)})
+                 for i in layers}
         parts.update({f"{name}@{gen}": part for name, part in attachments.items()})
         entries = {key: digest(*part) for key, part in parts.items()}
         writes = {key: _put(store, sid, key, *part, fingerprint=fp) for key, part in parts.items()}
@@ -133,6 +134,11 @@ def save(cache, attachments: dict | None = None) -> str:
         _put(store, sid, PENDING_KEY, {}, {"pending": []})
         store.flush()
     return gen
+
+
+def _on_cpu(tensors: dict) -> dict:
+    """One host copy that both the digest and the store read (the store copies nothing already there)."""
+    return {k: v.detach().to("cpu") for k, v in tensors.items()}
 
 
 def _put(store, sid: str, key: str, tensors, meta, *, fingerprint: str = MANIFEST_FINGERPRINT) -> Future:

@@ -98,6 +98,7 @@ def continue_and_save(model, tokenizer, root, text, before_save=None, after_save
     store = TieredStore([DiskTier(root)])
     session = PACESession.resume(SID, model, tokenizer, store=store)
     play(session, text, tokens=2)
+    store.flush()  # the turn's spill writes are done: the save's own I/O calls are counted from here
     if before_save:
         before_save(session)
     gen = session.save()

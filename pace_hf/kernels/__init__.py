@@ -15,6 +15,12 @@ __all__ = list(_KERNELS)
 def __getattr__(name):
     if name not in _KERNELS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    kernel = getattr(importlib.import_module(_KERNELS[name], __name__), name)
+    try:
+        module = importlib.import_module(_KERNELS[name], __name__)
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        raise ImportError(f"{name} needs Triton, which the core install leaves out: pip install pace_hf[cuda]") from e
+    kernel = getattr(module, name)
     globals()[name] = kernel  # importing the submodule bound its name here: rerotate_triton is both
     return kernel

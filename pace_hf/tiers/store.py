@@ -24,7 +24,8 @@ value that fails is a miss for that tier: counted in ``integrity_failures``, log
 (``logging.getLogger("pace_hf.tiers")``), and the next tier is tried; ``strict=True`` raises
 ``IntegrityError`` instead. A hit below the top is promoted to the tiers above (the host synchronously,
 the others through the writer). ``get_many`` reads each tier once for all remaining keys: a Valkey
-pipeline, a thread pool for the disk.
+pipeline, a thread pool for the disk. ``get(..., tiers=[name])`` reads only what those tiers hold (a
+save reads its session's manifest from the first durable tier, never from a host copy that may be stale).
 
 Demotion. Entries pushed out of a ``HostTier`` by its byte cap are written to the next tier(s) by the
 writer (and stay readable until they are), unless they are known to be there already ("clean"); only

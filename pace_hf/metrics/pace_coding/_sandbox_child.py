@@ -8,7 +8,7 @@ nor ``pace_hf``.
 The program is treated as native code in control of this interpreter from the moment it loads:
 nothing here is trusted after that. The walls that must hold are set up before, by the kernel:
 
-* three processes: this one (outside, root, waits), an init (pid 1 of a new pid namespace, waits
+* three processes: this one (outside the pid namespace, waits), an init (pid 1 of a new pid namespace, waits
   and passes the exit status on) and the sandbox process (pid 2) that confines itself and runs the
   program; when init ends the kernel kills everything left in the namespace;
 * new mount, network, pid, IPC and UTS namespaces (``_enter_namespaces``): no pid counter, System V
@@ -229,7 +229,7 @@ def _serve(program, next_request, send, encode, to_plain, describe_exception, ty
     sys.modules["solution"] = module  # dataclasses and typing look their module up here
     sys.modules["__main__"] = _type(sys)("__main__")  # the harness's module is not the program's to edit
     ns = module.__dict__
-    ns["__builtins__"] = builtins  # eval would otherwise give it the worker's empty builtins
+    ns["__builtins__"] = builtins.__dict__  # as in any imported module (the worker's are empty)
     pristine_builtins = _dict(builtins.__dict__)
     worker_globals = {"__builtins__": {}, "go": go, "done": done, "box": box, "run": eval, "ns": ns,
                       "str": str, "type": type, "BaseException": BaseException}
