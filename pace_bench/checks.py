@@ -73,12 +73,15 @@ def build_checks(facts: dict[str, str], rng: random.Random) -> dict[str, list[di
         {"name": "settle_error_code", "expr": f"settle({done_ns})",
          "expected": {"raises": None, "code": f["exception_code"]}, "fact": "exception_code"},
     ]
-    # The class name is evaluated first: nothing of the program runs (a replaced __import__, say)
-    # before a program that does not define the class fails.
+    # A check's answer must carry its fact and its call must not: a program that controls its own
+    # interpreter can forge any answer it can guess ("True"), or copy out of the call's text. So the
+    # class check asks for the names of the module's own dataclasses, and the parent compares them
+    # with the class name, which the call never shows.
     module_checks = [
         {"name": "module_dataclass",
-         "expr": f'(lambda c: __import__("dataclasses").is_dataclass(c))({f["class_name"]})',
-         "expected": True, "fact": "class_name"},
+         "expr": ('sorted(n for n, v in vars(__import__("solution")).items() if isinstance(v, type) '
+                  'and v.__module__ == "solution" and __import__("dataclasses").is_dataclass(v))'),
+         "expected": [f["class_name"]], "fact": "class_name"},
         {"name": "module_fields",
          "expr": f'(lambda c: [x.name for x in __import__("dataclasses").fields(c)])({f["class_name"]})',
          "expected": [f["field_id"], f["field_amount"], f["field_status"]], "fact": "field_id"},

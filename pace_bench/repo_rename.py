@@ -10,8 +10,8 @@ like session code) and every name bound by an import from outside the files' pac
 every file, so the renamed files still agree with each other.
 
 How: over ``tokenize`` tokens, not ``ast.unparse``, so comments and layout stay as written. A NAME token
-is replaced when it is a renamed name; in strings and comments, backquoted names and names shaped like
-code (with an inner ``_`` or a capital) are replaced too, and inside an f-string's replacement fields
+is replaced when it is a renamed name; in strings and comments, backquoted names, the names of
+``:param x:`` fields and names shaped like code (with an inner ``_`` or a capital) are replaced too, and inside an f-string's replacement fields
 every renamed name is. A renamed file is kept only when it compiles (:meth:`Renaming.apply` raises
 ``SyntaxError`` otherwise).
 """
@@ -33,6 +33,7 @@ _CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _BACKQUOTED = re.compile(r"`+([A-Za-z_][\w.]*)`+")
 _FIELD = re.compile(r"\{[^{}]*\}")
+_FIELD_DOC = re.compile(r"(:(?:param|type|keyword|ivar|cvar|var)(?:\s+[\w.\[\]|, ]+?)?\s+)(\w+)(:)")  # :param str url:
 
 
 def defined_names(tree: ast.AST) -> set[str]:
@@ -141,7 +142,20 @@ class Renaming:
             return self.mapping[w] if w in self.mapping and (every or code_shaped(w)) else w
 
         text = _BACKQUOTED.sub(lambda m: m.group(0).replace(m.group(1), self.name(m.group(1))), text)
+        text = _FIELD_DOC.sub(lambda m: m.group(1) + self.mapping.get(m.group(2), m.group(2)) + m.group(3), text)
         return _WORD.sub(one, text)
+
+    def _field(self, field: str) -> str:
+        """An f-string replacement field: every renamed name of its expression, not of its ``!r`` or
+        format spec."""
+        depth, cut = 0, len(field) - 1
+        for i, c in enumerate(field[1:-1], 1):
+            depth += c in "([{"
+            depth -= c in ")]}"
+            if depth == 0 and (c == ":" or (c == "!" and field[i + 1:i + 2] != "=")):
+                cut = i
+                break
+        return "{" + self._words(field[1:cut], every=True) + field[cut:]
 
     def text(self, text: str) -> str:
         """Prose (a docstring's sentence, a remark) with its backquoted and code-shaped names renamed."""
@@ -162,7 +176,7 @@ class Renaming:
                 prefix = s[:len(s) - len(s.lstrip("rRbBuUfF"))]
                 new = self._words(s, every=False)
                 if "f" in prefix.lower():
-                    new = _FIELD.sub(lambda m: self._words(m.group(0), every=True), new)
+                    new = _FIELD.sub(lambda m: self._field(m.group(0)), new)
             elif kind == tokenize.COMMENT:
                 new = self._words(s, every=False)
             else:

@@ -540,6 +540,11 @@ class EvictionCache(DynamicCache):
 
     # -- what transformers calls -------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"torch.compile is not supported with {type(self).__name__}: its counters change every "
+                "forward, so a compiled forward would recompile on each one. Run the model uncompiled."
+            )
         if self._chunk is None:
             raise RuntimeError(
                 f"{type(self).__name__} is not bound to the model that uses it: pass model= to the "

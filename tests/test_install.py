@@ -131,12 +131,17 @@ try:
     valkey_error = None
 except ImportError as e:
     valkey_error = str(e)
+try:
+    from pace_hf.kernels import rerotate_triton
+    cuda_error = None
+except ImportError as e:
+    cuda_error = str(e)
 print(json.dumps({{
     "version": pace_hf.__version__, "installed": importlib.metadata.version("pace_hf"),
     "typed": (importlib.util.find_spec("pace_hf").submodule_search_locations[0] + "/py.typed"),
     "extras_found": [m for m in {EXTRAS_ONLY!r} if importlib.util.find_spec(m) is not None],
     "resident": len(logical), "seen": ids.shape[1], "new_tokens": out.shape[1] - ids.shape[1],
-    "max_physical": int(physical.max()), "valkey_error": valkey_error,
+    "max_physical": int(physical.max()), "valkey_error": valkey_error, "cuda_error": cuda_error,
 }}))
 """
     got = json.loads(_run(python, "-c", check, cwd=tmp_path).strip().splitlines()[-1])
@@ -145,7 +150,8 @@ print(json.dumps({{
     assert Path(got["typed"]).is_file()
     assert got["seen"] > 2048 and got["new_tokens"] > 0
     assert got["resident"] <= 2048 and got["max_physical"] < 8192  # evicted to the budget, positions bounded
-    assert "pip install pace_hf[valkey]" in got["valkey_error"]
+    assert "pip install pace_hf[valkey]" in got["valkey_error"]  # an extra's part, used without it, says so
+    assert "pip install pace_hf[cuda]" in got["cuda_error"]
     installed = _run(python, "-m", "pip", "list", "--format", "json")
     names = {re.sub(r"[-_.]+", "-", p["name"]).lower() for p in json.loads(installed)}
     assert not names & set(EXTRAS_ONLY)

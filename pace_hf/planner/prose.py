@@ -68,20 +68,24 @@ def variants(name: str, by_key: dict[str, set[str]]) -> set[str]:
 def candidates(words: tuple[str, ...], by_key: dict[str, set[str]]) -> set[str]:
     """Names that a prose step means, among the session's (``by_key``, from :func:`keyed`): joins of 2-4
     adjacent words (not all of them stopwords; a plural last word also singular), and a single word
-    right before a word like "function" ("the open function")."""
+    right before a word like "function" ("the open function"). The longest join wins: "value token
+    class" means ``ValueToken``, not also ``Token``."""
     out: set[str] = set()
     lower = [w.lower() for w in words]
-    for n in (4, 3, 2):
+    used = [False] * len(words)
+    for n in (4, 3, 2, 1):
         for i in range(len(words) - n + 1):
             chunk = lower[i:i + n]
-            if all(w in STOPWORDS for w in chunk) or any(w in KIND_WORDS for w in chunk):
+            if any(used[i:i + n]) or all(w in STOPWORDS for w in chunk) or any(w in KIND_WORDS for w in chunk):
                 continue
-            out |= by_key.get(key(chunk), set())
-            if chunk[-1].endswith("s") and len(chunk[-1]) > 3:
-                out |= by_key.get(key(chunk)[:-1], set())
-    for i, word in enumerate(words[:-1]):
-        if lower[i + 1] in KIND_WORDS:
-            out |= by_key.get(key(word), set())
+            if n == 1 and not (i + 1 < len(words) and lower[i + 1] in KIND_WORDS):
+                continue
+            found = by_key.get(key(chunk), set())
+            if not found and chunk[-1].endswith("s") and len(chunk[-1]) > 3:
+                found = by_key.get(key(chunk)[:-1], set())
+            if found:
+                out |= found
+                used[i:i + n] = [True] * n
     return out
 
 

@@ -308,8 +308,19 @@ class SymbolPlanner:
             if got is None:  # camelCase written for a snake_case name, or the other way round
                 for v in variants(name, index.by_key):
                     add(index.name(v, before), DERIVED)
-        for name in candidates(said.words, index.by_key):
-            add(index.name(name, before), DERIVED)
+        derived = {name: index.name(name, before) for name in candidates(said.words, index.by_key)}
+        classes = [n for n, got in derived.items() if got and got[1].kind == "class"]
+        owned = set()
+        for name, got in derived.items():  # "the get bucket method of the bytecode cache": that method
+            if got and got[1].owner:
+                for cls in classes:
+                    member = index.member(cls, name, before)
+                    if member:
+                        derived[name] = member
+                        owned.add(cls)
+        for name, got in derived.items():
+            if name not in owned:
+                add(got, DERIVED)
         if lexical and not found and not said.chains and LITERAL not in said.names.values() and said.words:
             # a step that names nothing literally: the lexical ranker
             for got in index.lexicon.rank(list(said.words) + list(said.names), before):
