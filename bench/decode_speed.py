@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache
 
 from pace_hf import Blueprint, H2OCache, PACECache, Span
-from pace_hf.cache import CompactingLayer, EvictingLayer
+from pace_hf.cache import DEFAULT_RECENT, DEFAULT_SINKS, CompactingLayer, EvictingLayer, keep_index
 
 from pace_bench.models import load_model, preferred_dtype
 
@@ -108,6 +108,16 @@ def prefill_state(model, ids, chunk):
     return state, logits[:, -1:].argmax(-1)
 
 
+def trimmed(state, budget):
+    """``state`` cut to the ``budget`` tokens of highest score per head (what H2O would keep)."""
+    out = []
+    for layer in state:
+        index = keep_index(layer["scores"], budget, DEFAULT_SINKS, DEFAULT_RECENT)
+        out.append({name: t.gather(-2, index[None, :, :, None].expand(-1, -1, -1, t.shape[-1])) if t.dim() == 4
+                    else t.gather(1, index) for name, t in layer.items()})
+    return out
+
+
 def full_cache(config, state=None, tokens=0, dtype=torch.float32):
     """A DynamicCache holding the prefilled ``state`` or ``tokens`` random tokens per layer."""
     cache = DynamicCache(config=config)
@@ -138,7 +148,7 @@ def evicting_cache(model, kind, state, budget, layer_class=EvictingLayer, seen=N
         if layer.keep_reference:
             tensors = {**tensors, "ref_keys": tensors["keys"], "ref_pos": tensors["physical"]}
         layer.load(tensors, seen or n)
-    cache.next_physical = n
+    cache.next_physical = int(state[0]["physical"].max()) + 1
     return cache
 
 
@@ -232,12 +242,12 @@ def main(argv=None):
     report["at_resident_tokens"] = arms
 
     # 2. PACE at the budget against full caches of --full tokens, built from random KV
-    full = {}
+    full, budget_state = {}, trimmed(state, args.budget)
     for length in [int(x) for x in args.full.split(",") if x]:
         print(f"full cache of {length} tokens: built from random KV (its prefill would take hours)", flush=True)
         med = timed_rounds(model, {
             "dynamic_full": lambda: full_cache(config, tokens=length, dtype=dtype),
-            "pace_budget": lambda: evicting_cache(model, "pace", state, args.budget, seen=length, limit=args.limit),
+            "pace_budget": lambda: evicting_cache(model, "pace", budget_state, args.budget, seen=length, limit=args.limit),
         }, token, args.full_steps, args.full_rounds)
         full[str(length)] = {
             "dynamic_tokens_per_s": round(1 / med["dynamic_full"], 3),

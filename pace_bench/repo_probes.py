@@ -123,6 +123,17 @@ def _defaults(args: ast.arguments) -> list[tuple[str, ast.expr]]:
     return out
 
 
+def _constant_like(node: ast.Assign) -> bool:
+    """A module-level constant: an UPPER_CASE name, or a literal value."""
+    if node.targets[0].id.strip("_").isupper():
+        return True
+    try:
+        ast.literal_eval(node.value)
+        return True
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+
+
 def targets_in(source: str, path: str, renamed: set[str]) -> list[Target]:
     """Every definition of ``source`` (a renamed file) that a probe can ask about; ``renamed``: the
     names the renaming replaced (only those are asked about, so pretraining cannot answer)."""
@@ -158,7 +169,7 @@ def targets_in(source: str, path: str, renamed: set[str]) -> list[Target]:
                 and node.targets[0].id in renamed and node.lineno == node.end_lineno
                 and isinstance(node.value, (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BinOp,
                                             ast.UnaryOp, ast.Call))
-                and 3 <= len(ast.unparse(node.value)) <= 100):
+                and 3 <= len(ast.unparse(node.value)) <= 100 and _constant_like(node)):
             out.append(Target("constant", node.targets[0].id, path, node.lineno, node.lineno, None,
                               lines[node.lineno - 1], node))
     return out
@@ -179,7 +190,7 @@ def probe_for(t: Target, token_count) -> dict:
         prompt = (f"Earlier in this session you read a {what} whose docstring begins \"{_summary(ast.get_docstring(node))}\" "
                   f"and whose parameters are ({params}). Its name is withheld. Reproduce that {what} exactly as it is "
                   f"written in the file, from its def line to its last line. {_BLOCK}")
-        reference = {"kind": "needle", "source": t.source, "names": sorted(_names_in(t.source, t)),
+        reference = {"kind": "needle", "source": t.source, "names": sorted(_names_in(t)),
                      "threshold": REPOQA_THRESHOLD}
         prefix, budget = "```python\n", min(640, token_count(t.source) + 48)
     elif t.kind == "signature":
@@ -203,7 +214,7 @@ def probe_for(t: Target, token_count) -> dict:
             "max_new_tokens": int(budget), "reference": json.dumps(reference)}
 
 
-def _names_in(source: str, t: Target) -> set[str]:
+def _names_in(t: Target) -> set[str]:
     """The names a reproduced needle should write: the def's own name and its parameters."""
     node = t.node
     a = node.args

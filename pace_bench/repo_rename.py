@@ -157,6 +157,10 @@ class Renaming:
                 break
         return "{" + self._words(field[1:cut], every=True) + field[cut:]
 
+    def words(self, text: str) -> str:
+        """Text that does not parse, renamed word by word (every renamed name, wherever it stands)."""
+        return _WORD.sub(lambda m: self.mapping.get(m.group(0), m.group(0)), text)
+
     def text(self, text: str) -> str:
         """Prose (a docstring's sentence, a remark) with its backquoted and code-shaped names renamed."""
         return self._words(text, every=False)

@@ -131,11 +131,6 @@ class Binding:
         cache = cache_from_kwargs(kwargs)
         if not _is_pace_cache(cache):
             return None
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                f"torch.compile is not supported with {type(cache).__name__}: its counters change every "
-                "forward, so a compiled forward would recompile on each one. Run the model uncompiled."
-            )
         if cache.binding is not self:
             raise RuntimeError(
                 f"this {type(cache).__name__} is not bound to this model"

@@ -390,9 +390,9 @@ class EvictionCache(DynamicCache):
             ``prefetch_steps`` steps ahead, in the background). ``save()`` / ``resume()`` persist the
             session there. ``spill_tokens``: tokens per KV head in one spill entry.
 
-    ``torch.compile(model.forward)`` is not supported: the cache's counters change every forward, so
-    a compiled forward would recompile on each; a forward traced by ``torch.compile`` raises a clear
-    error instead.
+    ``torch.compile(model.forward)`` is not supported: the hooks, the cache and ``pace_sdpa`` break
+    the graph at every layer, and the cache's counters change every forward, so a compiled forward
+    gains nothing and may recompile on each one. Run the model uncompiled.
     """
 
     layer_class = EvictingLayer  # what ``bind`` builds the layers from
@@ -540,11 +540,6 @@ class EvictionCache(DynamicCache):
 
     # -- what transformers calls -------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                f"torch.compile is not supported with {type(self).__name__}: its counters change every "
-                "forward, so a compiled forward would recompile on each one. Run the model uncompiled."
-            )
         if self._chunk is None:
             raise RuntimeError(
                 f"{type(self).__name__} is not bound to the model that uses it: pass model= to the "

@@ -201,3 +201,22 @@ except ImportError:
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_scores_are_the_one_rows_softmax(dtype):
+    """One query: its probabilities are the column sums. The decode pass gives the bits of the
+    general blocked pass, on a strided view of a buffer with room to spare (as the cache holds keys),
+    and matches the reference."""
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(1, 6, 1, 16, generator=g).to(dtype)
+    buffer = torch.randn(1, 2, 300, 16, generator=g).to(dtype)
+    key, value = buffer[:, :, :257], torch.randn(1, 2, 257, 16, generator=g).to(dtype)
+    out, sums = attention.attention_with_column_sums(query, key, value, None, 0.25, None)
+    _, lse = attention._flash_attention_lse(query, key, value, None, 0.25)
+    assert torch.equal(sums, attention._column_sums_masked(query, key, lse, None, 0.25, 0))
+    again_out, again_sums = attention.attention_with_column_sums(query, key.contiguous(), value, None, 0.25, None)
+    assert torch.equal(out, again_out) and torch.equal(sums, again_sums)
+    want_out, want_sums = attention.attention_with_column_sums_reference(query, key, value, None, 0.25, None)
+    torch.testing.assert_close(sums, want_sums, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(sums.sum(-1), torch.ones(1, 2))  # each query head's row sums to 1
