@@ -287,8 +287,9 @@ def _arm_list(text: str) -> list[str]:
 
 def _suite_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--suite", choices=("coding", "ruler"), default="coding",
-                    help="coding: the long-session coding benchmark; ruler: RULER through lm-eval (see --suite ruler --help)")
+    ap.add_argument("--suite", choices=("coding", "ruler", "repo"), default="coding",
+                    help="coding: the long-session coding benchmark; ruler: RULER through lm-eval (see --suite ruler "
+                         "--help); repo: sessions over installed packages' real source (see --suite repo --help)")
     return ap
 
 
@@ -380,6 +381,10 @@ def main(argv=None) -> int:
         from pace_bench.ruler import main as ruler_main
 
         return ruler_main(argv)
+    if suite.suite == "repo":  # real repository sessions: its own arguments (pace-bench --suite repo --help)
+        from pace_bench.repo_run import main as repo_main
+
+        return repo_main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)

@@ -152,13 +152,11 @@ def test_grep_hits_and_diffs_are_code(template):
                    ("tool", grep), ("assistant", "$ git diff"), ("tool", diff), ("user", "Next."))
     plan = sess.plan({2: "Explain `dedent`.", 3: "Explain `dedent` again."})
     got = planned(plan, 2)
-    # the latest definition before step 2 is the diff's new side (and the module regexes it reads, which
-    # only the grep hits show)
+    # the latest definition before step 2 is the diff's new side
     new_side = sess.tokens(4, diff[diff.index("+def dedent") + 1:])
     assert covered(got, new_side) >= 0.9
     assert covered(got, sess.tokens(4, "-def dedent(text, old):")) < 0.5
-    assert covered(got, sess.tokens(2, lines[n0 - 2])) == 1.0
-    assert size(got) < 1.3 * (new_side[1] - new_side[0])
+    assert size(got) < 1.2 * (new_side[1] - new_side[0])
     sess2 = Session(template, ("user", "Task."), ("assistant", "$ grep"), ("tool", grep))
     plan2 = sess2.plan({2: "Explain `dedent`."})
     assert_found(sess2, plan2, 2, 2, grep[grep.index("def dedent"):])
@@ -217,8 +215,7 @@ def test_a_fence_inside_a_docstring_is_not_the_code(template, cut):
     text = FENCED_DOCSTRING + ("\n\ndef broken(a,\n" if cut else "")  # cut: the file no longer parses
     sess = Session(template, ("user", "Task."), *cat("loaders.py", text))
     plan = sess.plan({2: "Test `load_table`.", 3: "Test `TableWriter.write`."})
-    assert_found(sess, plan, 2, 2, text[text.index("def load_table"):text.index("delimiter=delimiter))") + 21],
-                 tight=2.3)  # with the constant it reads
+    assert_found(sess, plan, 2, 2, text[text.index("def load_table"):text.index("delimiter=delimiter))") + 21])
     assert covered(planned(plan, 3), sess.tokens(2, "    def write(self, rows):\n        return len(rows)")) == 1.0
 
 
@@ -277,13 +274,21 @@ def test_a_remark_is_a_mention_not_a_definition(template):
     assert covered(planned(plan, 2), (sess.messages[3].start, sess.messages[3].end)) == 0.0
 
 
-def test_the_closure_does_not_follow_any_attribute_name(template):
+def test_the_closure_follows_a_record_field_not_any_attribute_name(template):
     text = ("class Response:\n    def __init__(self):\n        self.headers = {}\n\n\n"
             "class Request:\n    def __init__(self):\n        self.headers = {}\n\n\n"
             "def content_type(response):\n    return response.headers.get('content-type')\n")
     sess = Session(template, ("user", "Task."), *cat("models.py", text))
     plan = sess.plan({2: "Fix `content_type`."})
     assert_found(sess, plan, 2, 2, text[text.index("def content_type"):].rstrip())  # no class: headers is ambiguous
+    record = "from dataclasses import dataclass\n\n\n@dataclass\nclass Invoice:\n    status: str\n    total: int\n"
+    settle = "def settle(invoice):\n    invoice.status = 'paid'\n    return invoice.total\n"
+    sess = Session(template, ("user", "Task."), *cat("models.py", record), *cat("billing.py", settle))
+    plan = sess.plan({2: "Write `settle` again."})
+    assert covered(planned(plan, 2), sess.tokens(2, record[record.index("@dataclass"):].rstrip())) == 1.0
+    assert covered(planned(plan, 2), sess.tokens(4, settle.rstrip())) == 1.0
+    literal_only = planned(sess.plan({2: "Write `settle` again."}, depth=0), 2)
+    assert covered(literal_only, sess.tokens(2, record[record.index("@dataclass"):].rstrip())) == 0.0
 
 
 # ------------------------------------------------------------------------------------------ prose

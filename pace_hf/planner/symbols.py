@@ -19,10 +19,10 @@ definition wins.
   step writes it as code. Prose words go through ``pace_hf.planner.prose``: joins, camel/snake
   spellings and a word before "function"/"class"/...; a step that resolves nothing at all is ranked
   lexically (BM25 over names, signatures and docstrings) and gets its best match.
-* Closure (``depth``, default 1): a needed function also needs the module-level constants it reads
-  (``timeout=DEFAULT_TIMEOUT``) and the class of a field it uses on a parameter when only one class
-  declares that field in its body (``record.status`` of a dataclass), as its own message saw them. Other uses (helpers, any
-  attribute name) are not followed: on real code they added tokens and false edges, not recall.
+* Closure (``depth``, default 1): a needed function also needs the class of a field it uses on a
+  parameter, when only one class declares that field in its body (``record.status`` of a dataclass), as
+  its own message saw it. Nothing else is followed (free names, constants, any attribute name): on the
+  real-code benchmark they added tokens and false edges, and on the generated sessions no recall.
 
 Spans: each definition's character ranges map to tokens through the chat template's offsets
 (``pace_hf.chat.ChatTemplate.content_offsets``); spans with the same readers that touch are merged.
@@ -214,19 +214,13 @@ class _Index:
         return self.name(name, before)
 
     def closure(self, i: int, d: Definition) -> list:
-        """What a needed function also needs, as its own message saw it: the module-level assignments
-        it reads, and the class of each field it uses on a parameter when exactly one class declares a
-        field of that name in its body (``settle(record)`` reads ``record.status``: the dataclass)."""
-        if d.kind not in ("function", "class", "method"):
-            return []
+        """What a needed function also needs, as its own message saw it: the class of each field it uses
+        on a parameter, when exactly one class declares a field of that name in its body
+        (``settle(record)`` reads ``record.status``: the record's dataclass)."""
         out = []
-        for u in d.uses:
-            got = self.latest(self.top, u, i + 1)
-            if got and got[1].kind == "assignment" and got[1] is not d:
-                out.append(got)
         for f in d.fields:
-            owners = {e[1].owner for e in self.member_names.get(f, ()) if e[0] <= i and e[1].owner != "?"
-                      and e[1].kind == "field"}
+            owners = {e[1].owner for e in self.member_names.get(f, ()) if e[0] <= i and e[1].kind == "field"
+                      and e[1].owner != "?"}
             if len(owners) == 1:
                 got = self.latest(self.classes, owners.pop(), i + 1)
                 if got:
@@ -239,8 +233,8 @@ class SymbolPlanner:
 
     Args:
         steps: the agent's plan, ``{future step number: step description}``.
-        depth: 1 (default) adds the constants and the record classes a needed function reads; 0 plans
-            only what the steps name.
+        depth: 1 (default) adds the record classes whose fields a needed function uses; 0 plans only
+            what the steps name.
         share: each step's plan stays under ``share * budget`` tokens (default 0.5).
         max_restore_tokens: the most tokens one ``rehydrate`` restores (default: half the cache budget).
     """
