@@ -136,8 +136,11 @@ class Region:
     path: str | None = None
 
     def chars(self, first: int, last: int) -> tuple[int, int]:
-        """The message range of code lines ``first..last`` (1-based, inclusive)."""
-        return self.lines[first - 1][0], self.lines[last - 1][1]
+        """The message range of code lines ``first..last`` (1-based, inclusive; clamped to the region,
+        since ``ast`` also counts a lone carriage return as a line break)."""
+        n = len(self.lines)
+        first, last = min(max(first, 1), n), min(max(last, 1), n)
+        return self.lines[first - 1][0], max(self.lines[first - 1][0], self.lines[last - 1][1])
 
 
 @dataclass(frozen=True)
@@ -386,7 +389,7 @@ def code_regions(text: str) -> list[Region]:
 def _fragment_coverage(code: str) -> float:
     """The share of non-empty lines that sit in column-0 blocks that parse as statements (not bare
     expressions): how much a text that does not parse whole looks like cut-off code."""
-    total = sum(1 for line in code.splitlines() if line.strip())
+    total = sum(1 for line in code.split("\n") if line.strip())
     if not total:
         return 0.0
     good = 0
@@ -396,7 +399,7 @@ def _fragment_coverage(code: str) -> float:
         except (SyntaxError, ValueError, RecursionError):
             continue
         if tree.body and not all(isinstance(n, ast.Expr) for n in tree.body):
-            good += sum(1 for line in block.splitlines() if line.strip())
+            good += sum(1 for line in block.split("\n") if line.strip())
     return good / total
 
 
@@ -404,7 +407,8 @@ def _blocks(code: str) -> list[tuple[int, str]]:
     """``(first line, text)`` of column-0 statement blocks (``else``/``except``/closers and a block's
     decorators stay attached)."""
     out, current, first = [], [], 1
-    for k, line in enumerate(code.splitlines(keepends=True), start=1):
+    for k, line in enumerate(code.split("\n"), start=1):
+        line += "\n"
         starts = line[:1] not in ("", " ", "\t", "\n", "\r", "#", ")", "]", "}") and \
             not re.match(r"(else|elif|except|finally|case)\b", line)
         if starts and current and not (current[-1].lstrip().startswith("@") and not current[-1].startswith((" ", "\t"))):
