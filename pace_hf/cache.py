@@ -5,7 +5,7 @@
 versions before 5.24 only accept that name).
 
 How it fits into transformers (see the README's "How it works"):
-- A cache is a list of ``EvictingLayer``: plain tensors ``[batch, kv_heads, n, head_dim]`` plus an
+- A cache is a list of ``EvictingLayer``: tensors ``[batch, kv_heads, n, head_dim]`` plus an
   explicit ledger of logical and physical positions per KV head, per-token scores and, for bounded
   positions, reference keys with their reference positions.
 - What to keep is a ``ScoringPolicy`` (``pace_hf.scoring``); ``limit`` (or None) switches bounded
@@ -15,8 +15,10 @@ How it fits into transformers (see the README's "How it works"):
   ``begin_forward`` renumbers when the next chunk would pass ``limit`` and hands physical positions to
   the rotary embedding; ``end_forward`` evicts down to ``budget`` at the chunk boundary, so every layer
   announces the same kv length to the mask. ``unbind()`` undoes it.
-- ``get_seq_length()`` is the number of tokens seen, so ``generate`` slices new input correctly;
-  ``get_mask_sizes`` announces ``stored + q`` keys, like ``DynamicSlidingWindowLayer``.
+- Each layer keeps its counters, as ``DynamicSlidingWindowLayer`` keeps ``cumulative_length``:
+  ``get_seq_length()`` is the number of tokens seen, so ``generate`` slices new input correctly;
+  ``get_mask_sizes`` announces ``resident_count + q`` keys. Decode appends and evicts in place
+  (see ``EvictingLayer``).
 - With a ``store`` (``pace_hf.tiers``), nothing evicted is lost: see ``pace_hf.spill``.
 """
 
@@ -90,7 +92,7 @@ class EvictingLayer(DynamicLayer):
     - Eviction compacts in place and moves, per KV head, only the tokens after its first evicted one:
       the least that keeping logical order allows. H2O mostly evicts the newest unprotected token
       (fresh tokens have had the fewest queries to score them), so a decode step moves about
-      ``recent`` tokens, not the layer (``bench/decode_speed.py`` reports the fraction moved).
+      ``recent`` tokens, not the layer (the decode speed script reports the fraction moved).
     - Why not refill evicted slots from the tail, with the ledger ordered through a permutation? It
       moves less, but attention then sums the keys in another order: outputs and scores change in
       their last bits, and the kept sets drift from the schedule of a cache in logical order. Logical
@@ -327,7 +329,7 @@ class CompactingLayer(EvictingLayer):
     """The plain twin of ``EvictingLayer``, as eviction was first written: a chunk is appended with
     ``torch.cat`` and an eviction gathers the kept tokens into new tensors, so a decoded token copies
     the layer twice. ``EvictingLayer`` must keep exactly what this keeps, bit for bit; the tests and
-    ``bench/decode_speed.py`` hold it to that (``cache.layer_class = CompactingLayer`` before binding)."""
+    the decode speed script hold it to that (``cache.layer_class = CompactingLayer`` before binding)."""
 
     def update(self, key_states, value_states, *args, logical_start=None, physical_start=None, **kwargs):
         if logical_start is None:
@@ -729,7 +731,7 @@ class EvictionCache(DynamicCache):
             if not layer.is_initialized or tokens["logical"].numel() == 0:
                 continue
             inserted = True
-            before = layer.logical
+            before = [head.clone() for head in layer.logical]  # insert writes the ledger in place
             pushed = layer.insert(tokens, self.scoring, self.step, self.budget, self.sinks, self.recent)
             self.evicted(layer_idx, pushed)
             if layer_idx == 0:

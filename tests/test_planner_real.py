@@ -360,3 +360,24 @@ def test_rehydration_restores_the_definition_a_turn_names_not_its_file(template)
     restored = [(s, e) for s, e, _ in cache.restored]
     assert covered(restored, target) >= 0.9 and size(restored) <= 2 * (target[1] - target[0])
     assert all(s.readers == (turn.step,) for s in spans)
+
+
+def test_any_text_is_read_never_a_crash():
+    """Cut, spliced and garbled source (a lone carriage return, a stray fence, half a notebook) is read
+    as what it is: definitions whose spans lie inside the text, or none."""
+    import random
+
+    from pace_hf.planner import mentions, read
+
+    rng = random.Random(0)
+    junk = ["```python\n", "```", '"""', "\r", "  12→", "x.py:3:", "@@ -1,2 +1,3 @@\n", '{"cells": [', "<cell>",
+            "\u2028", "def f(", "class C(B):\n    x: int = 1\n"]
+    for _ in range(150):
+        a = rng.randrange(len(TEXTWRAP))
+        text = TEXTWRAP[a:a + rng.randrange(50, 3000)]
+        for _ in range(rng.randrange(4)):
+            k = rng.randrange(len(text) + 1)
+            text = text[:k] + rng.choice(junk) + text[k:]
+        mentions(text)
+        for d in read(text).definitions:
+            assert all(0 <= s <= e <= len(text) for s, e in d.parts), (text, d)

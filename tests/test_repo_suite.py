@@ -1,0 +1,223 @@
+"""The repo suite: renamed real source that compiles, probes scored with no model, bad input, and the suite end
+to end on a tiny random model."""
+
+import ast
+import json
+import sys
+import tokenize
+import io
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_runner import _tiny_model_dir  # noqa: E402
+
+from pace_bench import repo, repo_probes  # noqa: E402
+from pace_bench.repo_probes import score  # noqa: E402
+from pace_bench.repo_rename import Renaming  # noqa: E402
+from pace_bench.runner import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pace_bench.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+def _names(source: str) -> list[str]:
+    return [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.NAME]
+
+
+@pytest.mark.parametrize("package", ["requests", "click", "tqdm"])
+def test_every_renamed_file_of_a_real_package_compiles_and_is_renamed_consistently(package):
+    files = [(p, t) for p, t in repo.package_files(package) if repo._parses(t)]
+    renaming = Renaming.for_sources([t for _, t in files], package, seed=0)
+    assert len(renaming.mapping) > 100
+    assert len(set(renaming.mapping.values())) == len(renaming.mapping)  # one replacement per name
+    for path, text in files:
+        out = renaming.apply(text, path)
+        compile(out, path, "exec")
+        before, after = _names(text), _names(out)
+        assert len(before) == len(after)  # token for token: every NAME maps through the one mapping
+        assert all(renaming.mapping.get(a, a) == b for a, b in zip(before, after))
+    # a name defined in one file and imported in another is renamed the same in both
+    assert Renaming.for_sources([t for _, t in files], package, seed=0).mapping == renaming.mapping
+    assert Renaming.for_sources([t for _, t in files], package, seed=1).mapping != renaming.mapping
+
+
+def test_renaming_keeps_imports_builtins_and_dunders_and_renames_docstrings():
+    src = ('import os\nfrom .util import helper_fn\n\nMAX_SIZE = 10\n\nclass HttpClient:\n'
+           '    """Wraps `helper_fn`; see :param max_tries: below."""\n\n'
+           '    def __init__(self, max_tries=MAX_SIZE):\n        self.max_tries = max_tries\n\n'
+           '    def fetch_all(self, url):\n        # calls helper_fn on url\n'
+           '        return [helper_fn(u) for u in os.listdir(url)] + list(f"{self.max_tries!r}")\n\n'
+           'def helper_fn(x):\n    return len(x)\n')
+    r = Renaming.for_sources([src], "pkg", seed=3)
+    assert {"os", "len", "list", "self", "__init__"}.isdisjoint(r.mapping)
+    assert {"MAX_SIZE", "HttpClient", "fetch_all", "helper_fn", "max_tries", "url"} <= set(r.mapping)
+    out = r.apply(src)
+    assert r.mapping["MAX_SIZE"].isupper() and r.mapping["HttpClient"][0].isupper()
+    for name in ("MAX_SIZE", "HttpClient", "fetch_all", "helper_fn", "max_tries"):
+        assert name not in out, name  # code, docstring, comment, f-string field
+    assert "import os" in out and "os.listdir" in out and "!r}" in out
+
+
+def test_a_rename_that_does_not_compile_is_refused():
+    r = Renaming({"value": "lambda"})
+    with pytest.raises(SyntaxError):
+        r.apply("value = 1\n")
+
+
+# -- probes ------------------------------------------------------------------------------------------------
+
+SOURCE = '''
+RETRY_CODES = (429, 503)
+
+
+class Pool:
+    def fetch(self, url, timeout=30.0, *, retries=RETRY_CODES, verbose=False):
+        """Fetch one URL through the pool, retrying on the given codes."""
+        for attempt in range(3):
+            if attempt in retries:
+                return None
+        return url, timeout, verbose
+'''
+
+
+def _probe(kind):
+    t = next(t for t in repo_probes.targets_in(SOURCE, "pool.py", {"Pool", "fetch", "RETRY_CODES"}) if t.kind == kind)
+    return repo_probes.probe_for(t, lambda text: len(text.split()))
+
+
+def test_needle_is_scored_by_repoqa_similarity_at_its_threshold():
+    p = _probe("needle")
+    assert "fetch" not in p["prompt"] and "Fetch one URL" in p["prompt"]
+    exact = SOURCE.split("class Pool:\n")[1]
+    right = score(exact + "```", p["reference"], p["answer_prefix"])
+    assert right["passed"] and right["similarity"] == 1.0 and right["recall_hits"] == right["recall_total"]
+    reformatted = score('    def fetch(self, url, timeout=30.0, *, retries=RETRY_CODES, verbose=False):\n'
+                        '        for attempt in range(3):\n            if attempt in retries: return None  # early\n'
+                        '        return (url, timeout, verbose)\n```', p["reference"], p["answer_prefix"])
+    assert reformatted["passed"]  # comments, docstrings and layout do not count
+    wrong = score("def fetch(self, url):\n    return requests.get(url)\n```", p["reference"], p["answer_prefix"])
+    assert not wrong["passed"] and wrong["similarity"] < 0.8 and "similarity" in wrong["failure"]
+
+
+def test_signature_is_scored_against_the_definitions_parameters_and_defaults():
+    p = _probe("signature")
+    assert p["answer_prefix"].endswith("Pool.fetch(")
+    ref = json.loads(p["reference"])
+    assert ref["defaults"] == {"timeout": "30.0", "retries": "RETRY_CODES", "verbose": "False"}
+    ok = score("timeout=30.0, retries=RETRY_CODES, verbose=False)\n```", p["reference"], p["answer_prefix"])
+    assert ok["passed"] and ok["recall_hits"] == 3
+    assert score("verbose = False, timeout=3e1, retries=RETRY_CODES)", p["reference"], p["answer_prefix"])["passed"]
+    wrong = score("timeout=10, retries=RETRY_CODES)", p["reference"], p["answer_prefix"])
+    assert not wrong["passed"] and wrong["recall_hits"] == 1
+    assert "missing: verbose" in wrong["failure"] and "wrong default: timeout" in wrong["failure"]
+    extra = score("timeout=30.0, retries=RETRY_CODES, verbose=False, url='x')", p["reference"], p["answer_prefix"])
+    assert not extra["passed"] and "not a parameter with a default: url" in extra["failure"]
+    assert score("timeout=30.0,, oops", p["reference"], p["answer_prefix"])["failure"] == "does not parse"
+
+
+def test_constant_is_compared_exactly():
+    p = _probe("constant")
+    assert p["answer_prefix"].endswith("RETRY_CODES = ")
+    assert score("(429, 503)\n```", p["reference"], p["answer_prefix"])["passed"]
+    assert score("(429,503)", p["reference"], p["answer_prefix"])["passed"]  # the value, not its spacing
+    wrong = score("(429, 500)", p["reference"], p["answer_prefix"])
+    assert not wrong["passed"] and wrong["recall_hits"] == 1 and wrong["recall_total"] == 2
+    assert not score("[429, 503]", p["reference"], p["answer_prefix"])["passed"]
+
+
+# -- sessions ------------------------------------------------------------------------------------------------
+
+
+def test_a_session_is_real_renamed_source_with_exact_oracle_spans(tokenizer):
+    row = repo.build_repo_session(tokenizer, total_tokens=6000, packages=["click", "packaging"], per_kind=1)
+    assert row["context_len"] <= 6000 and row["context_len"] >= 0.9 * 6000
+    kinds = {p["kind"] for p in row["probes"]}
+    assert kinds and kinds <= set(repo_probes.KINDS)
+    originals = {n for p, t in repo.package_files(row["package"]) for n in _names(t) if repo._parses(t)}
+    for p in row["probes"]:
+        leaf = p["target"].split(".")[-1]
+        assert leaf not in originals  # the model cannot know the name from pretraining
+        assert p["prompt_ids"] and p["reference"]
+        spans = [b for b in row["blueprint"] if p["step"] in b["readers"]]
+        text = "".join(tokenizer.decode(row["context_ids"][b["start"]:b["end"]]) for b in spans)
+        assert leaf in text  # the oracle span holds the definition
+    for turn in row["turns"]:
+        if turn["kind"] == "listing":
+            assert turn["content"] in tokenizer.decode(row["context_ids"][turn["start"]:turn["end"]])
+
+
+def test_a_file_that_does_not_parse_is_read_as_text(tokenizer, monkeypatch):
+    files = repo.package_files("click")
+    broken = ("click/legacy.py", "def old(x):\n    print x  # Python 2\n" * 40)
+    monkeypatch.setattr(repo, "package_files", lambda name: [broken] + files)
+    row = None
+    for index in range(6):  # a seeded order that reads it
+        row = repo.build_repo_session(tokenizer, session_index=index, total_tokens=8000, packages=["click"], per_kind=1)
+        if row["text_files"]:
+            break
+    assert row["text_files"] == ["click/legacy.py"]
+    shown = next(t for t in row["turns"] if t["path"] == "click/legacy.py" and t["kind"] == "listing")
+    assert "print x" in shown["content"] and "def old" not in shown["content"]  # renamed word by word
+    assert all(p["path"] != "click/legacy.py" for p in row["probes"])
+
+
+def test_bad_input_gets_a_clear_error(tokenizer):
+    with pytest.raises(repo.RepoSourceError, match="'no_such_pkg_xyz' is not installed"):
+        repo.package_files("no_such_pkg_xyz")
+    with pytest.raises(ValueError, match="shorter than the system prompt and the task"):
+        repo.build_repo_session(tokenizer, total_tokens=40, packages=["click"])
+    with pytest.raises(ValueError, match="no package of packaging has source enough"):
+        repo.build_repo_session(tokenizer, total_tokens=10_000_000, packages=["packaging"])
+    with pytest.raises(ValueError, match="listing must be one of"):
+        repo.build_repo_session(tokenizer, total_tokens=4000, packages=["click"], listing_style="less")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--packages", "no_such_pkg_xyz"], "'no_such_pkg_xyz' is not installed"),
+    (["--arms", "pace_nothing"], "unknown arm(s) pace_nothing"),
+    (["--arms", "pace_oracle", "--limit", "4096"], "need --limit > --budget + --chunk"),
+])
+def test_bad_arguments_are_an_error_before_anything_loads(monkeypatch, capsys, argv, message):
+    from pace_bench import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: pytest.fail("a tokenizer was loaded"))
+    with pytest.raises(SystemExit):
+        main(["--suite", "repo", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_the_loader_is_a_cached_dataset(tokenizer, tmp_path):
+    a = repo.load_repo_sessions(tokenizer, total_tokens=4000, packages=["click"], per_kind=1, cache_dir=str(tmp_path))
+    b = repo.load_repo_sessions(tokenizer, total_tokens=4000, packages=["click"], per_kind=1, cache_dir=str(tmp_path))
+    assert a[0]["context_ids"] == b[0]["context_ids"] and a._fingerprint == b._fingerprint
+    with pytest.raises(ValueError, match="shorter than the system prompt"):
+        repo.load_repo_sessions(tokenizer, total_tokens=40, packages=["click"], cache_dir=str(tmp_path))
+
+
+def test_the_suite_runs_end_to_end_on_a_tiny_model_and_resumes(tmp_path):
+    model = _tiny_model_dir(tmp_path / "model")
+    out = tmp_path / "run"
+    arms = "full,h2o,snapkv,pace_oracle,pace_literal,pace_prose,pace_probe,pace_rehydrate"
+    argv = ["--suite", "repo", "--model", model, "--arms", arms, "--tokens", "4000", "--probes-per-kind", "1",
+            "--packages", "click", "--budget", "1024", "--limit", "2048", "--chunk", "512", "--max-new-tokens", "4",
+            "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    records = [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()]
+    probes = len({r["probe"] for r in records})
+    assert len(records) == 8 * probes and probes >= 1
+    for r in records:
+        assert {"residency", "rotary_gap", "plan_tokens", "plan_recall", "checks_passed", "answer"} <= set(r)
+    oracle = [r for r in records if r["arm"] == "pace_oracle"]
+    assert all(r["residency"] == 1.0 and r["plan_recall"] == 1.0 for r in oracle)  # the oracle plan is kept
+    assert any(r["plan_tokens"] > 0 for r in records if r["arm"] == "pace_literal")  # the planner planned
+    table = (out / "table.md").read_text()
+    assert "plan footprint" in table and "| pace_rehydrate |" in table
+    assert main(argv + ["--resume"]) == 0  # nothing left to play: the records are kept as they were
+    assert [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()] == records
