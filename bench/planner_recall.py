@@ -47,6 +47,7 @@ from pathlib import Path
 from pace_hf.chat import ChatTemplate
 from pace_hf.planner import SymbolPlanner, read
 from pace_hf.planner.prose import split_name
+from pace_hf.session import Message
 
 STYLES = ("literal", "line-numbered", "prose", "indirect")
 CORPUS = {  # (packages, standard library modules)
@@ -164,16 +165,6 @@ def listing(text: str, style: str, rng) -> tuple[str, str, list[int]]:
     return {"read": "read", "colon": "view"}.get(form, form), "\n".join(out) + "\n", starts
 
 
-@dataclass
-class Msg:
-    index: int
-    role: str
-    content: str
-    start: int
-    end: int
-    step: int
-
-
 def build_session(files, split, style, rng, tokens, template, n_steps) -> dict:
     """One session: messages with exact token spans, the plan, and each step's needed token spans."""
     messages, ids_len = [], len(template.system_ids)
@@ -182,7 +173,7 @@ def build_session(files, split, style, rng, tokens, template, n_steps) -> dict:
     def add(role, content, step):
         nonlocal ids_len
         n = len(template.encode(template.block(role, content)))
-        messages.append(Msg(len(messages), role, content, ids_len, ids_len + n, step))
+        messages.append(Message(len(messages), role, content, ids_len, ids_len + n, step))
         ids_len += n
 
     add("user", rng.choice(TASKS), 1)

@@ -10,7 +10,8 @@ task        one user turn (step 0): the task, in that package's repository
 reading     tool calls, each a short assistant turn naming the command and the
             tool's output: ``cat`` or ``cat -n`` (or the ``   12→`` form agent
             read-tools print) of a whole file, sometimes after a ``grep -n`` of its
-            definitions, sometimes with a remark naming a definition
+            definitions, sometimes with a remark naming a definition; a file too
+            long for the room left is shown as its ``head -n K``
 probes      one user turn each, after the reading (steps 1, 2, ...): ``needle``,
             ``signature`` and ``constant`` probes (:mod:`pace_bench.repo_probes`)
 ==========  ====================================================================
@@ -47,7 +48,7 @@ from pace_hf.chat import ChatTemplate
 from .repo_probes import KINDS, probe_for, targets_in
 from .repo_rename import Renaming
 
-REPO_VERSION = "1"  # bump whenever the generated content changes
+REPO_VERSION = "2"  # bump whenever the generated content changes
 PACKAGES = ("click", "jinja2", "rich", "packaging", "markdown_it", "starlette", "yaml", "typer", "urllib3",
             "requests", "attr", "tqdm")
 LISTINGS = ("mixed", "cat", "cat-n")
@@ -127,6 +128,24 @@ def _grep(text: str) -> str:
                      if line.lstrip().startswith(("def ", "class ", "async def "))) + "\n"
 
 
+def _head(chat, text: str, path: str, room: int):
+    """The longest ``head -n K`` of ``text`` whose tool call fits in ``room`` tokens (None below 8 lines)."""
+    lines = text.splitlines()
+
+    def group(k):
+        return [("assistant", f"The first {k} lines of `{path}`.\n\n$ head -n {k} {path}", "command"),
+                ("tool", "\n".join(lines[:k]) + "\n", "head")]
+
+    def size(k):
+        return sum(len(chat.encode(chat.block(r, c))) for r, c, _ in group(k))
+
+    lo, hi = 0, len(lines)
+    while lo < hi:  # the largest k with size(k) <= room
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if size(mid) <= room else (lo, mid - 1)
+    return group(lo) if lo >= 8 else None
+
+
 def _words(name: str) -> str:
     """A name as prose writes it: ``kobe_marita`` -> ``kobe marita``, ``ZovaMu`` -> ``zova mu``."""
     import re
@@ -171,6 +190,11 @@ def build_repo_session(tokenizer, seed: int = 0, session_index: int = 0, total_t
     files = [(p, t) for p, t in sources[package] if MIN_FILE_CHARS <= len(t) <= MAX_FILE_CHARS]
     rng.shuffle(files)
     renaming = Renaming.for_sources([t for _, t in files if _parses(t)], package, f"{seed}:{session_index}")
+    # the first file read holds a definition to probe, so that even a short session has a probe
+    names = set(renaming.mapping.values())
+    first = next((k for k, (p, t) in enumerate(files) if _parses(t) and len(t) < 4 * total_tokens
+                  and targets_in(renaming.apply(t, p), p, names)), 0)
+    files.insert(0, files.pop(first))
     chat = ChatTemplate(tokenizer, SYSTEM_PROMPT)
 
     ids = list(chat.system_ids)
@@ -191,7 +215,7 @@ def build_repo_session(tokenizer, seed: int = 0, session_index: int = 0, total_t
         ids.extend(block)
 
     add("user", task, "task")
-    shown, text_files, remark = [], [], None
+    shown, text_files, head_files, unused, remark = [], [], [], [], None
     for path, text in files:
         if total_tokens - len(ids) < _MIN_ROOM:
             break
@@ -213,7 +237,8 @@ def build_repo_session(tokenizer, seed: int = 0, session_index: int = 0, total_t
         group.append(("tool", body, "listing"))
         size = sum(len(chat.encode(chat.block(r, c))) for r, c, _ in group)
         if len(ids) + size > total_tokens:
-            continue  # a smaller file may still fit
+            unused.append((path, renamed))
+            continue  # a smaller file may still fit whole
         for role, content, kind in group:
             add(role, content, kind, path)
         if parses:
@@ -222,6 +247,12 @@ def build_repo_session(tokenizer, seed: int = 0, session_index: int = 0, total_t
             text_files.append(path)
         found = targets_in(renamed, path, set(renaming.mapping.values())) if parses else []
         remark = (f"(`{found[0].qualname}` is defined in `{path}`.)" if found and rng.random() < 0.25 else None)
+    for path, renamed in unused[:1]:  # the room left: as much of a file as fits, an agent's `head -n K`
+        head = _head(chat, renamed, path, total_tokens - len(ids))
+        if head is not None:
+            for role, content, kind in head:
+                add(role, content, kind, path)
+            head_files.append(path)
     if len(ids) < 0.9 * total_tokens:
         raise ValueError(f"package {package!r} has too little source that fits for total_tokens={total_tokens}: "
                          f"the session holds {len(ids)} tokens; ask for fewer tokens")
@@ -233,7 +264,7 @@ def build_repo_session(tokenizer, seed: int = 0, session_index: int = 0, total_t
         "session_index": int(session_index), "total_tokens": int(total_tokens), "package": package,
         "listing": listing_style, "system_prompt": SYSTEM_PROMPT, "context_ids": ids, "context_len": len(ids),
         "distance": len(ids) - needed_end, "turn_end_ids": chat.turn_end_ids(), "turns": turns, "probes": probes,
-        "blueprint": blueprint, "files": [s["path"] for s in shown], "text_files": text_files,
+        "blueprint": blueprint, "files": [s["path"] for s in shown], "text_files": text_files, "head_files": head_files,
         "renamed_names": len(renaming.mapping), "generator_version": REPO_VERSION,
     }
 
@@ -319,6 +350,7 @@ def _features():
                     "plans": {"literal": Value("string"), "prose": Value("string"), "probe": Value("string")}}],
         "blueprint": [{**span, "readers": Sequence(Value("int64"))}],
         "files": Sequence(Value("string")), "text_files": Sequence(Value("string")),
+        "head_files": Sequence(Value("string")),
         "renamed_names": Value("int64"), "generator_version": Value("string"),
     })
 

@@ -34,6 +34,7 @@ from pace_hf import Blueprint, EvictionCache, Span
 from pace_hf.session import generate_reply
 
 from .arms import ARMS, BOUNDED_ARMS, ArmSettings, check_settings, make_cache
+from .checkpoint import ChunkLog, PairCheckpoint, pair_settings, store_session_id
 from .cli import fraction, int_at_least, model_name
 from .figures import gap_text, make_figures, settings_for, summarize, with_distance_table
 from .progress import SessionProgress
@@ -125,16 +126,33 @@ def _score(metric, text: str, probe) -> dict:
 
 def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric, chunk: int, stop_ids,
                  max_new_tokens: int | None = None, *, blueprint: Blueprint | None = None, store=None,
-                 rehydrate: bool = False, progress: bool = False) -> list[dict]:
+                 rehydrate: bool = False, progress: bool = False, checkpoint_every: int | None = None,
+                 resume: bool = False, chunk_log: Path | None = None) -> list[dict]:
     """Prefill the session, then answer its probes in order, appending each answer (agent style).
 
     ``blueprint``: what foresight arms plan with (default: the session's oracle blueprint). ``store``:
     spill evicted tokens there (and restore planned spans from it). ``rehydrate``: before each probe,
     restore the evicted turns that its prompt names (needs a store and a foresight arm).
-    ``progress``: a bar of the session's prefilled tokens that names the phase (:mod:`pace_bench.progress`)."""
+    ``progress``: a bar of the session's prefilled tokens that names the phase (:mod:`pace_bench.progress`).
+    ``checkpoint_every``: save the pair to the (durable) ``store`` every N prefill chunks; ``resume``:
+    continue from its last save, if it has one (:mod:`pace_bench.checkpoint`). ``chunk_log``: append each
+    prefill chunk's tokens/s and cache bytes to this JSONL file."""
     blueprint = Blueprint.from_dicts(row["blueprint"]) if blueprint is None else blueprint
-    session_id = f"{arm}-{row['session_id']}"
-    cache = make_cache(arm, model, blueprint, settings, store=store, session_id=session_id)
+    session_id = store_session_id(arm, row)
+    saving = resumed = None
+    if checkpoint_every:
+        cls = type(make_cache(arm, None, blueprint, settings))
+        if store is None or not issubclass(cls, EvictionCache):
+            raise ValueError(f"checkpoints save an eviction cache to a store: arm {arm!r} with store {store!r} cannot")
+        saving = PairCheckpoint(store, session_id, checkpoint_every,
+                                pair_settings(row, settings, chunk, max_new_tokens, rehydrate, blueprint))
+        got = saving.resume(cls, model) if resume else None
+        if got is None:
+            saving.start_over()
+        else:
+            cache, resumed = got
+    if resumed is None:
+        cache = make_cache(arm, model, blueprint, settings, store=store, session_id=session_id)
     evicting = isinstance(cache, EvictionCache)
     probes = row["probes"]
     bar = None
@@ -143,38 +161,76 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
         bar = SessionProgress(f"{arm} {row['session_id']}", len(row["context_ids"]) + prompts)
         if evicting:
             cache.progress = bar  # told of every prefilled chunk
+    clock = None
+    if chunk_log is not None and evicting:
+        clock = cache.progress = ChunkLog(chunk_log, cache, {"arm": arm, "session_id": row["session_id"],
+                                                             "distance": row["distance"]},
+                                         full_cache_bytes(model, 1), inner=bar)
     can_rehydrate = rehydrate and evicting and cache.store is not None and cache.blueprint is not None
     messages = session_messages(row, tokenizer) if can_rehydrate else None
-    ids = list(row["context_ids"])
-    records = []
+    ids = list(row["context_ids"]) if resumed is None else resumed["ids"]
+    records = [] if resumed is None else resumed["records"]
     with contextlib.ExitStack() as cleanup:
         peak = cleanup.enter_context(peak_cache_bytes(model, cache))
+        if resumed is not None and peak["bytes"] is not None:
+            peak["bytes"] = resumed["peak_bytes"] or 0  # the peak before the save
         cleanup.callback(lambda: bar.close() if bar is not None else None)
-        if store is not None:  # the spilled KV served this run only
+        if store is not None and saving is None:  # the spilled KV served this run only
             cleanup.callback(store.delete_session, session_id)
+        if resumed is not None:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"resumed {arm} {row['session_id']} from its checkpoint at token {cache.get_seq_length():,} "
+                       f"(probe {resumed['probe'] + 1}/{len(probes)}, {resumed['phase']})")
+            if bar is not None:
+                bar.phase("resumed", cache.get_seq_length())
         for k, probe in enumerate(probes, 1):
+            if resumed is not None and k - 1 < resumed["probe"]:
+                continue  # answered before the save: its record came with it
             of = f"{k}/{len(probes)}"
             start = time.perf_counter()
-            if evicting:
+            # where the save was made in this probe (its step was set, its history prefilled or rehydrated)
+            phase = resumed["phase"] if resumed is not None and k - 1 == resumed["probe"] else None
+            if phase is not None:
+                start -= resumed["seconds"]
+
+            def checkpointing(at: str) -> dict:
+                """generate_reply's checkpoint arguments in phase ``at`` of probe ``k``."""
+                if saving is None:
+                    return {}
+                state = lambda: {"probe": k - 1, "phase": at, "ids": ids, "records": records,  # noqa: E731
+                                 "restored": restored if at == "probe" else None, "peak_bytes": peak["bytes"],
+                                 "seconds": time.perf_counter() - start}
+                return {"checkpoint_every": saving.every, "checkpoint": saving.saver(cache, state, after=(
+                    clock.mark if clock is not None else None))}
+
+            if evicting and phase is None:
                 cache.step = probe["step"]
-            if can_rehydrate and cache.get_seq_length() < len(ids):
+            restored = resumed["restored"] if phase == "probe" else None
+            if can_rehydrate and phase != "probe" and cache.get_seq_length() < len(ids):
                 # Rehydration answers a turn's arrival: as in a live session, the history is in the cache
                 # (and what it evicted is in the store) before the probe's turn comes.
                 if bar is not None:
                     bar.phase(f"prefill history {of}", len(ids) - cache.get_seq_length())
-                generate_reply(model, ids, cache, max_new_tokens=1, stop_ids=stop_ids, chunk=chunk)
-            if bar is not None and can_rehydrate:
-                bar.phase(f"rehydrate {of}")
-            restored = rehydrate_for_probe(cache, row, tokenizer, probe, messages) if can_rehydrate else None
-            ids += probe["prompt_ids"]
+                if clock is not None:
+                    clock.mark()
+                generate_reply(model, ids, cache, max_new_tokens=1, stop_ids=stop_ids, chunk=chunk,
+                               **checkpointing("history"))
+            if phase != "probe":
+                if bar is not None and can_rehydrate:
+                    bar.phase(f"rehydrate {of}")
+                restored = rehydrate_for_probe(cache, row, tokenizer, probe, messages) if can_rehydrate else None
+                ids += probe["prompt_ids"]
             reading = ReadAtFirstQuery(cache, needed_positions(row, probe))
             budget = min(probe["max_new_tokens"], max_new_tokens or probe["max_new_tokens"])
             criteria = [reading]
             if bar is not None:
                 bar.phase(f"prefill probe {of}", len(ids) - cache.get_seq_length())
                 criteria.append(bar.answering(f"answer {of}", budget, len(ids)))
+            if clock is not None:
+                clock.mark()
             answer = generate_reply(model, ids, cache, max_new_tokens=budget, stop_ids=stop_ids, chunk=chunk,
-                                    stopping_criteria=criteria)
+                                    stopping_criteria=criteria, **checkpointing("probe"))
             if bar is not None:
                 bar.phase(f"scoring {of}")
             seconds = time.perf_counter() - start
@@ -194,6 +250,8 @@ def play_session(model, tokenizer, row, arm: str, settings: ArmSettings, metric,
                 **({"peak_cache_bytes": peak["bytes"], "full_cache_bytes": full_cache_bytes(
                     model, cache.get_seq_length())} if peak["bytes"] is not None else {}),
             })
+    if saving is not None:  # complete: its checkpoint goes (kept, for --resume, when the pair failed)
+        saving.done()
     return records
 
 
@@ -337,7 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="folder for probes.jsonl, run.json, table.md and the figures (fig1_*.png, fig3_*.png)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the (arm, session) pairs already complete in OUT/probes.jsonl (and in a sharded "
-                         "run's OUT/probes.rank*.jsonl) and run the rest")
+                         "run's OUT/probes.rank*.jsonl) and run the rest; with --checkpoint-every, a pair cut "
+                         "short continues from its last checkpoint")
+    ap.add_argument("--checkpoint-every", type=int_at_least(1), default=None, metavar="N",
+                    help="save the running pair (its cache and the runner's state) to the store every N prefill "
+                         "chunks, so that --resume continues it from there, to the same tokens; needs --store "
+                         "disk or valkey (default: no checkpoints)")
+    ap.add_argument("--chunk-log", action=argparse.BooleanOptionalAction, default=False,
+                    help="append each prefill chunk's tokens/s and cache bytes to OUT/chunks.jsonl")
     return ap
 
 
@@ -360,6 +425,10 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error("--rehydrate restores evicted turns from a store: give --store host, disk or valkey")
     if args.store_path and args.store != "disk":
         ap.error("--store-path is the disk tier's folder: it needs --store disk")
+    if args.checkpoint_every and args.store not in ("disk", "valkey"):
+        ap.error("--checkpoint-every saves to a store that outlives the process: give --store disk or valkey")
+    if args.checkpoint_every and "full" in args.arms:
+        ap.error("--checkpoint-every saves eviction caches; the full arm (DynamicCache) has no save: run it without")
 
 
 def make_store(args, out_dir: Path):
@@ -416,6 +485,7 @@ def run_settings(args, dtype, rows, num_processes: int) -> dict:
             "filler_mode": args.filler_mode, "budget": args.budget, "limit": args.limit, "chunk": args.chunk,
             "planner": args.planner, "drop_edges": args.drop_edges, "store": args.store, "rehydrate": args.rehydrate,
             "max_new_tokens": args.max_new_tokens, "probes_per_session": len(rows[0]["probes"]),
+            "checkpoint_every": args.checkpoint_every,
             "num_processes": num_processes}
 
 
@@ -467,6 +537,9 @@ def _run(args) -> int:
     state.wait_for_everyone()
     if state.is_main_process:
         write_jsonl(log_path, records)  # the kept records are on disk before the first new pair starts
+        if not args.resume:  # a fresh run's chunk log starts empty; a resumed one appends
+            for path in out_dir.glob("chunks*.jsonl"):
+                path.unlink()
         for path in shard_paths(out_dir):
             path.unlink()
         (out_dir / "run.json").write_text(json.dumps(run_settings(args, dtype, rows, state.num_processes),
@@ -486,7 +559,10 @@ def _run(args) -> int:
                 for record in play_session(model, tokenizer, row, arm, settings, metric, args.chunk, stop_ids,
                                            args.max_new_tokens, blueprint=blueprints[session_key(row)],
                                            store=store, rehydrate=args.rehydrate,
-                                           progress=args.progress and state.is_main_process):
+                                           progress=args.progress and state.is_main_process,
+                                           checkpoint_every=args.checkpoint_every, resume=args.resume,
+                                           chunk_log=(out_dir / (f"chunks.rank{state.process_index}.jsonl" if sharded
+                                                                 else "chunks.jsonl")) if args.chunk_log else None):
                     record.update(target_distance=row["target_distance"], planner=args.planner,
                                   drop_edges=args.drop_edges, store=args.store,
                                   **({"process": state.process_index} if sharded else {}))

@@ -390,7 +390,9 @@ class EvictionCache(DynamicCache):
         store / session_id: a ``pace_hf.tiers.TieredStore``: every evicted token is spilled to it, and
             planned spans that are not resident are restored when their reader step comes (fetched
             ``prefetch_steps`` steps ahead, in the background). ``save()`` / ``resume()`` persist the
-            session there. ``spill_tokens``: tokens per KV head in one spill entry.
+            session there. ``spill_tokens``: logical positions per spill page (a restore reads the pages
+            its span covers); ``spill_cap_bytes``: the most spilled bytes the session holds (least
+            recently used pages go first; see ``pace_hf.spill``).
 
     ``torch.compile(model.forward)`` is not supported: the hooks, the cache and ``pace_sdpa`` break
     the graph at every layer, and the cache's counters change every forward, so a compiled forward
@@ -411,7 +413,8 @@ class EvictionCache(DynamicCache):
         store=None,
         session_id: str | None = None,
         prefetch_steps: int = 1,
-        spill_tokens: int = 256,
+        spill_tokens: int = 64,
+        spill_cap_bytes: int | None = None,
     ):
         budget, sinks, recent = (as_index(v, n) for v, n in ((budget, "budget"), (sinks, "sinks"), (recent, "recent")))
         if budget <= 0 or sinks < 0 or recent < 0:
@@ -430,9 +433,11 @@ class EvictionCache(DynamicCache):
         prefetch_steps, spill_tokens = as_index(prefetch_steps, "prefetch_steps"), as_index(spill_tokens, "spill_tokens")
         if prefetch_steps < 0 or spill_tokens < 1:
             raise ValueError(f"prefetch_steps must be >= 0 and spill_tokens >= 1 (got {prefetch_steps}, {spill_tokens})")
+        if spill_cap_bytes is not None and as_index(spill_cap_bytes, "spill_cap_bytes") < 0:
+            raise ValueError(f"spill_cap_bytes must be >= 0 or None, got {spill_cap_bytes}")
         super().__init__()
         self.store, self.session_id = store, session_id
-        self.prefetch_steps, self.spill_tokens = prefetch_steps, spill_tokens
+        self.prefetch_steps, self.spill_tokens, self.spill_cap_bytes = prefetch_steps, spill_tokens, spill_cap_bytes
         self.spill: SpillLog | None = None
         self.fingerprint: str | None = None
         self._restores: dict[tuple[int, int], tuple[int, tuple]] = {}  # span -> (reader, fetch)
@@ -500,7 +505,8 @@ class EvictionCache(DynamicCache):
             from .tiers import model_fingerprint
 
             self.fingerprint = model_fingerprint(model)
-            self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens)
+            self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens,
+                                  self.spill_cap_bytes)
         self.binding = Binding.acquire(model)
         self._release = weakref.finalize(self, self.binding.release)
         return self
@@ -566,7 +572,8 @@ class EvictionCache(DynamicCache):
         self._step = self.renumbers = self.next_physical = 0
         self._restores.clear()
         if self.spill is not None:
-            self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens)
+            self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens,
+                                  self.spill_cap_bytes)
 
     # -- public readings ---------------------------------------------------------------------------
     def ledger(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -672,6 +679,7 @@ class EvictionCache(DynamicCache):
         out = dict(self._restore_stats)
         if self.spill is not None:
             out["spilled_tokens"] = self.spill.spilled_tokens
+            out["spill"] = dict(self.spill.stats, held_bytes=self.spill.held_bytes)
         if self.store is not None:
             out["store"] = self.store.stats
         return out
@@ -719,12 +727,15 @@ class EvictionCache(DynamicCache):
         started = time.perf_counter()
         waited = 0.0
         by_layer: dict[int, list] = {}
+        pages: dict = {}  # (layer, page) -> the page read whole: settled once its layer has its tokens back
         for (start, end), fetch in fetches:
             t0 = time.perf_counter()
             fetch[1].result()  # the stall: how long the forward waits for the background fetch
             waited += time.perf_counter() - t0
-            for layer_idx, tokens in self.spill.collect(start, end, fetch).items():
-                by_layer.setdefault(layer_idx, []).append(tokens)
+            tokens, whole = self.spill.collect(start, end, fetch)
+            pages.update(whole)
+            for layer_idx, part in tokens.items():
+                by_layer.setdefault(layer_idx, []).append(part)
         restored, inserted = 0, False
         for layer_idx, parts in sorted(by_layer.items()):
             layer, tokens = self.layers[layer_idx], concat(parts)
@@ -733,7 +744,8 @@ class EvictionCache(DynamicCache):
             inserted = True
             before = [head.clone() for head in layer.logical]  # insert writes the ledger in place
             pushed = layer.insert(tokens, self.scoring, self.step, self.budget, self.sinks, self.recent)
-            self.evicted(layer_idx, pushed)
+            self.spill.settle(layer_idx, pages, layer.logical)  # what came back leaves the spill ...
+            self.evicted(layer_idx, pushed)  # ... and what it pushed out is spilled
             if layer_idx == 0:
                 restored = sum(int((~torch.isin(new, old)).sum()) for new, old in zip(layer.logical, before))
         if self.bounded and inserted:
@@ -769,7 +781,7 @@ class EvictionCache(DynamicCache):
         EvictionCache.__init__(cache, budget=m["budget"], sinks=m["sinks"], recent=m["recent"],
                                scoring=scoring or rebuild(m["scoring"]), limit=m["limit"], store=store,
                                session_id=session_id, prefetch_steps=m["prefetch_steps"],
-                               spill_tokens=m["spill"]["entry_tokens"])
+                               spill_tokens=m["spill"]["page_tokens"], spill_cap_bytes=m["spill"]["cap_bytes"])
         cache.bind(model)
         if len(m["layers"]) != len(cache.layers):
             cache.unbind()

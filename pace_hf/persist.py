@@ -4,9 +4,9 @@ Generations. Each save is a generation (``g17-3fa2c1``: a serial number and a ra
 saves, writers or retries ever share a key). Its entries -- every layer's state and the caller's
 attachments (a ``PACESession``'s conversation) -- are written under keys of their own
 (``L3/state@g17-3fa2c1``), never over an older save's. The spill entries a save indexes were written
-once, under keys no writer reuses (``pace_hf.spill``). The manifest is written last, under the one key
-``manifest``: it names the generation and holds the digest (``tiers.entry.digest``) of every entry it
-covers, layer states, attachments and spill entries.
+once, under keys no writer reuses (``pace_hf.spill``: one entry per version of a logical page). The
+manifest is written last, under the one key ``manifest``: it names the generation and holds the digest
+(``tiers.entry.digest``) of every entry it covers, layer states, attachments and spill page versions.
 
 Order. (1) The attempt's keys, and those of the save it replaces, are recorded under ``save-pending``. (2) The entries are written, and
 each is confirmed on every durable tier (``TieredStore.durable_tiers``): a tier that missed one fails the
@@ -15,7 +15,8 @@ written while a tier was down are rewritten from a tier that holds them. (3) The
 and confirmed the same way: a tier that missed only the manifest still holds the previous save whole,
 and the error says which tiers took the new one (the disk tier writes a temporary file, fsyncs it, renames it over the old
 one and fsyncs the directory; Valkey sets it in one transaction). (4) Only then are the replaced
-generation's entries, and whatever ``save-pending`` lists from attempts that crashed, deleted. A crash at
+generation's entries, the spill versions it indexed that the new one does not (retired by a restore
+or by the spill cap), and whatever ``save-pending`` lists from attempts that crashed, deleted. A crash at
 any point leaves the previous manifest and every entry it names whole, and the next save that commits
 collects what the crash left.
 
@@ -32,8 +33,10 @@ PX in Valkey, a table in host memory), and refuses with ``WriterConflict`` when 
 save is not the one this cache resumed or last saved: a second writer gets an error, and neither
 writer's save is lost or mixed.
 
-Format. ``SAVE_FORMAT`` is 2. Format 1 (before generations) tied nothing together, so a format-1 save
-cannot be told apart from a mix: resume refuses it naming the format; a fresh cache may save over it.
+Format. ``SAVE_FORMAT`` is 3. Format 1 (before generations) tied nothing together, so a format-1 save
+cannot be told apart from a mix; format 2 indexed spill entries by time of eviction, which this spill
+log (by logical page) cannot read. Resume refuses both, naming the format; a fresh cache may save over
+either (its entries are deleted once the new save commits).
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ import secrets
 from concurrent.futures import Future
 
 from .scoring import describe
+from .spill import versions_of
 from .tiers.entry import digest, digest_algorithm
 from .tiers.errors import IntegrityError, TierError, WriterConflict
 
-SAVE_FORMAT = 2
+SAVE_FORMAT = 3
 # The manifest of a saved session is readable whatever the model: it says which model saved it.
 MANIFEST_KEY, MANIFEST_FINGERPRINT = "manifest", "pace-session-manifest"
 PENDING_KEY = "save-pending"
@@ -78,7 +82,8 @@ def save(cache, attachments: dict | None = None) -> str:
         raise SaveFailed(f"save of session {sid!r} failed: {e}; the previous save is unchanged") from e
     with lease:
         current = _read(store, sid, MANIFEST_KEY)
-        current_gen = None if current is None else current.get("generation")
+        # a save of an older format cannot be continued: any new cache may replace it
+        current_gen = None if current is None or current.get("format") != SAVE_FORMAT else current.get("generation")
         if current_gen != spill.generation:
             if current is None:  # deleted, or another store: the spill entries our index names may be gone too
                 raise WriterConflict(f"session {sid!r} has no save in this store any more, but this cache continues "
@@ -93,11 +98,12 @@ def save(cache, attachments: dict | None = None) -> str:
         layers = [i for i, layer in enumerate(cache.layers) if layer.is_initialized]
         attachments = dict(attachments or {})
         keys = [f"L{i}/state@{gen}" for i in layers] + [f"{name}@{gen}" for name in attachments]
-        # What to delete once some later save commits: this attempt's entries and the ones it replaces.
-        pending = pending + [keys + _entry_keys(current)]
+        spill.flush()  # the index is final now (a flush may retire versions past the spill cap)
+        # What to delete once some later save commits: this attempt's entries and the ones it replaces
+        # (the spill versions the current save indexes and this one no longer does).
+        pending = pending + [keys + sorted(set(_entry_keys(current)) - set(spill.entries()))]
         _confirm(store, sid, {PENDING_KEY: _put(store, sid, PENDING_KEY, {}, {"pending": pending})})
 
-        spill.flush()
         parts = {f"L{i}/state@{gen}": (_on_cpu(cache.layers[i].tensors()), {"seen": cache.get_seq_length(i)})
                  for i in layers}
         parts.update({f"{name}@{gen}": part for name, part in attachments.items()})
@@ -120,7 +126,7 @@ def save(cache, attachments: dict | None = None) -> str:
         store.flush()
         written = [t for t, why in done.result().items() if why is None]
         if store.durable_tiers[0] in written:  # the session is at what its first durable tier holds
-            spill.generation = gen
+            spill.saved(gen)
         missed = _missed(store, done.result())
         if missed:
             raise SaveFailed(f"save of session {sid!r} failed: the manifest of {gen} reached {written or 'no tier'} but "
@@ -129,7 +135,7 @@ def save(cache, attachments: dict | None = None) -> str:
 
         # The new save is durable: the one it replaces and attempts that never committed can go.
         doomed = {key for attempt in pending for key in attempt}
-        for key in sorted(doomed - set(entries)):
+        for key in sorted(doomed - set(entries) - spill.saved_keys):
             store.delete(key, session_id=sid)
         _put(store, sid, PENDING_KEY, {}, {"pending": []})
         store.flush()
@@ -159,14 +165,14 @@ def _read(store, sid: str, key: str) -> dict | None:
 
 
 def _entry_keys(manifest: dict | None) -> list[str]:
-    """Every entry a manifest names that its replacement may not: a format-2 manifest's own entries,
-    a format-1 manifest's fixed keys (a fresh cache saving over an old save cleans them up)."""
+    """Every entry a manifest names that its replacement may not: its own entries and spill entries
+    (for format 1, its fixed keys: a fresh cache saving over an old save cleans them up)."""
     if manifest is None:
         return []
-    if manifest.get("format") == SAVE_FORMAT:
-        return list(manifest.get("entries", {}))
-    n = len(manifest.get("layers", []))
     spills = [e[0] for layer in manifest.get("spill", {}).get("index", []) for e in layer]
+    if manifest.get("format", 1) >= 2:
+        return list(manifest.get("entries", {})) + spills
+    n = len(manifest.get("layers", []))
     return [f"L{i}/state" for i in range(n)] + ["session"] + spills
 
 
@@ -212,10 +218,7 @@ def _confirm_spill(store, sid: str, spill) -> None:
             _confirm(store, sid, {key: again})
         del spill.unconfirmed[key]
     if lost:
-        for layer in spill.index:
-            layer[:] = [e for e in layer if e[0] not in lost]
-        for key in lost:
-            del spill.unconfirmed[key]
+        spill.forget(lost)
         raise SaveFailed(f"save of session {sid!r} failed: spill entries {lost} reached no durable tier and no "
                          "tier holds them now: their evicted tokens are lost and were dropped from the spill "
                          "index. The previous save is unchanged; save again to save the rest")
@@ -249,10 +252,12 @@ def resume(cls, session_id: str, *, store, model, scoring=None):
 def check_manifest(m: dict, session_id: str, fingerprint: str) -> None:
     """Refuse a manifest of another format or another model, naming what differs."""
     if m.get("format") != SAVE_FORMAT:
+        why = {1: "format 1 has no generations or digests, so it cannot be told from a mix of two saves",
+               2: "format 2 indexed spilled tokens by time of eviction; this pace_hf reads them by logical page"}
         raise ValueError(
             f"session {session_id!r} was saved in save format {m.get('format')}; this pace_hf resumes format "
-            f"{SAVE_FORMAT} only (format 1 has no generations or digests, so it cannot be told from a mix of "
-            "two saves). Start the session again; saving from a new cache replaces the old save")
+            f"{SAVE_FORMAT} only ({why.get(m.get('format'), 'an unknown format')}). Start the session again; "
+            "saving from a new cache replaces the old save")
     if m.get("model_fingerprint") != fingerprint:
         raise ValueError(f"session {session_id!r} was saved by another model, config or dtype "
                          f"(fingerprint {m.get('model_fingerprint')}, this model {fingerprint}): its KV cannot be restored")
@@ -268,15 +273,16 @@ def _verified(store, sid: str, m: dict, fingerprint: str):
     got = dict(zip(keys, store.get_many(keys, fingerprint=fingerprint, session_id=sid)))
     for key in keys:
         _check_entry(sid, gen, key, got[key], m["entries"][key])
-    spill = [(e[0], e[3], i) for i, layer in enumerate(m["spill"]["index"]) for e in layer]
+    spill = versions_of(m["spill"])
     for start in range(0, len(spill), VERIFY_BATCH):
         batch = spill[start:start + VERIFY_BATCH]
-        values = store.get_many([k for k, _, _ in batch], fingerprint=fingerprint, session_id=sid)
-        for (key, dig, layer_idx), value in zip(batch, values):
+        values = store.get_many([key for key, *_ in batch], fingerprint=fingerprint, session_id=sid)
+        for (key, layer_idx, page, dig), value in zip(batch, values):
             _check_entry(sid, gen, key, value, dig)
-            if value[1].get("layer") != layer_idx:
+            held = (value[1].get("layer"), value[1].get("page"))
+            if held != (layer_idx, page):
                 raise IncompleteSave(f"session {sid!r}, save {gen}: spill entry {key!r} is indexed for layer "
-                                     f"{layer_idx} but holds layer {value[1].get('layer')}")
+                                     f"{layer_idx}, page {page} but holds layer {held[0]}, page {held[1]}")
     states = {int(k[1:].split("/", 1)[0]): got[k] for k in keys if "/state@" in k}
     attachments = {name: got[f"{name}@{gen}"] for name in m.get("attachments", [])}
     return states, attachments

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .blueprint import Span, as_steps
+from .blueprint import Span, as_index, as_steps
 from . import persist
 from .cache import PACECache
 from .chat import DEFAULT_SYSTEM, ChatTemplate
@@ -120,8 +120,16 @@ class PACESession:
         return self.cache.blueprint.add(Span(message.start, message.end, steps))
 
     # -- generating -----------------------------------------------------------------------------------
-    def generate(self, max_new_tokens: int = 256, progress: bool = False, **generate_kwargs) -> str:
-        """Reply as the assistant: prefill only the new tokens, generate, append the reply."""
+    def generate(self, max_new_tokens: int = 256, progress: bool = False, checkpoint_every: int | None = None,
+                 **generate_kwargs) -> str:
+        """Reply as the assistant: prefill only the new tokens, generate, append the reply.
+
+        ``checkpoint_every=N``: :meth:`save` after every ``N`` prefilled chunks, so that a process killed
+        in a long prefill resumes (``PACESession.resume``, then ``generate`` again) from its last save,
+        to exactly the tokens an uninterrupted run gives (greedy). Saves end within the conversation,
+        before the assistant header, so each is a whole session (``pace_hf.session.prefill_checkpointed``)."""
+        if checkpoint_every is not None and self.cache.store is None:
+            raise ValueError("checkpoint_every saves the session: it needs a session with a store")
         if self.planner is not None:
             self.planner.plan(self)
         self.cache.step = self.step
@@ -129,6 +137,9 @@ class PACESession:
         ids = self.ids + header
         self.cache.progress = _progress_bar(len(ids) - self.cache.get_seq_length()) if progress else None
         try:
+            if checkpoint_every is not None:
+                generate_kwargs.update(checkpoint_every=checkpoint_every, checkpoint=self.save,
+                                       checkpoint_upto=len(self.ids))
             reply = generate_reply(self.model, ids, self.cache, max_new_tokens=max_new_tokens,
                                    stop_ids=self.template.stop_ids(), chunk=self.chunk, **generate_kwargs)
         finally:
@@ -222,10 +233,17 @@ class PACESession:
 
 
 def generate_reply(model, ids: list[int], cache, *, max_new_tokens: int, stop_ids: list[int], chunk: int | None = None,
+                   checkpoint_every: int | None = None, checkpoint=None, checkpoint_upto: int | None = None,
                    **generate_kwargs) -> list[int]:
     """The new tokens ``model.generate`` answers the conversation ``ids`` with (``cache`` holds a prefix of
     it, and only the rest is prefilled, ``chunk`` tokens per forward), without trailing stop tokens.
-    Greedy unless ``generate_kwargs`` sets ``do_sample=True``."""
+    Greedy unless ``generate_kwargs`` sets ``do_sample=True``.
+
+    ``checkpoint_every=N``: call ``checkpoint()`` (a save) after every ``N`` prefilled chunks whose end
+    is at most ``checkpoint_upto`` (default: the last token but one); see :func:`prefill_checkpointed`."""
+    if checkpoint_every is not None:
+        prefill_checkpointed(model, ids, cache, chunk=chunk, every=checkpoint_every, save=checkpoint,
+                             upto=checkpoint_upto, stop_ids=stop_ids)
     generate_kwargs.setdefault("do_sample", False)
     if not generate_kwargs["do_sample"]:
         generate_kwargs.update(temperature=None, top_p=None, top_k=None)
@@ -238,6 +256,35 @@ def generate_reply(model, ids: list[int], cache, *, max_new_tokens: int, stop_id
     while reply and reply[-1] in stop_ids:
         reply.pop()
     return reply
+
+
+def prefill_checkpointed(model, ids: list[int], cache, *, chunk: int | None, every: int, save, upto: int | None = None,
+                         stop_ids: list[int]) -> int:
+    """Prefill what ``cache`` lacks of ``ids`` in segments of ``every`` chunks of ``chunk`` tokens, calling
+    ``save()`` after each, while a whole segment ends at or before ``upto`` (default ``len(ids) - 1``: the
+    last token is left to the ``generate`` that answers). Returns the number of saves.
+
+    Why this gives exactly the uninterrupted tokens: ``generate`` splits what the cache lacks into chunks
+    of ``chunk`` counted from the cache's length, and each segment is whole chunks, so every segment, and
+    a run resumed from any save, ends on a chunk boundary of the uninterrupted prefill and runs the same
+    forwards. A segment is ``generate`` with one greedy new token, which runs no forward beyond its
+    prefill and draws no random numbers. A save between forwards also sees the cache evicted to its
+    budget, as every forward leaves it."""
+    every = as_index(every, "checkpoint_every")
+    if every < 1:
+        raise ValueError(f"checkpoint_every must be >= 1, got {every}")
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError("checkpoint_every needs a prefill chunk size (chunk=...): a save lands between chunks")
+    if not callable(save):
+        raise TypeError("checkpoint_every needs checkpoint=, the save to call (e.g. cache.save)")
+    upto = len(ids) - 1 if upto is None else min(int(upto), len(ids) - 1)
+    saves = 0
+    while cache.get_seq_length() + every * chunk <= upto:
+        segment = ids[:cache.get_seq_length() + every * chunk]
+        generate_reply(model, segment, cache, max_new_tokens=1, stop_ids=stop_ids, chunk=chunk)
+        save()
+        saves += 1
+    return saves
 
 
 def _progress_bar(total: int):

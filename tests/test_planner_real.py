@@ -381,3 +381,18 @@ def test_any_text_is_read_never_a_crash():
         mentions(text)
         for d in read(text).definitions:
             assert all(0 <= s <= e <= len(text) for s, e in d.parts), (text, d)
+
+
+def test_the_live_plan_keeps_the_soonest_readers_and_brings_the_rest_back_later(template):
+    sess = Session(template, ("user", "Task."), *cat("textwrap.py", TEXTWRAP))
+    steps = {2: "Test `dedent`.", 3: "Test `indent`.", 4: "Test `shorten`."}
+    sources = {2: DEDENT, 3: inspect.getsource(textwrap.indent), 4: inspect.getsource(textwrap.shorten)}
+    sizes = {k: sess.tokens(2, v.strip())[1] - sess.tokens(2, v.strip())[0] for k, v in sources.items()}
+    budget = 2 * max(sizes.values())  # each step fits in budget // 2, the three together not in budget
+    assert sum(sizes.values()) > budget
+    planner = SymbolPlanner(steps)
+    early = planner.blueprint_for(sess.messages, template=template, budget=budget, now=1)
+    assert {n.step for n in early.dropped} == {4}  # the farthest reader gives way
+    assert size(sorted((s.start, s.end) for s in early)) <= budget
+    later = planner.blueprint_for(sess.messages, template=template, budget=budget, now=2)  # step 2 is past
+    assert not later.dropped and covered(planned(later, 4), sess.tokens(2, sources[4].strip())) >= 0.9

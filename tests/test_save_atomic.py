@@ -292,9 +292,9 @@ def test_saves_from_before_generations_are_refused_naming_the_format(model, tmp_
     store.put(MANIFEST_KEY, {}, {"format": 1, "model_fingerprint": cache.fingerprint, "layers": [True, True],
                                  "spill": {"index": [[], []]}}, fingerprint=MANIFEST_FINGERPRINT, session_id=SID)
     store.flush()
-    with pytest.raises(ValueError, match="saved in save format 1; this pace_hf resumes format 2 only"):
+    with pytest.raises(ValueError, match="saved in save format 1; this pace_hf resumes format 3 only"):
         PACECache.resume(SID, store=store, model=model)
-    assert SAVE_FORMAT == 2
+    assert SAVE_FORMAT == 3
     cache.save()  # a new cache may save over it; the old fixed-key entries go
     assert not any("state.kv" in p.name for p in tmp_path.iterdir())
     PACECache.resume(SID, store=store, model=model).unbind()

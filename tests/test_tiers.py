@@ -361,7 +361,7 @@ def test_keys_cannot_escape_the_root(tmp_path, store_factory):
     for dirpath, _d, files in os.walk(root):
         assert os.path.realpath(dirpath).startswith(str(root.resolve()))
         assert not any(f.startswith(".tmp-") for f in files)
-    assert len(s.tiers[0].keys()) == 6
+    assert len(list(s.tiers[0].scan())) == 6
     s.delete_session(SID)
     assert os.listdir(root) == []
 
@@ -539,11 +539,12 @@ def test_one_writer_per_session_lease(backend, tmp_path, vurl, store_factory):
 def test_disk_lease_dies_with_its_holder(tmp_path):
     import pace_hf.tiers.disk as disk_module
 
-    # the holder loads disk.py alone (it needs only the standard library), so it starts in milliseconds
+    # the holder loads disk.py (and the base and errors it needs, only the standard library) without the
+    # package's __init__ (which imports torch), so it starts in milliseconds
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import importlib.util, time\n"
-        f"spec = importlib.util.spec_from_file_location('disk', {disk_module.__file__!r})\n"
-        "disk = importlib.util.module_from_spec(spec); spec.loader.exec_module(disk)\n"
+        "import importlib, sys, time, types\n"
+        f"pkg = types.ModuleType('t'); pkg.__path__ = [{os.path.dirname(disk_module.__file__)!r}]\n"
+        "sys.modules['t'] = pkg; disk = importlib.import_module('t.disk')\n"
         f"assert disk.DiskTier({str(tmp_path)!r}).acquire_lease('pace:s:lease', 'holder', 60)\n"
         "print('held', flush=True)\ntime.sleep(60)")], stdout=subprocess.PIPE, text=True)
     try:

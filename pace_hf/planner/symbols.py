@@ -21,8 +21,8 @@ definition wins.
   lexically (BM25 over names, signatures and docstrings) and gets its best match.
 * Closure (``depth``, default 1): a needed function also needs the class of a field it uses on a
   parameter, when only one class declares that field in its body (``record.status`` of a dataclass), as
-  its own message saw it. Nothing else is followed (free names, constants, any attribute name): on the
-  real-code benchmark they added tokens and false edges, and on the generated sessions no recall.
+  its own message saw it. Nothing else is followed (free names, constants, any attribute name): in
+  sessions over real source files they added tokens and false edges, and nowhere recall.
 
 Spans: each definition's character ranges map to tokens through the chat template's offsets
 (``pace_hf.chat.ChatTemplate.content_offsets``); spans with the same readers that touch are merged.

@@ -8,27 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..tiers import DiskTier, HostTier, TieredStore
-
-
-def parse_store(spec: str) -> TieredStore:
-    """Tiers, fastest first, comma-separated: ``host:BYTES``, ``disk:PATH``, ``valkey://HOST:PORT/DB``."""
-    tiers = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        kind, _, arg = part.partition(":")
-        if kind == "disk" and arg:
-            tiers.append(DiskTier(arg))
-        elif kind == "host":
-            tiers.append(HostTier(max_bytes=int(arg)) if arg else HostTier())
-        elif kind in ("valkey", "redis"):
-            from ..tiers import ValkeyTier
-
-            tiers.append(ValkeyTier(part))
-        else:
-            raise SystemExit(f"pace-serve: bad --store part {part!r} (host:BYTES, disk:PATH or valkey://HOST:PORT/DB)")
-    if not tiers:
-        raise SystemExit("pace-serve: --store names no tier")
-    return TieredStore(tiers)
+from ..tiers.spec import SPELLINGS, parse_store  # the spelling the cleanup command reads too
 
 
 LOADERS = "pace_hf.model_loaders"  # entry points: name_or_path, dtype=... -> (model, tokenizer)
@@ -63,7 +43,7 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     p.add_argument("--model", required=True, help="a model name a registered loader knows (smollm2, qwen2.5-coder-0.5b) or a local path")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--store", default="disk:runs/serve", help="tiers, comma-separated: host:BYTES, disk:PATH, valkey://...")
+    p.add_argument("--store", default="disk:runs/serve", help=f"tiers, fastest first, comma-separated: {SPELLINGS}")
     p.add_argument("--served-name", action="append", help="a name requests may use for the model (default: --model)")
     p.add_argument("--budget", type=int, default=2048, help="resident tokens per session cache")
     p.add_argument("--limit", type=int, default=8192, help="rotary position limit (0: unbounded)")
@@ -83,8 +63,11 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     from .app import create_app
     from .engine import Engine
 
+    try:
+        store = parse_store(args.store)
+    except ValueError as e:
+        raise SystemExit(f"pace-serve: --store: {e}") from None
     model, tokenizer = load(args.model, args.dtype, loader)
-    store = parse_store(args.store)
     names = args.served_name or [args.model]
     engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit or None, chunk=args.chunk,
                     max_context=args.max_context, max_tokens=args.max_tokens, max_resident=args.max_resident,

@@ -8,27 +8,29 @@
     store.put("L3/spill/17", {"value": v, "ref_key": k}, {"layer": 3}, fingerprint=fp, session_id="agent-42")
     tensors, meta = store.get("L3/spill/17", fingerprint=fp, session_id="agent-42")
 
-Modules: ``entry`` (the self-verifying byte format), ``store`` (background writes, ordered verified
-reads, promotion, demotion, health), one module per tier (``host``, ``disk``, ``valkey_tier``),
-``fingerprint`` (``model_fingerprint``). Each module's docstring says why it is built the way it is.
+Modules: ``base`` (``Tier``: what a backend implements, and the capabilities the store reads instead
+of its class), ``entry`` (the self-verifying byte format), ``store`` (background writes, ordered verified
+reads, promotion, demotion, health, leases, the size report), one module per tier (``host``, ``disk``,
+``valkey_tier``), ``spec`` (a store spelled on a command line, as ``pace-serve --store`` and
+``python -m pace_hf.tiers`` take it), ``fingerprint`` (``model_fingerprint``). Each module's docstring
+says why it is built the way it is.
 
-A tier is any object with ``name``, ``put(key, data)``, ``get(key) -> bytes-like | None``,
-``delete(key)``, ``delete_prefix(prefix)`` and ``close()``; optional ``get_many(keys)`` (one batched read)
-and ``set_timeout(seconds)`` (the store passes its request timeout); ``durable`` (False: the tier dies with the
-process, so a save is not durable there); ``acquire_lease(name, token, ttl_s) -> bool``, ``renew_lease`` and
-``release_lease(name, token)`` (the session's writer lease, see ``TieredStore.lease``). A tier raises ``TierUnavailable``
-when its backend is down or too slow; any other exception is counted as an error of that request.
+A store keeps what it is given until it is deleted: ``TieredStore.usage()`` reports entries, bytes and
+save generations per session and tier, and ``python -m pace_hf.tiers list|inspect|delete --store SPEC``
+is the same report, and the cleanup, from a shell.
 """
 
+from .base import Tier
 from .disk import DiskTier
 from .entry import FORMAT_VERSION, decode, encode
 from .errors import IntegrityError, LeaseHeld, TierError, TierUnavailable, WriterConflict
 from .fingerprint import model_fingerprint
 from .host import HostTier
+from .spec import parse_store
 from .store import TieredStore, full_key
 from .valkey_tier import ValkeyTier
 
 __all__ = [
-    "DiskTier", "FORMAT_VERSION", "HostTier", "IntegrityError", "LeaseHeld", "TierError", "TierUnavailable",
-    "TieredStore", "ValkeyTier", "WriterConflict", "decode", "encode", "full_key", "model_fingerprint",
+    "DiskTier", "FORMAT_VERSION", "HostTier", "IntegrityError", "LeaseHeld", "Tier", "TierError", "TierUnavailable",
+    "TieredStore", "ValkeyTier", "WriterConflict", "decode", "encode", "full_key", "model_fingerprint", "parse_store",
 ]

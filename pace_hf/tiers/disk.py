@@ -10,7 +10,9 @@ checksum in the entry catches it on read.)
 Leases: ``acquire_lease`` takes an exclusive ``flock`` on ``<escaped name>.lock`` under the root and keeps
 the file open until ``release_lease``. The kernel drops the lock when the holder exits, however it
 exits (SIGKILL included), so a crashed writer never leaves a stale lease and no TTL is needed; a second
-writer, in this process or another, gets ``False`` at once.
+writer, in this process or another, gets ``False`` at once. Releasing unlinks the file while it is still
+locked, so sessions leave no lock files behind; a taker that opened the old file checks, once it holds
+the flock, that the file is still the one under that name, and otherwise takes the new one.
 
 File names: strict escaping, not hashing, so ``delete_prefix`` (drop a session) can work from names alone
 and a directory listing stays readable. Every byte of the UTF-8 key outside ``[A-Za-z0-9_-]`` becomes
@@ -18,6 +20,9 @@ and a directory listing stays readable. Every byte of the UTF-8 key outside ``[A
 ("../x" becomes ``%2E%2E%2Fx``), a hidden file or a temporary file. Escaped names longer than 200 bytes
 are split into directory levels (``<200 bytes>~d/.../<rest>.kv``; ``~`` and ``.`` never occur in an
 escaped name, so a level can never collide with a file).
+
+Reads of many keys (``get_many``) go through a small thread pool of the tier's own (``read_threads``):
+a restore reads dozens of files, and their system calls overlap.
 
 Failures (disk full, read-only file system, permission denied, the root not being a directory) raise
 ``OSError`` from ``put``; the store counts them and generation goes on. A missing file is a miss
@@ -30,6 +35,11 @@ import fcntl
 import os
 import string
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Iterator
+
+from .base import Tier
 
 _SAFE = frozenset((string.ascii_letters + string.digits + "_-").encode())
 _SEGMENT = 200
@@ -70,16 +80,30 @@ def unescape_key(name: str) -> str:
     return out.decode("utf-8")
 
 
-class DiskTier:
-    """Entries as files under ``root`` (created on first write)."""
+class DiskTier(Tier):
+    """Entries as files under ``root`` (created on first write).
+
+    Args:
+        root: the directory that holds the entries (one file each; created with its parents on first
+            write). Two stores, in one process or several, may share it.
+        name: the tier's name in the store's stats and confirmations (unique within a store).
+        fsync: fsync every file and directory it writes (default), so an entry that ``put`` returned
+            from survives a power cut; ``False`` trades that for speed.
+        read_threads: threads that read the files of one ``get_many`` in parallel.
+    """
 
     durable = True
+    shared_across_processes = True
+    supports_lease = True
 
-    def __init__(self, root: str | os.PathLike, *, name: str = "disk", fsync: bool = True):
+    def __init__(self, root: str | os.PathLike, *, name: str = "disk", fsync: bool = True, read_threads: int = 4):
         self.name = name
         self.root = os.path.abspath(os.fspath(root))
         self.fsync = fsync
-        self._leases: dict[str, tuple[str, int]] = {}  # name -> (token, fd holding the flock)
+        self.read_threads = max(1, int(read_threads))
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._leases: dict[str, tuple[str, int, str]] = {}  # name -> (token, fd holding the flock, its path)
 
     def _make_dirs(self, d: str) -> None:
         """``os.makedirs``, fsyncing each new directory's parent so the new name is durable."""
@@ -144,6 +168,16 @@ class DiskTier:
                 got += n
         return buf if got == size else buf[:got]
 
+    def get_many(self, keys: Iterable[str]) -> list:
+        keys = list(keys)
+        if len(keys) <= 1 or self.read_threads == 1:
+            return super().get_many(keys)
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"pace-{self.name}-read")
+            pool = self._pool
+        return [x for part in pool.map(super().get_many, [[k] for k in keys]) for x in part]
+
     def delete(self, key: str) -> None:
         try:
             os.unlink(self.path_for(key))
@@ -166,9 +200,14 @@ class DiskTier:
                 if fn.endswith(_FILE_SUFFIX) and not fn.startswith(_TMP_PREFIX):
                     yield stem + fn[:-len(_FILE_SUFFIX)], os.path.join(dirpath, fn)
 
-    def keys(self, prefix: str = "") -> list[str]:
+    def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         ep = escape_key(prefix)
-        return [unescape_key(k) for k, _ in self._walk() if k.startswith(ep)]
+        for k, path in self._walk():
+            if k.startswith(ep):
+                try:
+                    yield unescape_key(k), os.stat(path).st_size
+                except FileNotFoundError:  # deleted meanwhile
+                    continue
 
     def delete_prefix(self, prefix: str) -> int:
         ep = escape_key(prefix)
@@ -196,16 +235,25 @@ class DiskTier:
             return self._leases[name][0] == token
         path = self.path_for(name)[:-len(_FILE_SUFFIX)] + _LOCK_SUFFIX
         self._make_dirs(os.path.dirname(path))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        except BaseException:
-            os.close(fd)
-            raise
-        self._leases[name] = (token, fd)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                mine = os.fstat(fd)
+                try:
+                    now = os.stat(path)
+                    if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                        break
+                except FileNotFoundError:
+                    pass
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # the holder released (and unlinked) the file we opened: lock the one there now
+        self._leases[name] = (token, fd, path)
         return True
 
     def renew_lease(self, name: str, token: str, ttl_s: float) -> bool:
@@ -215,8 +263,16 @@ class DiskTier:
         held = self._leases.get(name)
         if held is not None and held[0] == token:
             del self._leases[name]
+            try:  # unlinked while still locked: a taker that opened it retries on a new file
+                os.unlink(held[2])
+            except FileNotFoundError:
+                pass
             os.close(held[1])  # closing the only descriptor drops the flock
 
     def close(self) -> None:
-        for name, (token, _fd) in list(self._leases.items()):
+        for name, (token, *_held) in list(self._leases.items()):
             self.release_lease(name, token)
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

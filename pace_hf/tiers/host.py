@@ -17,12 +17,25 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Iterator
+
+from .base import Tier
 
 
-class HostTier:
-    """An in-memory LRU of encoded entries, at most ``max_bytes`` in total."""
+class HostTier(Tier):
+    """An in-memory LRU of encoded entries, at most ``max_bytes`` in total.
+
+    Args:
+        max_bytes: the byte cap over all encoded entries (default 4 GiB); the least recently used are
+            pushed out beyond it (and demoted by the store to the next tier).
+        name: the tier's name in the store's stats and confirmations (unique within a store).
+    """
 
     durable = False  # gone with the process: never what makes a save durable
+    shared_across_processes = False
+    in_process = True
+    evicts = True
+    supports_lease = True  # within this process, which is all that shares it
 
     def __init__(self, max_bytes: int = 4 << 30, *, name: str = "host"):
         if max_bytes < 0:
@@ -34,19 +47,13 @@ class HostTier:
         self._lock = threading.Lock()
         self._leases: dict[str, str] = {}
 
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._entries
-
-    def keys(self) -> list[str]:
+    def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         with self._lock:
-            return list(self._entries)
+            found = [(k, len(d)) for k, (d, _clean) in self._entries.items() if k.startswith(prefix)]
+        return iter(found)
 
     def put(self, key: str, data, *, clean: bool = False) -> list[tuple[str, bytes | bytearray, bool]]:
         """Store ``data``; return the entries pushed out by the cap as ``(key, data, clean)``.

@@ -27,7 +27,12 @@ the others through the writer). ``get_many`` reads each tier once for all remain
 pipeline, a thread pool for the disk. ``get(..., tiers=[name])`` reads only what those tiers hold (a
 save reads its session's manifest from the first durable tier, never from a host copy that may be stale).
 
-Demotion. Entries pushed out of a ``HostTier`` by its byte cap are written to the next tier(s) by the
+Tiers are ``Tier`` subclasses (``base``), and the store reads their capabilities, never their class:
+``evicts`` (a byte-capped cache whose pushed-out entries are demoted), ``in_process`` (promoted into
+inline), ``durable`` (what a save must reach), ``supports_lease``; ``set_default_timeout`` hands a tier
+the store's request timeout unless it was given its own.
+
+Demotion. Entries pushed out of an evicting tier (``HostTier``) by its byte cap are written to the next tier(s) by the
 writer (and stay readable until they are), unless they are known to be there already ("clean"); only
 when there is no tier below are they dropped, counted as ``evicted``.
 
@@ -57,13 +62,13 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import torch
 
 from . import entry as _entry
+from .base import Tier
 from .errors import IntegrityError, LeaseHeld, TierError, TierUnavailable
-from .host import HostTier
 
 log = logging.getLogger("pace_hf.tiers")
 
@@ -80,6 +85,27 @@ def full_key(key: str, session_id: str) -> str:
     if "\x00" in key or "\x00" in session_id:
         raise ValueError("keys and session ids must not contain NUL")
     return f"{KEY_PREFIX}:{quote(session_id, safe='')}:{key}"
+
+
+def split_key(fk: str) -> tuple[str, str] | None:
+    """``(session_id, key)`` of a full key, or ``None`` for a key the store did not make."""
+    head, sep, rest = fk.partition(":")
+    quoted, sep2, key = rest.partition(":")
+    if head != KEY_PREFIX or not sep or not sep2:
+        return None
+    return unquote(quoted), key
+
+
+def generation_of(key: str) -> str | None:
+    """The save generation a key belongs to (``L3/state@g17-3fa2c1`` -> ``g17-3fa2c1``), if any."""
+    name, sep, gen = key.rpartition("@")
+    return gen if sep and name else None
+
+
+def _serial(gen: str) -> tuple:
+    """Order generations ``g<serial>-<tag>`` by serial number."""
+    head = gen.split("-", 1)[0]
+    return (0, int(head[1:]), gen) if head[:1] == "g" and head[1:].isdigit() else (1, 0, gen)
 
 
 class _Write:
@@ -144,13 +170,35 @@ class _TierState:
 
 
 class TieredStore:
-    """Verified KV entries over ``tiers`` (top first). See the module docstring for the semantics."""
+    """Verified KV entries over a stack of tiers, written in the background, read top first.
 
-    def __init__(self, tiers: Sequence[Any], *, timeout_s: float = 2.0, strict: bool = False,
+    Args:
+        tiers: ``Tier`` objects, fastest first (e.g. ``[HostTier(), DiskTier("runs/kv"), ValkeyTier(url)]``);
+            names must be unique.
+        timeout_s: the most one request may cost: a tier that does not answer within it (and has no
+            timeout of its own) is marked unhealthy and skipped while it backs off; a ``put`` that finds
+            the write queue full waits at most this long.
+        strict: raise ``TierError`` (or ``IntegrityError``) where a lenient store counts the failure,
+            logs it once and carries on.
+        queue_size: writes queued for the background writer before ``put`` waits (backpressure).
+        write_policy: ``"through"`` writes every entry to every tier (durable at ``flush``); ``"top"``
+            writes the first tier only, the others get entries when it pushes them out.
+        promote: copy a hit from a lower tier into the tiers above it.
+        backoff_s, max_backoff_s: an unhealthy tier is retried after ``backoff_s``, doubling up to
+            ``max_backoff_s``.
+
+    See the module docstring for keys, reads, demotion, health, confirmations and leases.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], *, timeout_s: float = 2.0, strict: bool = False,
                  queue_size: int = 64, write_policy: str = "through", promote: bool = True,
-                 read_threads: int = 4, backoff_s: float = 1.0, max_backoff_s: float = 30.0):
+                 backoff_s: float = 1.0, max_backoff_s: float = 30.0):
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
+        wrong = [type(t).__name__ for t in tiers if not isinstance(t, Tier)]
+        if wrong:
+            raise TypeError(f"tiers must be pace_hf.tiers.Tier objects (HostTier, DiskTier, ValkeyTier or a "
+                            f"subclass of Tier), got {wrong}")
         if write_policy not in ("through", "top"):
             raise ValueError("write_policy is 'through' or 'top'")
         names = [t.name for t in tiers]
@@ -166,8 +214,7 @@ class TieredStore:
         self.promote = promote
         self._backoff0, self._backoff_max = float(backoff_s), float(max_backoff_s)
         for t in self.tiers:  # tiers with a request timeout take the store's unless given their own
-            if hasattr(t, "set_timeout") and not getattr(t, "_timeout_explicit", False):
-                t.set_timeout(self.timeout_s)
+            t.set_default_timeout(self.timeout_s)
         self._state = {t.name: _TierState(self._backoff0) for t in self.tiers}
         self._counts = {"puts": 0, "gets": 0, "failures": 0}
         self._lock = threading.Lock()  # stats, health, log-once set
@@ -180,14 +227,11 @@ class TieredStore:
         self._inflight = 0
         self._closed = False
         self._async_error: TierError | None = None
-        self._io_pool = ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="pace-tier-io")
         self._prefetch_pool = ThreadPoolExecutor(2, thread_name_prefix="pace-tier-prefetch")
         self._writer = threading.Thread(target=self._write_loop, name="pace-tier-writer", daemon=True)
         self._writer.start()
 
     # -- public API --------------------------------------------------------------------------------
-    full_key = staticmethod(full_key)
-
     def put(self, key: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None = None, *,
             fingerprint: str, session_id: str, through: bool = False) -> Future:
         """Queue ``tensors`` + ``meta`` under ``key`` for the background writer (see module docstring).
@@ -270,7 +314,7 @@ class TieredStore:
                 continue
             t0 = time.perf_counter()
             try:
-                datas = self._read_tier(tier, [fks[i] for i in todo])
+                datas = tier.get_many([fks[i] for i in todo])
             except Exception as e:  # noqa: BLE001 - every backend failure is classified and counted
                 self._tier_failed(name, e, "read")
                 continue
@@ -355,7 +399,6 @@ class TieredStore:
                 self._cv.notify_all()
             self._writer.join(timeout=5)
             self._prefetch_pool.shutdown(wait=True)
-            self._io_pool.shutdown(wait=True)
             for t in self.tiers:
                 try:
                     t.close()
@@ -382,52 +425,58 @@ class TieredStore:
     def durable_tiers(self) -> list[str]:
         """The tiers that outlive this process (all but host memory; every tier if there is no other):
         a save is durable once its entries are written to each of them."""
-        durable = [t.name for t in self.tiers if getattr(t, "durable", True)]
+        durable = [t.name for t in self.tiers if t.durable]
         return durable or [t.name for t in self.tiers]
 
     def lease(self, session_id: str, *, ttl_s: float = 60.0) -> Lease:
         """Take ``session_id``'s writer lease on every tier that keeps leases (``acquire_lease``); raises
         ``LeaseHeld`` naming the tier where another writer holds it. Use as a context manager."""
-        return Lease([t for t in self.tiers if hasattr(t, "acquire_lease")], full_key("lease", session_id), ttl_s)
+        return Lease([t for t in self.tiers if t.supports_lease], full_key("lease", session_id), ttl_s)
+
+    def scan(self, session_id: str | None = None):
+        """``(session_id, tier name, key, stored bytes)`` of every entry the tiers hold, of one session
+        or of all (what is written: pending writes are not there yet; leases are not entries). Raises
+        ``TierUnavailable`` when a tier cannot be listed."""
+        prefix = f"{KEY_PREFIX}:" if session_id is None else full_key("", session_id)
+        for tier in self.tiers:
+            for fk, nbytes in tier.scan(prefix):
+                parts = split_key(fk)
+                if parts is not None and parts[1] != "lease":
+                    yield parts[0], tier.name, parts[1], nbytes
+
+    def usage(self, session_id: str | None = None) -> dict[str, dict[str, dict]]:
+        """The size report: ``{session_id: {tier name: {"entries", "bytes", "generations"}}}``, largest
+        session first. ``generations`` are the save generations found in the keys (``persist``); a
+        session keeps one, more are what crashed saves left (the next save deletes them). Spill entries
+        (evicted KV, the bulk of a long session) belong to no generation (``pace_hf.spill`` says what
+        bounds them). A session's entries go with ``delete_session`` (``python -m pace_hf.tiers delete``)
+        or expire with ``ValkeyTier(ttl_s=...)``."""
+        out: dict[str, dict[str, dict]] = {}
+        for sid, tier, key, nbytes in self.scan(session_id):
+            row = out.setdefault(sid, {}).setdefault(tier, {"entries": 0, "bytes": 0, "generations": set()})
+            row["entries"] += 1
+            row["bytes"] += nbytes
+            if (gen := generation_of(key)) is not None:
+                row["generations"].add(gen)
+        for tiers in out.values():
+            for row in tiers.values():
+                row["generations"] = sorted(row["generations"], key=_serial)
+        return dict(sorted(out.items(), key=lambda kv: -max(r["bytes"] for r in kv[1].values())))
 
     def healthy(self, tier_name: str) -> bool:
         """Whether ``tier_name`` is in use now (False while it backs off after a failure)."""
         with self._lock:
             return self._state[tier_name].healthy
 
-    def tier_status(self) -> dict:
-        """Per tier: healthy, seconds until the next retry, current backoff, last error."""
-        now = time.monotonic()
-        with self._lock:
-            return {name: {"healthy": st.healthy, "retry_in_s": max(0.0, st.retry_at - now) if not st.healthy else 0.0,
-                           "backoff_s": st.backoff_s, "last_error": st.last_error}
-                    for name, st in self._state.items()}
-
     # -- reading helpers ---------------------------------------------------------------------------
-    def _read_tier(self, tier, fks: list[str]) -> list:
-        """Raw values (or None, or a per-key exception) for ``fks`` from one tier."""
-        if len(fks) == 1:
-            return [tier.get(fks[0])]
-        if hasattr(tier, "get_many"):
-            return list(tier.get_many(fks))
-        if isinstance(tier, HostTier):
-            return [tier.get(k) for k in fks]
-
-        def one(k):
-            try:
-                return tier.get(k)
-            except Exception as e:  # noqa: BLE001
-                return e
-        return list(self._io_pool.map(one, fks))
-
     def _promote(self, ti: int, fk: str, data) -> None:
         uppers = []
         for j in range(ti):
             t = self.tiers[j]
             if not self._usable(t.name):
                 continue
-            if isinstance(t, HostTier):
-                pushed = t.put(fk, data, clean=True)
+            if t.in_process:
+                pushed = self._put_into(t, fk, data, clean=True)
                 self._add(t.name, "promoted", 1)
                 self._queue_demotions(j, [p for p in pushed if p[0] != fk])
             else:
@@ -488,7 +537,7 @@ class TieredStore:
                 if item.cancelled:
                     break
                 if self._write_to(j, item.fk, data, own=not item.through, outcome=outcome):
-                    if isinstance(self.tiers[j], HostTier) and wrote_host is None:
+                    if self.tiers[j].evicts and wrote_host is None:
                         wrote_host = j
                     else:
                         wrote_below = True
@@ -527,7 +576,7 @@ class TieredStore:
             return False
         t0 = time.perf_counter()
         try:
-            pushed = tier.put(fk, data, clean=False) if isinstance(tier, HostTier) else tier.put(fk, data)
+            pushed = self._put_into(tier, fk, data, clean=False)
         except Exception as e:  # noqa: BLE001
             outcome[name] = f"write failed: {e!r}"[:500]
             self._tier_failed(name, e, "write")
@@ -536,7 +585,7 @@ class TieredStore:
             return False
         self._tier_ok(name)
         self._add(name, "write_seconds", time.perf_counter() - t0)
-        if isinstance(tier, HostTier):
+        if pushed:
             mine = [p for p in pushed if p[0] == fk]
             others = [p for p in pushed if p[0] != fk]
             self._queue_demotions(j, others)
@@ -548,6 +597,14 @@ class TieredStore:
         self._add(name, "bytes_written", len(data))
         outcome[name] = None
         return True
+
+    @staticmethod
+    def _put_into(tier: Tier, fk: str, data, *, clean: bool) -> list:
+        """``tier.put``; the entries an evicting tier pushed out (``[]`` for any other tier)."""
+        if tier.evicts:
+            return tier.put(fk, data, clean=clean)
+        tier.put(fk, data)
+        return []
 
     def _write_below(self, j: int, fk: str, data, outcome: dict | None = None) -> bool:
         for k in range(j + 1, len(self.tiers)):

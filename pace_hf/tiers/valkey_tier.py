@@ -1,11 +1,12 @@
 """ValkeyTier: entries in a Valkey (or Redis) server, through valkey-py.
 
 Keys. The tier stores what the store hands it: the store builds the full key
-``pace:{session_id}:{key}`` (see ``TieredStore.full_key``), so every session is its own namespace and
+``pace:{session_id}:{key}`` (see ``store.full_key``), so every session is its own namespace and
 ``delete_prefix("pace:<session>:")`` drops one session. A value larger than ``chunk_bytes`` is split:
 chunk 0 lives under the key itself and starts with the total length (8 bytes, little endian); chunk
 ``i >= 1`` lives under ``key + "\\0#i"`` (NUL never occurs in a store key, so chunk names cannot collide
-with entries). All chunks are written in one MULTI/EXEC transaction, chunk 0 last, each with the same
+with entries). All chunks are written in one MULTI/EXEC transaction (all the entries of one
+``put_many`` in one transaction too), chunk 0 last, each with the same
 optional TTL (``ttl_s``); chunks of an older, longer value under the same key are unlinked in the same
 transaction. A chunk that is missing on read (restart, eviction, TTL) makes the entry a miss; a chunk of
 the wrong length makes it truncated data, which the entry checksum rejects.
@@ -39,7 +40,9 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from typing import Iterable, Iterator
 
+from .base import Tier
 from .errors import TierError, TierUnavailable
 
 try:
@@ -164,10 +167,23 @@ class _RawReader:
         self.read_into(memoryview(bytearray(n)))
 
 
-class ValkeyTier:
-    """Entries in Valkey at ``url`` (``valkey://host:port/db``, ``redis://...``, ``valkey+unix://...``)."""
+class ValkeyTier(Tier):
+    """Entries in a Valkey (or Redis) server.
+
+    Args:
+        url: the server, ``valkey://host:port/db``, ``redis://...``, ``valkeys://`` (TLS) or
+            ``valkey+unix:///path/to.sock``; a password goes in the URL.
+        ttl_s: expire every entry this many seconds after it was written (``None``: never). A session
+            whose entries expire cannot be resumed: resume refuses, naming the missing entry.
+        timeout_s: seconds per request (connect, send, reply); ``None`` takes the store's ``timeout_s``.
+        chunk_bytes: values above this are split into chunks of this size (see the module docstring).
+        fast_reads: read replies straight into place on a plain socket (``False``: through valkey-py).
+        name: the tier's name in the store's stats and confirmations (unique within a store).
+    """
 
     durable = True
+    shared_across_processes = True
+    supports_lease = True
 
     def __init__(self, url: str = "valkey://127.0.0.1:6379", *, ttl_s: float | None = None,
                  timeout_s: float | None = None, chunk_bytes: int = 16 << 20, fast_reads: bool = True,
@@ -184,12 +200,16 @@ class ValkeyTier:
         self._raw: list[_RawReader] = []
         self._raw_lock = threading.Lock()
         self.client = None
-        self._timeout_explicit = timeout_s is not None  # else the store sets its own timeout
-        self.set_timeout(timeout_s if timeout_s is not None else 2.0)
+        self._own_timeout = timeout_s is not None  # else the store's timeout, through set_default_timeout
+        self._connect(timeout_s if timeout_s is not None else 2.0)
 
     # -- setup -------------------------------------------------------------------------------------
-    def set_timeout(self, timeout_s: float) -> None:
-        """(Re)create the client with ``timeout_s`` per request; the store calls this with its timeout."""
+    def set_default_timeout(self, timeout_s: float) -> None:
+        if not self._own_timeout and float(timeout_s) != self.timeout_s:
+            self._connect(timeout_s)
+
+    def _connect(self, timeout_s: float) -> None:
+        """(Re)create the client with ``timeout_s`` per request."""
         self.timeout_s = float(timeout_s)
         old = self.client
         # One immediate retry on a *connection* error (a pooled connection that a server restart
@@ -227,25 +247,39 @@ class ValkeyTier:
 
     # -- protocol ----------------------------------------------------------------------------------
     def put(self, key: str, data) -> None:
-        base = key.encode()
-        mv = memoryview(data).cast("B")
-        total = len(mv)
-        n = self._n_chunks(total)
+        (err,) = self.put_many([(key, data)])
+        if err is not None:
+            raise err
+
+    def put_many(self, items: Iterable[tuple[str, object]]) -> list:
+        """Every entry in one transaction (one round trip to learn the chunk counts of the values they
+        replace, one for the transaction): all are written, or none and each gets the error."""
+        items = [(key.encode(), memoryview(data).cast("B")) for key, data in items]
+        if not items:
+            return []
         C = self.chunk_bytes
+        what = items[0][0].decode(errors="replace") + (f" and {len(items) - 1} more" if len(items) > 1 else "")
         try:
-            old = self.client.getrange(base, 0, _LEN.size - 1)
-            old_n = self._n_chunks(_LEN.unpack(old)[0]) if len(old) == _LEN.size else 1
+            p = self.client.pipeline(transaction=False)
+            for base, _mv in items:
+                p.getrange(base, 0, _LEN.size - 1)
+            olds = p.execute()
             p = self.client.pipeline(transaction=True)
-            for i in range(old_n - 1, n - 1, -1):
-                p.unlink(self._chunk_key(base, i))
-            for i in range(n - 1, 0, -1):
-                p.set(self._chunk_key(base, i), mv[i * C:(i + 1) * C], **self._ex())
-            p.set(base, _LEN.pack(total) + bytes(mv[:C]), **self._ex())
+            for (base, mv), old in zip(items, olds):
+                n = self._n_chunks(len(mv))
+                old_n = self._n_chunks(_LEN.unpack(old)[0]) if len(old) == _LEN.size else 1
+                for i in range(old_n - 1, n - 1, -1):
+                    p.unlink(self._chunk_key(base, i))
+                for i in range(n - 1, 0, -1):
+                    p.set(self._chunk_key(base, i), mv[i * C:(i + 1) * C], **self._ex())
+                p.set(base, _LEN.pack(len(mv)) + bytes(mv[:C]), **self._ex())
             p.execute()
         except self._errors() as e:
-            raise TierUnavailable(f"valkey put {key!r}: {e}") from e
+            raise TierUnavailable(f"valkey put {what!r}: {e}") from e
         except _vexc.ValkeyError as e:
-            raise TierError(f"valkey put {key!r}: {e}") from e
+            err = TierError(f"valkey put {what!r}: {e}")
+            return [err] * len(items)
+        return [None] * len(items)
 
     def get(self, key: str) -> bytearray | None:
         return self.get_many([key])[0]
@@ -408,6 +442,25 @@ class ValkeyTier:
             raise TierUnavailable(f"valkey delete_prefix {prefix!r}: {e}") from e
         return n
 
+    def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """SCAN for the prefix, then STRLEN of every key found (pipelined); a value's chunks count
+        toward its entry."""
+        pattern = _glob_escape(prefix.encode()) + b"*"
+        sizes: dict[bytes, int] = {}
+        try:
+            found = list(self.client.scan_iter(match=pattern, count=1000))
+            for start in range(0, len(found), 1000):
+                batch = found[start:start + 1000]
+                p = self.client.pipeline(transaction=False)
+                for k in batch:
+                    p.strlen(k)
+                for k, n in zip(batch, p.execute()):
+                    base = k.split(_CHUNK_SEP, 1)[0]
+                    sizes[base] = sizes.get(base, 0) + int(n)
+        except self._errors() as e:
+            raise TierUnavailable(f"valkey scan {prefix!r}: {e}") from e
+        return iter([(k.decode("utf-8", errors="replace"), n) for k, n in sizes.items()])
+
     def _lease_call(self, what: str, call):
         try:
             return call()
@@ -426,12 +479,6 @@ class ValkeyTier:
 
     def release_lease(self, name: str, token: str) -> None:
         self._lease_call("release", lambda: self.client.eval(_RELEASE, 1, name.encode(), token))
-
-    def ping(self) -> bool:
-        try:
-            return bool(self.client.ping())
-        except self._errors() as e:
-            raise TierUnavailable(f"valkey ping: {e}") from e
 
     def close(self) -> None:
         self._drop_raw()

@@ -1,0 +1,169 @@
+"""See and clean what a store holds: ``python -m pace_hf.tiers list|inspect|delete --store SPEC``.
+
+A session's store grows with every token its cache evicts (the spill: about 20 KB per evicted token on
+SmolLM2-135M, 200 MB for a 10K-token session) and keeps it after the session ends, until the session is
+deleted or its Valkey entries expire (``ValkeyTier(ttl_s=...)``). This command is the size report and
+the cleanup::
+
+    python -m pace_hf.tiers list --store disk:runs/kv                 # sessions, entries, bytes per tier
+    python -m pace_hf.tiers inspect agent-42 --store valkey://127.0.0.1:6379 --keys
+    python -m pace_hf.tiers delete agent-42 old-7 --store disk:runs/kv,valkey://127.0.0.1:6379
+    python -m pace_hf.tiers delete --all --store disk:runs/kv
+
+``--store`` takes the spelling ``pace-serve --store`` takes (``pace_hf.tiers.spec``), but only tiers
+shared across processes: host memory belongs to the process that holds it. ``delete`` takes each
+session's writer lease first, so it refuses (exit status 1, nothing deleted) a session that a live
+writer is saving; ``--json`` prints the report for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
+from .errors import IntegrityError, TierError, WriterConflict
+from .spec import SPELLINGS, parse_store
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _report_rows(report: dict) -> list[list[str]]:
+    rows = [["session", "tier", "entries", "bytes", "generations"]]
+    for sid, tiers in report.items():
+        for tier, row in tiers.items():
+            rows.append([sid, tier, str(row["entries"]), _size(row["bytes"]), " ".join(row["generations"]) or "-"])
+    return rows
+
+
+def _manifest(store, sid: str) -> dict | str | None:
+    """The session's save manifest, ``None`` if it has none, or why it cannot be read."""
+    try:
+        got = store.get(MANIFEST_KEY, fingerprint=MANIFEST_FINGERPRINT, session_id=sid)
+    except IntegrityError as e:
+        return f"its manifest fails verification ({e})"
+    return None if got is None else got[1]
+
+
+def cmd_list(store, args) -> int:
+    report = store.usage()
+    if args.json:
+        print(json.dumps(report, indent=1))
+    elif not report:
+        print("no sessions in this store")
+    else:
+        print(_table(_report_rows(report)))
+        total = sum(r["bytes"] for tiers in report.values() for r in tiers.values())
+        print(f"{len(report)} sessions, {_size(total)} in all")
+    return 0
+
+
+def cmd_inspect(store, args) -> int:
+    report = store.usage(args.session)
+    if not report:
+        print(f"no session {args.session!r} in this store", file=sys.stderr)
+        return 1
+    manifest = _manifest(store, args.session)
+    unreadable = manifest if isinstance(manifest, str) else None
+    manifest = None if unreadable else manifest
+    current = None if manifest is None else manifest.get("generation")
+    keys = sorted((tier, key, n) for _sid, tier, key, n in store.scan(args.session)) if args.keys else None
+    if args.json:
+        out = {"session": args.session, "tiers": report[args.session], "current_generation": current,
+               "manifest_error": unreadable}
+        if manifest is not None:
+            out["saved"] = {k: manifest.get(k) for k in ("class", "format", "serial", "step", "budget", "limit")}
+        if keys is not None:
+            out["keys"] = [{"tier": t, "key": k, "bytes": n} for t, k, n in keys]
+        print(json.dumps(out, indent=1))
+        return 0
+    print(_table(_report_rows(report)))
+    if unreadable:
+        print(f"no save that resumes: {unreadable}")
+    elif manifest is None:
+        print("no save: the entries are a session's that never saved (or whose save was deleted)")
+    else:
+        print(f"current save: {current} ({manifest.get('class')}, save format {manifest.get('format')}, "
+              f"step {manifest.get('step')})")
+        stale = sorted({g for row in report[args.session].values() for g in row["generations"]} - {current})
+        if stale:
+            print(f"left by interrupted saves: {' '.join(stale)} (the session's next save deletes them)")
+    if keys is not None:
+        print(_table([["tier", "key", "bytes"]] + [[t, k, _size(n)] for t, k, n in keys]))
+    return 0
+
+
+def cmd_delete(store, args) -> int:
+    report = store.usage()
+    if args.all == bool(args.sessions):
+        print("delete: name the sessions to delete, or give --all (not both)", file=sys.stderr)
+        return 2
+    status = 0
+    for sid in list(report) if args.all else args.sessions:
+        if sid not in report:
+            print(f"no session {sid!r} in this store: nothing deleted", file=sys.stderr)
+            status = 1
+            continue
+        try:
+            with store.lease(sid):
+                store.delete_session(sid)
+        except WriterConflict as e:
+            print(f"{sid}: not deleted: {e}", file=sys.stderr)
+            status = 1
+            continue
+        left = store.usage(sid)
+        if left:
+            print(f"{sid}: not every entry went ({_table(_report_rows(left))})", file=sys.stderr)
+            status = 1
+            continue
+        freed = sum(r["bytes"] for r in report[sid].values())
+        print(f"{sid}: deleted {sum(r['entries'] for r in report[sid].values())} entries, {_size(freed)}")
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", required=True, help=f"the tiers, comma-separated: {SPELLINGS}")
+    common.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = argparse.ArgumentParser(prog="python -m pace_hf.tiers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", parents=[common], help="every session: entries, bytes and generations per tier")
+    inspect = sub.add_parser("inspect", parents=[common], help="one session: its tiers, its save, its keys")
+    inspect.add_argument("session")
+    inspect.add_argument("--keys", action="store_true", help="list every entry with its size")
+    delete = sub.add_parser("delete", parents=[common], help="delete sessions (each under its writer lease)")
+    delete.add_argument("sessions", nargs="*")
+    delete.add_argument("--all", action="store_true", help="delete every session in the store")
+    args = p.parse_args(argv)
+    try:
+        store = parse_store(args.store, strict=True)
+    except (ValueError, ImportError) as e:
+        p.error(f"--store: {e}")
+    try:
+        local = [t.name for t in store.tiers if not t.shared_across_processes]
+        if local:
+            p.error(f"--store: tier(s) {local} live in one process's memory; name tiers shared across "
+                    "processes (disk:PATH, valkey://...)")
+        return {"list": cmd_list, "inspect": cmd_inspect, "delete": cmd_delete}[args.command](store, args)
+    except TierError as e:
+        print(f"python -m pace_hf.tiers: {e}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

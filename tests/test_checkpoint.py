@@ -1,0 +1,213 @@
+"""A prefill that survives restarts (issue 26 item 3): saves every N prefill chunks, a real SIGKILL in
+the middle, and a resume that gives exactly the tokens of an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_runner import _tiny_model_dir
+from tiny_models import tiny_model
+
+from pace_bench import runner
+from pace_bench.checkpoint import read_chunk_log
+from pace_hf import PACECache, PACESession
+from pace_hf.session import generate_reply
+from pace_hf.tiers import DiskTier, TieredStore
+
+REPO = Path(__file__).resolve().parents[1]
+CONTEXT = " ".join(f"item{i} = {i * 7 % 13}" for i in range(700))  # a long user turn (~3.5K tokens)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _load(model_dir):
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(model_dir).eval(), tf.AutoTokenizer.from_pretrained(model_dir)
+
+
+def _kill_at_first_save(cmd, root: Path, env=None, timeout=120):
+    """Start ``cmd``; SIGKILL it as soon as a save's manifest is in ``root`` (a real kill, mid-prefill)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while not any(root.rglob("*manifest*")):
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the process ended (rc {proc.returncode}) before its first save:\n{err[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("no save within the timeout")
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+# -- generate_reply: segments of whole chunks, the same forwards ---------------------------------------
+
+
+def test_checkpointed_prefill_runs_the_same_forwards_and_resumes_to_the_same_tokens(tmp_path):
+    """Saves every 3 chunks; the cache after it is bit-identical to one generate's, and a cache resumed
+    from the last save (in this process: the kill is below) answers with the same tokens."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 128, (700,), generator=torch.Generator().manual_seed(1)).tolist()
+    kwargs = dict(max_new_tokens=12, stop_ids=[0], chunk=40)
+    plain = PACECache(model=model, budget=160, limit=256)
+    expected = generate_reply(model, ids, plain, **kwargs)
+    store = TieredStore([DiskTier(tmp_path / "kv")])
+    cache = PACECache(model=model, budget=160, limit=256, store=store, session_id="s")
+    seen = []
+
+    def save():
+        seen.append(cache.get_seq_length())
+        cache.save()
+
+    assert generate_reply(model, ids, cache, checkpoint_every=3, checkpoint=save, **kwargs) == expected
+    assert seen == list(range(120, 700, 120))  # whole segments of 3 chunks, the last token left to generate
+    for a, b in zip(plain.layers, cache.layers):
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
+    assert cache.renumbers == plain.renumbers
+    # resume the last save (at 600 tokens) and answer: the uninterrupted tokens
+    resumed = PACECache.resume("s", store=store, model=model)
+    assert resumed.get_seq_length() == 600
+    assert generate_reply(model, ids, resumed, **kwargs) == expected
+    store.close()
+
+
+def test_checkpoint_arguments_are_checked():
+    model = tiny_model("qwen2")
+    cache = PACECache(model=model, budget=160, limit=256)
+    ids = list(range(3, 200))
+    with pytest.raises(ValueError, match="needs a prefill chunk size"):
+        generate_reply(model, ids, cache, max_new_tokens=1, stop_ids=[0], checkpoint_every=2, checkpoint=cache.save)
+    with pytest.raises(ValueError, match="checkpoint_every must be >= 1"):
+        generate_reply(model, ids, cache, max_new_tokens=1, stop_ids=[0], chunk=32, checkpoint_every=0,
+                       checkpoint=cache.save)
+    with pytest.raises(TypeError, match="needs checkpoint="):
+        generate_reply(model, ids, cache, max_new_tokens=1, stop_ids=[0], chunk=32, checkpoint_every=2)
+    assert cache.get_seq_length() == 0  # nothing ran
+
+
+# -- PACESession.generate(checkpoint_every=N), killed mid-prefill ---------------------------------------
+
+
+def test_session_killed_mid_prefill_resumes_from_its_checkpoint_to_the_same_reply(model_dir, tmp_path):
+    root = tmp_path / "kv"
+    script = tmp_path / "session_run.py"
+    script.write_text(textwrap.dedent(f"""
+        import transformers as tf
+        from pace_hf import PACESession
+        from pace_hf.tiers import DiskTier, TieredStore
+
+        model = tf.AutoModelForCausalLM.from_pretrained({model_dir!r}).eval()
+        tok = tf.AutoTokenizer.from_pretrained({model_dir!r})
+        session = PACESession(model, tok, budget=256, limit=1024, chunk=64, store=TieredStore([DiskTier({str(root)!r})]),
+                              session_id="agent")
+        session.add("user", {CONTEXT!r})
+        session.generate(max_new_tokens=8, checkpoint_every=2)
+    """))
+    _kill_at_first_save([sys.executable, str(script)], root)
+
+    model, tok = _load(model_dir)
+    plain = PACESession(model, tok, budget=256, limit=1024, chunk=64)
+    plain.add("user", CONTEXT)
+    expected = plain.generate(max_new_tokens=8)
+    store = TieredStore([DiskTier(root)])
+    session = PACESession.resume("agent", model, tok, store=store)
+    at = session.cache.get_seq_length()
+    assert 0 < at < len(session.ids) and at % 128 == 0  # mid-prefill, on a segment boundary
+    assert [m.content for m in session.messages] == [CONTEXT]  # the turn, not yet answered
+    assert session.generate(max_new_tokens=8) == expected
+    assert session.ids == plain.ids
+    with pytest.raises(ValueError, match="needs a session with a store"):
+        plain.generate(max_new_tokens=1, checkpoint_every=2)
+    store.close()
+
+
+# -- pace-bench --checkpoint-every N, killed mid-prefill, then --resume ------------------------------------
+
+
+def _bench_args(model_dir, out):
+    return ["--model", model_dir, "--arms", "pace", "--sessions", "1", "--tokens", "3000", "--budget", "256",
+            "--limit", "1024", "--chunk", "64", "--max-new-tokens", "4", "--no-progress", "--store", "disk",
+            "--checkpoint-every", "2", "--chunk-log", "--out", str(out)]
+
+
+def test_bench_killed_mid_prefill_resumes_from_its_checkpoint_to_the_same_answers(model_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
+    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+    base, run = tmp_path / "base", tmp_path / "run"
+    assert runner.main(_bench_args(model_dir, base)) == 0
+    expected = [json.loads(line) for line in (base / "probes.jsonl").read_text().splitlines()]
+    assert not [p for p in (base / "kv").rglob("*") if p.is_file()]  # a complete pair leaves no checkpoint
+
+    env = dict(os.environ, PACE_ALLOW_CODE_EVAL="1")
+    _kill_at_first_save([sys.executable, "-m", "pace_bench", *_bench_args(model_dir, run)], run / "kv", env=env)
+    assert (run / "probes.jsonl").read_text() == ""  # killed mid-pair: no record yet
+    capsys.readouterr()
+    assert runner.main([*_bench_args(model_dir, run), "--resume"]) == 0
+    said = capsys.readouterr().out
+    assert "resumed pace s0-0 from its checkpoint at token" in said and "(probe 1/3, probe)" in said
+    at = int(said.split("checkpoint at token ")[1].split(" ")[0].replace(",", ""))
+    assert 0 < at < expected[0]["context_len"]  # from the middle of the prefill, not from scratch
+    got = [json.loads(line) for line in (run / "probes.jsonl").read_text().splitlines()]
+    same = ("probe", "answer", "checks_passed", "recall_hits", "residency", "rotary_gap", "peak_cache_bytes",
+            "full_cache_bytes", "failure")
+    assert [{k: r.get(k) for k in same} for r in got] == [{k: r.get(k) for k in same} for r in expected]
+    # the chunk log: every chunk once (the ones redone after the kill count once), the same cache bytes
+    chunks, base_chunks = read_chunk_log(run / "chunks.jsonl"), read_chunk_log(base / "chunks.jsonl")
+    assert [(c["seen"], c["cache_bytes"]) for c in chunks] == [(c["seen"], c["cache_bytes"]) for c in base_chunks]
+    assert chunks[0]["seen"] == 64 and all(c["tokens_per_s"] > 0 for c in chunks)
+    assert not [p for p in (run / "kv").rglob("*") if p.is_file()]
+
+
+def test_a_checkpoint_of_other_settings_is_refused_and_kept(model_dir, tmp_path, monkeypatch):
+    """A pair cut short (its save left in the store) resumed with another budget: an error naming it,
+    and the checkpoint still there for a resume with the right settings."""
+    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+    out = tmp_path / "run"
+    calls = []
+
+    def stop_after_two_saves(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a Ctrl-C in the middle of the prefill
+        return real(*args, **kwargs)
+
+    from pace_hf import persist
+
+    real = persist.save
+    monkeypatch.setattr(persist, "save", stop_after_two_saves)
+    with pytest.raises(KeyboardInterrupt):
+        runner.main(_bench_args(model_dir, out))
+    monkeypatch.setattr(persist, "save", real)
+    saved = sorted(p for p in (out / "kv").rglob("*") if p.is_file())
+    assert saved  # an interrupted pair keeps its checkpoint
+    argv = _bench_args(model_dir, out)
+    argv[argv.index("--budget") + 1] = "320"
+    with pytest.raises(SystemExit, match="was made with other budget"):
+        runner.main([*argv, "--resume"])
+    assert sorted(p for p in (out / "kv").rglob("*") if p.is_file()) == saved
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--checkpoint-every", "4"], "give --store disk or valkey"),
+    (["--checkpoint-every", "4", "--store", "host"], "give --store disk or valkey"),
+    (["--checkpoint-every", "4", "--store", "disk", "--arms", "pace,full"], "the full arm (DynamicCache) has no save"),
+    (["--checkpoint-every", "0", "--store", "disk"], "--checkpoint-every: must be >= 1"),
+])
+def test_checkpoint_arguments_of_the_command_line(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+    with pytest.raises(SystemExit) as e:
+        runner.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
