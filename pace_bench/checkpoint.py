@@ -113,6 +113,9 @@ class ChunkLog:
         self.path, self.cache, self.labels, self.inner = Path(path), cache, labels, inner
         self.full_bytes_per_token = full_bytes_per_token
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and not self.path.read_bytes().endswith(b"\n") and self.path.stat().st_size:
+            with open(self.path, "a") as f:  # a kill cut the last line short: it stays alone on its line
+                f.write("\n")
         self.mark()
 
     def mark(self) -> None:
@@ -134,10 +137,14 @@ class ChunkLog:
 
 
 def read_chunk_log(path) -> list[dict]:
-    """The lines of a chunk log, one per (labels, seen), the last written winning, in order of ``seen``."""
+    """The lines of a chunk log, one per (labels, seen), the last written winning, in order of ``seen``
+    (a line a kill cut short is skipped)."""
     last: dict[tuple, dict] = {}
     for line in Path(path).read_text().splitlines():
-        if line.strip():
+        try:
             r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(r, dict) and "seen" in r:
             last[(r.get("arm"), r.get("session_id"), r.get("distance"), r["seen"])] = r
     return sorted(last.values(), key=lambda r: (str(r.get("arm")), str(r.get("session_id")), r["seen"]))

@@ -22,7 +22,7 @@ from pace_hf.session import generate_reply
 from pace_hf.tiers import DiskTier, TieredStore
 
 REPO = Path(__file__).resolve().parents[1]
-CONTEXT = " ".join(f"item{i} = {i * 7 % 13}" for i in range(700))  # a long user turn (~3.5K tokens)
+CONTEXT = " ".join(f"item{i} = {i * 7 % 13}" for i in range(200))  # a long user turn (~1.4K tokens)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_checkpointed_prefill_runs_the_same_forwards_and_resumes_to_the_same_tok
     """Saves every 3 chunks; the cache after it is bit-identical to one generate's, and a cache resumed
     from the last save (in this process: the kill is below) answers with the same tokens."""
     model = tiny_model("qwen2")
-    ids = torch.randint(3, 128, (700,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(1)).tolist()
     kwargs = dict(max_new_tokens=12, stop_ids=[0], chunk=40)
     plain = PACECache(model=model, budget=160, limit=256)
     expected = generate_reply(model, ids, plain, **kwargs)
@@ -73,13 +73,13 @@ def test_checkpointed_prefill_runs_the_same_forwards_and_resumes_to_the_same_tok
         cache.save()
 
     assert generate_reply(model, ids, cache, checkpoint_every=3, checkpoint=save, **kwargs) == expected
-    assert seen == list(range(120, 700, 120))  # whole segments of 3 chunks, the last token left to generate
+    assert seen == [120, 240, 360]  # whole segments of 3 chunks, the last token left to generate
     for a, b in zip(plain.layers, cache.layers):
         assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
     assert cache.renumbers == plain.renumbers
-    # resume the last save (at 600 tokens) and answer: the uninterrupted tokens
+    # resume the last save (at 360 tokens) and answer: the uninterrupted tokens
     resumed = PACECache.resume("s", store=store, model=model)
-    assert resumed.get_seq_length() == 600
+    assert resumed.get_seq_length() == 360
     assert generate_reply(model, ids, resumed, **kwargs) == expected
     store.close()
 
@@ -138,7 +138,7 @@ def test_session_killed_mid_prefill_resumes_from_its_checkpoint_to_the_same_repl
 
 
 def _bench_args(model_dir, out):
-    return ["--model", model_dir, "--arms", "pace", "--sessions", "1", "--tokens", "3000", "--budget", "256",
+    return ["--model", model_dir, "--arms", "pace", "--sessions", "1", "--tokens", "1600", "--budget", "256",
             "--limit", "1024", "--chunk", "64", "--max-new-tokens", "4", "--no-progress", "--store", "disk",
             "--checkpoint-every", "2", "--chunk-log", "--out", str(out)]
 
@@ -211,3 +211,34 @@ def test_checkpoint_arguments_of_the_command_line(argv, message, capsys, monkeyp
     with pytest.raises(SystemExit) as e:
         runner.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+# -- bench/run_1m.sh: the 1M-token session's command, at a small scale ---------------------------------------
+
+
+def test_the_1m_script_runs_in_the_background_and_reports(model_dir, tmp_path):
+    """The script's own command (nohup, --checkpoint-every, --resume, the report) on the tiny model at
+    1.6K tokens: it returns at once, the run completes in the background and writes the report."""
+    out, results = tmp_path / "run", tmp_path / "results"
+    env = dict(os.environ, TOKENS="1600", MODEL=model_dir, BUDGET="256", CHUNK="64", LIMIT="1024", CHECKPOINT_EVERY="2",
+               EXTRA="--max-new-tokens 4", OUT=str(out), RESULTS=str(results), PY=sys.executable)
+    started = subprocess.run(["bash", "bench/run_1m.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert started.returncode == 0 and "started in the background" in started.stdout, started.stderr
+    deadline = time.monotonic() + 240
+    while not (results / "report.md").exists() or "done:" not in (out / "run.log").read_text():
+        assert time.monotonic() < deadline, (out / "run.log").read_text()[-3000:]
+        time.sleep(0.5)
+    report = (results / "report.md").read_text()
+    assert "B=256, H=64, L=1,024" in report and "| fee_for |" in report and "Per-chunk tokens/s" in report
+    assert (results / "fig_chunks.png").stat().st_size > 0 and (results / "probes.jsonl").exists()
+    settings = json.loads((results / "run.json").read_text())
+    assert settings["checkpoint_every"] == 2 and settings["dtype"] == "float32" and settings["store"] == "disk"
+    # a second start while one holds the lock is refused
+    (out / "kv").mkdir(exist_ok=True)
+    import fcntl
+
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        again = subprocess.run(["bash", "bench/run_1m.sh", "--foreground"], cwd=REPO, env=env, capture_output=True,
+                               text=True, timeout=30)
+    assert again.returncode == 1 and "one run at a time" in again.stderr

@@ -119,7 +119,7 @@ def test_dependency_closure_follows_uses_as_the_definer_saw_them():
         ("user", CODE.format("def fee_for(amount):\n    return amount")),                         # 2
     )
     steps = {7: "Write `settle(record)`."}
-    # record.status -> the field of message 0; fee_for is a forward reference (defined later): not followed
+    # record.status -> the dataclass that declares the field (message 0); calls such as fee_for are not followed
     assert edges(SymbolPlanner(steps).blueprint_for(msgs)) == {(1, 7), (0, 7)}
     assert edges(SymbolPlanner(steps, depth=0).blueprint_for(msgs)) == {(1, 7)}
 

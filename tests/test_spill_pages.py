@@ -8,6 +8,7 @@ import torch
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, PACECache
+from pace_hf.scoring import Recency
 from pace_hf.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
 from pace_hf.tiers import DiskTier, TieredStore
 
@@ -88,7 +89,7 @@ def test_a_restore_reads_the_pages_it_covers_not_the_session(model, tmp_path):
     per_token = token_bytes(model)
     layers, heads = len(cache.layers), cache.layers[0].logical.shape[0]
     edges = 2 * layers * heads * PAGE * per_token  # one page per layer and head at each edge
-    spans = [(100, 132), (333, 361), (7, 9), (560, 592)]
+    total, spans = 0, [(100, 132), (333, 361), (7, 9), (560, 592)]
     for step, (start, end) in enumerate(spans):
         cache.step = step  # the span restored before loses its bonus
         missing = sum(int((~torch.isin(torch.arange(start, end), row)).sum())
@@ -96,9 +97,11 @@ def test_a_restore_reads_the_pages_it_covers_not_the_session(model, tmp_path):
         before = disk_read(store)
         cache.restore(start, end)
         read = disk_read(store) - before
-        assert 0 < read <= 2 * missing * per_token + edges, (start, end, read, missing * per_token)
+        assert read <= 2 * missing * per_token + edges, (start, end, read, missing * per_token)
         assert cache.residency(range(start, end)) == 1.0
+        total += read
         store.flush()
+    assert total > 0
     # the log grows; a restore of the same width costs the same
     decode(model, cache, 150, seed=1)
     store.flush()
@@ -114,15 +117,15 @@ def test_a_restore_reads_the_pages_it_covers_not_the_session(model, tmp_path):
 
 def test_restored_then_evicted_again_has_one_copy_the_newest(model, tmp_path):
     store = TieredStore([DiskTier(tmp_path)])
-    cache = new_cache(model, store)
+    cache = new_cache(model, store, scorer=Recency())  # once its bonus lapses, a restored span goes again
     run(model, cache, ids(400))
     for round_ in range(3):  # restore, let the bonus lapse, evict again, restore again
         cache.step = 2 * round_
-        cache.restore(40, 80)
-        assert cache.residency(range(40, 80)) == 1.0
+        cache.restore(40, 72)
+        assert cache.residency(range(40, 72)) == 1.0
         cache.step = 2 * round_ + 1
         run(model, cache, ids(96, seed=round_ + 1))
-        assert cache.residency(range(40, 80)) < 0.5
+        assert cache.residency(range(40, 72)) < 0.5
         assert_every_token_once(cache)
     written = cache.tier_stats["spill"]["bytes_written"]
     # each evicted token once, plus what restores rewrote of the pages they read but did not take
@@ -157,11 +160,11 @@ def test_the_spill_cap_drops_least_recently_used_pages_and_says_so(model, tmp_pa
     files = [p for p in tmp_path.rglob("*") if p.is_file() and "spill" in p.name]
     assert len(files) == len(cache.spill.entries())
     with pytest.warns(UserWarning, match="spill cap"):
-        assert cache.restore(16, 48) == 0  # its pages were dropped: nothing comes back, and no error
+        assert cache.restore(64, 96) == 0  # its pages were dropped: nothing comes back, and no error
     assert cache.tier_stats["spill"]["capped_requests"] == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once, counted every time
-        assert cache.restore(16, 48) == 0
+        assert cache.restore(64, 96) == 0
     assert cache.tier_stats["spill"]["capped_requests"] == 4
     late = cache.get_seq_length() - 120  # a recent page is still there
     assert cache.restore(late, late + 16) > 0
@@ -178,14 +181,14 @@ def test_saves_index_page_versions_and_a_retired_version_outlives_the_save_that_
     manifest = store.get(MANIFEST_KEY, fingerprint=MANIFEST_FINGERPRINT, session_id=SID)[1]
     saved = set(cache.spill.entries())
     assert {v[0] for layer in manifest["spill"]["index"] for v in layer} == saved
-    cache.restore(40, 80)  # retires the versions of those pages that g1 indexes
+    cache.restore(40, 72)  # retires the versions of those pages that g1 indexes
     retired = saved - set(cache.spill.entries())
     assert retired
     store.flush()
     resumed = PACECache.resume(SID, store=TieredStore([DiskTier(tmp_path)]), model=model)  # g1 is still whole
     assert resumed.spill.generation == g1 and set(resumed.spill.entries()) == saved
     resumed.restore(40, 80)
-    assert resumed.residency(range(40, 80)) == 1.0
+    assert resumed.residency(range(40, 72)) == 1.0
     resumed.unbind()
     cache.save()  # replaces g1: what only g1 named goes
     names = {p.name for p in tmp_path.rglob("*") if p.is_file()}
@@ -193,7 +196,7 @@ def test_saves_index_page_versions_and_a_retired_version_outlives_the_save_that_
         assert DiskTier(tmp_path).path_for(store.full_key(key, SID)).rsplit("/", 1)[-1] not in names
     again = PACECache.resume(SID, store=TieredStore([DiskTier(tmp_path)]), model=model)
     assert set(again.spill.entries()) == set(cache.spill.entries())
-    assert again.residency(range(40, 80)) == 1.0
+    assert again.residency(range(40, 72)) == 1.0
     again.unbind()
     store.close()
 

@@ -112,7 +112,7 @@ class Definition:
     None), its ``kind`` (top-level: function, class, assignment or fact; members: method, field for a
     class-body assignment, attribute for ``self.X = ...``) and the character ranges
     ``parts`` of its source in the message. ``doc``: its signature and docstring (for the lexical
-    ranker); ``uses``: the free names it loads; ``fields``: the attribute names a function reads or writes
+    ranker); ``fields``: the attribute names a function reads or writes
     on its parameters (``record.status``); ``path``: the file it came from, when the text says."""
 
     name: str
@@ -121,7 +121,6 @@ class Definition:
     parts: tuple[tuple[int, int], ...]
     bases: tuple[str, ...] = ()
     doc: str = ""
-    uses: frozenset[str] = frozenset()
     path: str | None = None
     fields: frozenset[str] = frozenset()
 
@@ -450,37 +449,6 @@ def _first_line(node) -> int:
     return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
 
 
-def _bound_names(node) -> set[str]:
-    """Names bound inside a function: parameters, stores, nested defs, imports (its locals)."""
-    out: set[str] = set()
-    declared: set[str] = set()
-    for sub in ast.walk(node):
-        if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            a = sub.args
-            out.update(arg.arg for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if arg)
-            if sub is not node and not isinstance(sub, ast.Lambda):
-                out.add(sub.name)
-        elif isinstance(sub, ast.ClassDef) and sub is not node:
-            out.add(sub.name)
-        elif isinstance(sub, ast.Name) and isinstance(sub.ctx, (ast.Store, ast.Del)):
-            out.add(sub.id)
-        elif isinstance(sub, ast.ExceptHandler) and sub.name:
-            out.add(sub.name)
-        elif isinstance(sub, (ast.Import, ast.ImportFrom)):
-            out.update((a.asname or a.name).split(".")[0] for a in sub.names)
-        elif isinstance(sub, (ast.Global, ast.Nonlocal)):
-            declared.update(sub.names)
-    return out - declared
-
-
-def _free_names(node) -> frozenset[str]:
-    local = set()
-    for sub in ast.walk(node):
-        if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            local |= _bound_names(sub)
-    return frozenset(s.id for s in ast.walk(node) if isinstance(s, ast.Name) and isinstance(s.ctx, ast.Load)) - local
-
-
 def _fields(node) -> frozenset[str]:
     """Attribute names used on a function's parameters (not ``self``/``cls``): ``record.status``."""
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -526,7 +494,7 @@ def _class(node: ast.ClassDef, region: Region, base: int, path) -> list[Definiti
     header = region.chars(first, max(node.lineno + base, body_first - 1))
     bases = tuple(d.rsplit(".", 1)[-1] for d in map(_dotted, node.bases) if d)
     out = [Definition(node.name, None, "class", (region.chars(first, node.end_lineno + base),), bases,
-                      _doc(node), _free_names(node), path)]
+                      _doc(node), path)]
     members: dict[str, Definition] = {}
 
     def member(name, stmt, kind, rebinds=True):
@@ -537,7 +505,7 @@ def _class(node: ast.ClassDef, region: Region, base: int, path) -> list[Definiti
         own = region.chars(_first_line(stmt) + base, stmt.end_lineno + base)
         parts = (header, own) if own[0] > header[1] else (region.chars(first, stmt.end_lineno + base),)
         members.pop(name, None)
-        members[name] = Definition(name, node.name, kind, parts, (), _doc(stmt), _free_names(stmt), path,
+        members[name] = Definition(name, node.name, kind, parts, (), _doc(stmt), path,
                                    _fields(stmt))
 
     for stmt in node.body:
@@ -571,12 +539,11 @@ def _module(tree: ast.Module, region: Region, base: int, owner: str | None = Non
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             defs.append(Definition(node.name, owner, "function" if owner is None else "method",
                                    (region.chars(_first_line(node) + base, node.end_lineno + base),), (),
-                                   _doc(node), _free_names(node), path, _fields(node)))
+                                   _doc(node), path, _fields(node)))
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             span = (region.chars(node.lineno + base, node.end_lineno + base),)
-            uses = _free_names(node)
             for target in getattr(node, "targets", None) or [node.target]:
-                defs += [Definition(n, owner, "assignment", span, (), "", uses, path) for n in _targets(target)]
+                defs += [Definition(n, owner, "assignment", span, (), "", path) for n in _targets(target)]
         elif isinstance(node, ast.Import):
             imports += [(a.asname or a.name.split(".")[0], a.name if a.asname else a.name.split(".")[0])
                         for a in node.names]

