@@ -68,15 +68,21 @@ def probe_plan(row) -> dict[int, str]:
     return {p["step"]: p["prompt"] for p in row["probes"]}
 
 
-def session_blueprint(row, tokenizer, planner: str = "oracle", drop_edges: float = 0.0, seed: int = 0) -> Blueprint:
-    """The blueprint a foresight arm gets: the oracle's, ``SymbolPlanner``'s from the session's text, or
-    none (an empty plan)."""
+def session_blueprint(row, tokenizer, planner: str = "oracle", drop_edges: float = 0.0, seed: int = 0,
+                      budget: int | None = None) -> Blueprint:
+    """The blueprint a foresight arm gets: the oracle's, ``SymbolPlanner``'s from the session's text (the
+    definitions each probe names, as tokens of the session's chat template, within ``budget``), or none
+    (an empty plan)."""
     if planner == "oracle":
         return oracle_blueprint(row, drop_edges, seed)
     if planner == "symbols":
+        from pace_hf.chat import ChatTemplate
         from pace_hf.planner import SymbolPlanner
 
-        return SymbolPlanner().blueprint_for(session_messages(row, tokenizer), probe_plan(row))
+        from .build import SYSTEM_PROMPT
+
+        return SymbolPlanner().blueprint_for(session_messages(row, tokenizer), probe_plan(row),
+                                             template=ChatTemplate(tokenizer, SYSTEM_PROMPT), budget=budget)
     if planner == "none":
         return Blueprint()
     raise ValueError(f"unknown planner {planner!r}; choose from {', '.join(PLANNERS)}")
@@ -555,7 +561,7 @@ def _run(args) -> int:
                                  else "sessions x arms", unit="run", position=state.process_index):
                 if session_key(row) not in blueprints:
                     blueprints[session_key(row)] = session_blueprint(row, tokenizer, args.planner, args.drop_edges,
-                                                                     args.seed)
+                                                                     args.seed, budget=args.budget)
                 for record in play_session(model, tokenizer, row, arm, settings, metric, args.chunk, stop_ids,
                                            args.max_new_tokens, blueprint=blueprints[session_key(row)],
                                            store=store, rehydrate=args.rehydrate,
