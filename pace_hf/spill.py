@@ -125,11 +125,13 @@ class SpillLog:
         full = self.page_tokens * self.heads[layer_idx]
         page_of = tokens["logical"] // self.page_tokens
         buffers = self.buffers[layer_idx]
-        for page in page_of.unique().tolist():
+        pages = page_of.unique().tolist()
+        for page in pages:  # in use: the cap drops other pages first
+            self._touch(page)
+        for page in pages:
             part = {k: v[page_of == page] for k, v in tokens.items()}
             buffers.setdefault(page, []).append(part)
             self.buffered[layer_idx] += part["logical"].numel()
-            self._touch(page)
             if sum(p["logical"].numel() for p in buffers[page]) >= full:
                 self.flush_page(layer_idx, page)
         if self.buffered[layer_idx] > BUFFER_PAGES * full:
@@ -308,7 +310,7 @@ class SpillLog:
     def state(self) -> dict:
         """The index and counters a save records (the writer is not: a resumed log writes under a new one)."""
         return {"index": self.index, "spilled_tokens": self.spilled_tokens, "page_tokens": self.page_tokens,
-                "cap_bytes": self.cap_bytes, "capped": {str(p): n for p, n in self.capped.items()}}
+                "cap_bytes": self.cap_bytes, "capped": {str(p): n for p, n in self.capped.items()}, "heads": self.heads}
 
     def load(self, state: dict, generation: str) -> None:
         self.pages = [{} for _ in state["index"]]
@@ -321,6 +323,6 @@ class SpillLog:
         for v in every:
             self._touch(v[PAGE])
         self.spilled_tokens, self.page_tokens = state["spilled_tokens"], state["page_tokens"]
-        self.cap_bytes = state.get("cap_bytes")
-        self.capped = {int(p): n for p, n in state.get("capped", {}).items()}
+        self.cap_bytes, self.heads = state["cap_bytes"], list(state["heads"])
+        self.capped = {int(p): n for p, n in state["capped"].items()}
         self.saved(generation)

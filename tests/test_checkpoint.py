@@ -98,6 +98,74 @@ def test_checkpoint_arguments_are_checked():
     assert cache.get_seq_length() == 0  # nothing ran
 
 
+# -- play_session: a pair interrupted at any save resumes to the same record ------------------------------
+
+
+class _IdsTokenizer:
+    """Decodes to the ids themselves (an answer's text is its tokens), and the definition turn to the
+    text that the probes name, so that rehydration has something to find."""
+
+    def __init__(self, definition):
+        self.definition = definition
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "user\nfee_for = 3" if list(ids) == self.definition else " ".join(map(str, ids))
+
+
+def test_a_pair_stopped_at_any_save_resumes_to_the_same_records(tmp_path, monkeypatch):
+    """Rehydration on, no plan: saves land in the history prefill of probe 1, in its own prompt, and in
+    probe 2's prompt (with probe 1's record in the state). Stopped at each of them and resumed, the pair
+    gives exactly the uninterrupted records."""
+    from test_runner import _Metric, _synthetic_row
+
+    from pace_bench.arms import ArmSettings
+    from pace_bench.checkpoint import STATE_KEY
+    from pace_hf import Blueprint, persist
+
+    model, row = tiny_model("qwen2"), _synthetic_row()
+    g = torch.Generator().manual_seed(2)
+    for probe in row["probes"]:
+        probe.update(prompt_ids=torch.randint(3, 128, (40,), generator=g).tolist(), max_new_tokens=6)
+    tok = _IdsTokenizer(row["context_ids"][48:96])
+    same = ("probe", "answer", "residency", "rotary_gap", "rehydrated_tokens", "peak_cache_bytes", "full_cache_bytes")
+
+    def play(store, **kw):
+        records = runner.play_session(model, tok, row, "pace", ArmSettings(budget=192, limit=400), _Metric(), 16, [0],
+                                      blueprint=Blueprint(), store=store, rehydrate=True, **kw)
+        return [{k: r.get(k) for k in same} for r in records]
+
+    plain_store = TieredStore([DiskTier(tmp_path / "plain")])
+    expected = play(plain_store)
+    assert expected[0]["rehydrated_tokens"] > 0  # the history's prefill evicted the definition
+    real, phases = persist.save, []
+
+    def recording(cache, attachments=None):
+        phases.append((attachments[STATE_KEY][1]["probe"], attachments[STATE_KEY][1]["phase"]))
+        return real(cache, attachments)
+
+    monkeypatch.setattr(persist, "save", recording)
+    store = TieredStore([DiskTier(tmp_path / "kv")])
+    assert play(store, checkpoint_every=1) == expected  # saving changes nothing
+    assert {(0, "history"), (0, "probe"), (1, "probe")} <= set(phases)
+    stops = [phases.index(p) + 1 for p in ((0, "history"), (0, "probe"), (1, "probe"))]
+    for stop in stops:
+        calls = []
+
+        def stopping(cache, attachments=None):
+            calls.append(1)
+            if len(calls) > stop:
+                raise KeyboardInterrupt  # a stop right after save number `stop`
+            return real(cache, attachments)
+
+        monkeypatch.setattr(persist, "save", stopping)
+        with pytest.raises(KeyboardInterrupt):
+            play(store, checkpoint_every=1)
+        monkeypatch.setattr(persist, "save", real)
+        assert play(store, checkpoint_every=1, resume=True) == expected, f"stopped after save {stop}"
+    plain_store.close()
+    store.close()
+
+
 # -- PACESession.generate(checkpoint_every=N), killed mid-prefill ---------------------------------------
 
 
