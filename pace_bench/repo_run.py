@@ -93,9 +93,10 @@ def _prefill(model, cache, ids: list[int], chunk: int) -> None:
             model(torch.tensor([ids[s:s + chunk]], device=model.device), cache=cache)
 
 
-def fits(model, row) -> bool:
+def fits(model, row, max_new_tokens: int | None = None) -> bool:
     """Whether the whole session (probes and answers included) fits the model's trained context."""
-    total = row["context_len"] + sum(len(p["prompt_ids"]) + p["max_new_tokens"] for p in row["probes"])
+    total = row["context_len"] + sum(len(p["prompt_ids"]) + min(p["max_new_tokens"], max_new_tokens or 1 << 30)
+                                     for p in row["probes"])
     return total <= getattr(model.config, "max_position_embeddings", 1 << 62)
 
 
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
         for row, arm in tqdm([(r, a) for r in rows for a in args.arms], desc="sessions x arms", unit="run"):
             if pair_key(arm, row) in done:
                 continue
-            if REPO_ARMS[arm].cache == "full" and not fits(model, row):
+            if REPO_ARMS[arm].cache == "full" and not fits(model, row, args.max_new_tokens):
                 skipped.append(f"{arm} {row['session_id']}")
                 continue
             for record in play(model, tokenizer, row, arm, settings, args.chunk, template.stop_ids(), template,

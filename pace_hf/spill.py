@@ -8,21 +8,24 @@ token *and* old heavy hitters): every entry overlapped every span, and a restore
 whole log (313 MB on SmolLM2). Now a restore of ``[start, end)`` reads the pages it covers and nothing
 else: the tokens it returns plus, at each edge, at most one page per layer and head.
 
-Why 64 positions per page by default: ``bench/spill_pages.py`` measured 32, 64, 128 and 256 on a long H2O
-session with scattered evictions. Small pages waste less at a span's edges but pay each entry's header
-(about 1 KB) and one read per page; 64 keeps a 128-token span (the retriever's page) within about 1.5x of
-what it returns, where 256 reads about 3x, and headers stay a few per cent of what is written.
+Why 64 positions per page by default: ``bench/spill_pages.py`` measured 32, 64, 128 and 256 (a
+random-weight model of SmolLM2's attention shape, 3.3K tokens, budget 256). Bytes read per restored byte,
+for spans of 128 / 32 positions: 1.2 / 1.8 (32), 1.3 / 3.0 (64), 1.6 / 4.5 (128), 2.1 / 8.8 (256); the
+time-grouped log read 3.7 / 22 on that session, and its cost grows with the session. 32 reads least but
+makes a 128-span restore read 19 entries (64: 11), each a request and a ~700-byte header; 64 is the
+balance.
 
 Versions. A page that receives more evictions later gets a new *version*: a new entry under a new key
 (``L3/spill/p17/<writer>-42``), never a rewrite of one a save may index. Each version holds only the
 tokens evicted since the last one, and a restore merges the page's versions, the newest copy winning.
-Writing each version as the page's whole evicted set instead would rewrite the page on every flush: H2O
-keeps evicting old heavy hitters long after a page left the recent window, so a page is flushed many
-times, and every flush would cost a page (the bench measured the write amplification). Merging at read
-costs nothing extra as long as no token has two copies, and that holds: a restore *consumes* the pages it
-read. The tokens it made resident leave the spill (a new version of the page holds what it read but did
-not make resident, and the old versions are retired); when they are evicted again they are spilled again,
-with the score they have then. So every token has at most one copy, and a restore reads each byte once.
+Writing each version as the page's whole evicted set instead would rewrite the page on every flush:
+a page that H2O keeps evicting old heavy hitters from is flushed many times, and each flush would cost
+a whole page (on the bench's random-weight session pages got one version each, so both wrote the same;
+in the worst case every flush rewrites the whole page). Merging at read costs nothing extra as long
+as no token has two copies, and that holds: a restore *consumes* the pages it read. The tokens it made
+resident leave the spill (a new version of the page holds what it read but did not make resident, and
+the old versions are retired); when they are evicted again they are spilled again, with the score they
+have then. So every token has at most one copy, and a restore reads each byte once.
 
 Buffering. Evicted tokens are buffered per layer and page, and a page is written when its buffer holds a
 full page (``page_tokens`` per KV head), when the layer's buffers pass two pages (largest pages first,

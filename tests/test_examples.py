@@ -1,7 +1,8 @@
 """Every example and notebook runs, and the committed notebooks tell the truth.
 
-CI executes each notebook with nbclient, as a reader would, on SmolLM2 and small sizes (the notebooks'
-parameter cell reads ``PACE_EXAMPLES_MODEL`` and ``PACE_EXAMPLES_SMALL``). The committed outputs come
+CI executes each notebook with nbclient, as a reader would, on a tiny random model (with SmolLM2's
+tokenizer and chat template, saved to a directory that ``load_model`` reads) and small sizes: the
+notebooks' parameter cell reads ``PACE_EXAMPLES_MODEL`` and ``PACE_EXAMPLES_SMALL``. The committed outputs come
 from ``examples/render.py`` on the defaults (Qwen2.5-Coder-0.5B-Instruct); they are checked here for
 what must never be committed (a traceback, a warning, a progress bar, a path of this machine) and for
 the computed checks that the text of each notebook relies on.
@@ -108,11 +109,25 @@ def test_render_refuses_the_ci_overrides(monkeypatch):
         _render().main(["01_quickstart.ipynb"])
 
 
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random llama with SmolLM2's tokenizer, saved where ``load_model(path)`` loads it."""
+    from tiny_models import tiny_model
+
+    from pace_bench.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    directory = tmp_path_factory.mktemp("tiny-model")
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_without_error(path, monkeypatch):
+def test_notebook_runs_without_error(path, monkeypatch, tiny_model_dir):
     pytest.importorskip("nbclient")
-    monkeypatch.setenv("PACE_EXAMPLES_MODEL", "smollm2-135m")  # the kernel inherits the environment
+    monkeypatch.setenv("PACE_EXAMPLES_MODEL", str(tiny_model_dir))  # the kernel inherits the environment
     monkeypatch.setenv("PACE_EXAMPLES_SMALL", "1")
     notebook = _render().execute(path, timeout=300)  # raises CellExecutionError on the first failing cell
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]

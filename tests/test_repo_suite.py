@@ -139,7 +139,7 @@ def test_a_session_is_real_renamed_source_with_exact_oracle_spans(tokenizer):
     assert row["context_len"] <= 6000 and row["context_len"] >= 0.9 * 6000
     kinds = {p["kind"] for p in row["probes"]}
     assert kinds and kinds <= set(repo_probes.KINDS)
-    originals = {n for p, t in repo.package_files(row["package"]) for n in _names(t) if repo._parses(t)}
+    originals = {n for _, t in repo.package_files(row["package"]) if repo._parses(t) for n in _names(t)}
     for p in row["probes"]:
         leaf = p["target"].split(".")[-1]
         assert leaf not in originals  # the model cannot know the name from pretraining
@@ -154,7 +154,7 @@ def test_a_session_is_real_renamed_source_with_exact_oracle_spans(tokenizer):
 
 def test_a_file_that_does_not_parse_is_read_as_text(tokenizer, monkeypatch):
     files = repo.package_files("click")
-    broken = ("click/legacy.py", "def old(x):\n    print x  # Python 2\n" * 40)
+    broken = ("click/legacy.py", "def old(x):\n    print echo(x)  # Python 2\n" * 40)
     monkeypatch.setattr(repo, "package_files", lambda name: [broken] + files)
     row = None
     for index in range(6):  # a seeded order that reads it
@@ -163,7 +163,8 @@ def test_a_file_that_does_not_parse_is_read_as_text(tokenizer, monkeypatch):
             break
     assert row["text_files"] == ["click/legacy.py"]
     shown = next(t for t in row["turns"] if t["path"] == "click/legacy.py" and t["kind"] == "listing")
-    assert "print x" in shown["content"] and "def old" not in shown["content"]  # renamed word by word
+    assert "def old(" in shown["content"] and "print " in shown["content"]  # read as text,
+    assert "echo" not in shown["content"]  # renamed word by word (click defines echo)
     assert all(p["path"] != "click/legacy.py" for p in row["probes"])
 
 
@@ -205,7 +206,7 @@ def test_the_suite_runs_end_to_end_on_a_tiny_model_and_resumes(tmp_path):
     model = _tiny_model_dir(tmp_path / "model")
     out = tmp_path / "run"
     arms = "full,h2o,snapkv,pace_oracle,pace_literal,pace_prose,pace_probe,pace_rehydrate"
-    argv = ["--suite", "repo", "--model", model, "--arms", arms, "--tokens", "4000", "--probes-per-kind", "1",
+    argv = ["--suite", "repo", "--model", model, "--arms", arms, "--tokens", "3000", "--probes-per-kind", "1",
             "--packages", "click", "--budget", "1024", "--limit", "2048", "--chunk", "512", "--max-new-tokens", "4",
             "--no-progress", "--out", str(out)]
     assert main(argv) == 0

