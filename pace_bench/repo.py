@@ -40,6 +40,7 @@ import importlib.metadata
 import importlib.util
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -148,8 +149,6 @@ def _head(chat, text: str, path: str, room: int):
 
 def _words(name: str) -> str:
     """A name as prose writes it: ``kobe_marita`` -> ``kobe marita``, ``ZovaMu`` -> ``zova mu``."""
-    import re
-
     return " ".join(p.lower() for p in re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", name.replace("_", " ")))
 
 
@@ -192,7 +191,7 @@ def build_repo_session(tokenizer, seed: int = 0, session_index: int = 0, total_t
     renaming = Renaming.for_sources([t for _, t in files if _parses(t)], package, f"{seed}:{session_index}")
     # the first file read holds a definition to probe, so that even a short session has a probe
     names = set(renaming.mapping.values())
-    first = next((k for k, (p, t) in enumerate(files) if _parses(t) and len(t) < 4 * total_tokens
+    first = next((k for k, (p, t) in enumerate(files) if _parses(t) and len(t) < 2 * total_tokens
                   and targets_in(renaming.apply(t, p), p, names)), 0)
     files.insert(0, files.pop(first))
     chat = ChatTemplate(tokenizer, SYSTEM_PROMPT)

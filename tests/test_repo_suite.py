@@ -1,7 +1,6 @@
 """The repo suite: renamed real source that compiles, probes scored with no model, bad input, and the suite end
 to end on a tiny random model."""
 
-import ast
 import json
 import sys
 import tokenize

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -694,3 +695,33 @@ def test_a_released_disk_lease_leaves_no_file_and_never_two_holders(tmp_path, mo
     assert c.acquire_lease("pace:s:lease", "C", 60)
     c.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_the_writer_hands_queued_puts_to_a_tier_in_one_batch(tmp_path, vurl, vserver, store_factory):
+    gate = threading.Event()
+
+    class GatedDisk(DiskTier):
+        def put(self, key, data):
+            gate.wait(10)
+            super().put(key, data)
+
+    s = store_factory([GatedDisk(tmp_path), ValkeyTier(vurl, chunk_bytes=1024)], queue_size=64)
+    client = vserver.client()
+    multis = client.info("commandstats").get("cmdstat_multi", {}).get("calls", 0)
+    first = s.put("first", _tensors(), {}, fingerprint=FP, session_id=SID)
+    time.sleep(0.2)  # the writer holds "first" at the gated disk; the rest queue behind it
+    puts = {f"k{i}": _tensors(seed=i) for i in range(15)}  # with the k3 below: 16, one batch
+    puts["k3"] = _tensors(4, seed=99)  # one key twice in a batch, the second value smaller (fewer chunks)
+    done = [s.put(k, _tensors(seed=i), {}, fingerprint=FP, session_id=SID) for i, k in enumerate(puts) if k == "k3"]
+    done += [s.put(k, t, {}, fingerprint=FP, session_id=SID) for k, t in puts.items()]
+    gate.set()
+    s.flush(10)
+    assert all(d.result(5) == {"disk": None, "valkey": None} for d in [first, *done])
+    assert client.info("commandstats")["cmdstat_multi"]["calls"] - multis == 2  # "first", then one batch
+    fresh = store_factory([ValkeyTier(vurl)])
+    for k, t in puts.items():
+        got = fresh.get(k, fingerprint=FP, session_id=SID)
+        assert got is not None and _bits_equal(t, got[0]), k
+    chunks = list(client.scan_iter(match=f"pace:{SID}:k3*"))
+    assert len(chunks) == -(-(len(encode(puts["k3"], {}, key=full_key("k3", SID), fingerprint=FP,
+                                          session_id=SID)) + 8) // 1024)  # no chunk of the first k3 left

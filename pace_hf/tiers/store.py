@@ -73,6 +73,7 @@ from .errors import IntegrityError, LeaseHeld, TierError, TierUnavailable
 log = logging.getLogger("pace_hf.tiers")
 
 KEY_PREFIX = "pace"
+WRITE_BATCH = 16  # queued puts the writer takes at once
 _STORE_KEYS = ("puts", "gets", "pending", "failures")
 _TIER_COUNTERS = ("bytes_written", "bytes_read", "hits", "misses", "integrity_failures", "errors",
                   "write_seconds", "read_seconds", "evicted", "demoted", "promoted", "skipped")
@@ -494,15 +495,15 @@ class TieredStore:
                     self._cv.wait()
                 if self._jobs:
                     job = self._jobs.popleft()
-                elif self._puts:
-                    job = self._puts.popleft()
+                elif self._puts:  # the queued puts, up to a batch: each tier gets them in one put_many
+                    job = [self._puts.popleft() for _ in range(min(len(self._puts), WRITE_BATCH))]
                 else:
                     return  # closed and drained
                 self._inflight += 1
                 self._cv.notify_all()  # room in the queue
             try:
-                if isinstance(job, _Write):
-                    self._do_write(job)
+                if isinstance(job, list):
+                    self._do_writes(job)
                 elif job[0] == "demote":
                     self._do_demote(*job[1:])
                 elif job[0] == "promote":
@@ -515,51 +516,96 @@ class TieredStore:
                     self._inflight -= 1
                     self._cv.notify_all()
 
-    def _do_write(self, item: _Write) -> None:
-        outcome: dict[str, str | None] = {}
+    def _do_writes(self, items: list[_Write]) -> None:
+        """Encode ``items`` and write them tier by tier: a tier that is not an evicting cache gets all
+        of them in one ``put_many`` (one Valkey transaction instead of one per entry)."""
+        outcomes: list[dict[str, str | None]] = [{} for _ in items]
+        datas: list = [None] * len(items)
+        wrote_host: list[int | None] = [None] * len(items)
+        wrote_below = [False] * len(items)
         try:
-            if item.cancelled:
-                return
-            try:
-                data = _entry.encode(item.tensors, item.meta, key=item.fk, fingerprint=item.fingerprint,
-                                     session_id=item.session_id)
-            except Exception as e:  # noqa: BLE001 - bad tensors/meta: the put fails, the store lives
-                with self._lock:
-                    self._counts["failures"] += 1
-                self._log_once("store", "encode", "cannot encode %s: %r", item.fk, e)
-                self._async_fail(TierError(f"cannot encode {item.fk!r}: {e!r}"))
-                outcome = {t.name: f"cannot encode: {e!r}" for t in self.tiers}
-                return
-            through = self.write_policy == "through" or item.through
-            targets = range(len(self.tiers)) if through else range(1)
-            wrote_host, wrote_below = None, False
-            for j in targets:
+            for n, item in enumerate(items):
                 if item.cancelled:
-                    break
-                if self._write_to(j, item.fk, data, own=not item.through, outcome=outcome):
-                    if self.tiers[j].evicts and wrote_host is None:
-                        wrote_host = j
-                    else:
-                        wrote_below = True
-            if wrote_host is not None and wrote_below:
-                self.tiers[wrote_host].mark_clean(item.fk, data)
-            if self.write_policy == "through" and wrote_host is None and not wrote_below and not item.cancelled:
-                with self._lock:
-                    self._counts["failures"] += 1
-                self._log_once("store", "lost", "%s could not be written to any tier", item.fk)
-                self._async_fail(TierError(f"{item.fk!r} could not be written to any tier"))
-            if item.cancelled:
-                outcome = {}
-                for tier in self.tiers:
-                    self._tier_call(tier, "delete", item.fk)
+                    continue
+                try:
+                    datas[n] = _entry.encode(item.tensors, item.meta, key=item.fk, fingerprint=item.fingerprint,
+                                             session_id=item.session_id)
+                except Exception as e:  # noqa: BLE001 - bad tensors/meta: the put fails, the store lives
+                    with self._lock:
+                        self._counts["failures"] += 1
+                    self._log_once("store", "encode", "cannot encode %s: %r", item.fk, e)
+                    self._async_fail(TierError(f"cannot encode {item.fk!r}: {e!r}"))
+                    outcomes[n] = {t.name: f"cannot encode: {e!r}" for t in self.tiers}
+            for j, tier in enumerate(self.tiers):
+                group = [n for n, item in enumerate(items) if datas[n] is not None and not item.cancelled
+                         and (j == 0 or self.write_policy == "through" or item.through)]
+                if len(group) > 1 and not tier.evicts and self._usable(tier.name):
+                    written = self._write_many_to(j, [(items[n], datas[n], outcomes[n]) for n in group])
+                else:
+                    written = [self._write_to(j, items[n].fk, datas[n], own=not items[n].through,
+                                              outcome=outcomes[n]) for n in group]
+                for n, ok in zip(group, written):
+                    if ok and tier.evicts and wrote_host[n] is None:
+                        wrote_host[n] = j
+                    elif ok:
+                        wrote_below[n] = True
+            for n, item in enumerate(items):
+                if datas[n] is None:
+                    continue
+                if wrote_host[n] is not None and wrote_below[n]:
+                    self.tiers[wrote_host[n]].mark_clean(item.fk, datas[n])
+                if (self.write_policy == "through" and wrote_host[n] is None and not wrote_below[n]
+                        and not item.cancelled):
+                    with self._lock:
+                        self._counts["failures"] += 1
+                    self._log_once("store", "lost", "%s could not be written to any tier", item.fk)
+                    self._async_fail(TierError(f"{item.fk!r} could not be written to any tier"))
+                if item.cancelled:
+                    outcomes[n] = {}
+                    for tier in self.tiers:
+                        self._tier_call(tier, "delete", item.fk)
         finally:
             with self._cv:
-                if self._pending.get(item.fk) is item:
-                    del self._pending[item.fk]
+                for item in items:
+                    if self._pending.get(item.fk) is item:
+                        del self._pending[item.fk]
                 self._cv.notify_all()
-            for t in self.tiers:
-                outcome.setdefault(t.name, "not written (write policy 'top' or cancelled)")
-            item.done.set_result(outcome)
+            for item, outcome in zip(items, outcomes):
+                for t in self.tiers:
+                    outcome.setdefault(t.name, "not written (write policy 'top' or cancelled)")
+                item.done.set_result(outcome)
+
+    def _write_many_to(self, j: int, group: list) -> list[bool]:
+        """``_write_to`` for many ``(item, data, outcome)`` at once, through ``put_many``. A failure of
+        the whole batch (the tier is down) counts as one error, like the first of single writes would."""
+        tier = self.tiers[j]
+        name = tier.name
+        t0 = time.perf_counter()
+        try:
+            errors = tier.put_many([(item.fk, data) for item, data, _ in group])
+        except Exception as e:  # noqa: BLE001
+            self._tier_failed(name, e, "write")
+            self._add(name, "skipped", len(group) - 1)
+            errors = [e] * len(group)
+        else:
+            self._add(name, "write_seconds", time.perf_counter() - t0)
+            if any(err is None for err in errors):
+                self._tier_ok(name)
+            for err in errors:
+                if err is not None:
+                    self._tier_failed(name, err, "write")
+        written = []
+        for (item, data, outcome), err in zip(group, errors):
+            if err is None:
+                self._add(name, "bytes_written", len(data))
+                outcome[name] = None
+                written.append(True)
+                continue
+            outcome[name] = f"write failed: {err!r}"[:500]
+            own = not item.through
+            written.append(self._write_below(j, item.fk, data, outcome) if own and self.write_policy == "top"
+                           else False)
+        return written
 
     def _write_to(self, j: int, fk: str, data, *, own: bool = False, outcome: dict | None = None) -> bool:
         """Write ``data`` to tier ``j``; demote what a host tier pushes out. True if written. ``outcome``

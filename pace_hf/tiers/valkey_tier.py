@@ -265,9 +265,11 @@ class ValkeyTier(Tier):
                 p.getrange(base, 0, _LEN.size - 1)
             olds = p.execute()
             p = self.client.pipeline(transaction=True)
+            chunks: dict[bytes, int] = {}  # a key given twice: the second replaces the first's chunks
             for (base, mv), old in zip(items, olds):
                 n = self._n_chunks(len(mv))
-                old_n = self._n_chunks(_LEN.unpack(old)[0]) if len(old) == _LEN.size else 1
+                old_n = chunks.get(base) or (self._n_chunks(_LEN.unpack(old)[0]) if len(old) == _LEN.size else 1)
+                chunks[base] = n
                 for i in range(old_n - 1, n - 1, -1):
                     p.unlink(self._chunk_key(base, i))
                 for i in range(n - 1, 0, -1):
