@@ -315,7 +315,9 @@ def main(argv=None) -> int:
     count: dict[tuple, int] = {}
     for r in records:
         count[pair_key(r["arm"], r)] = count.get(pair_key(r["arm"], r), 0) + 1
-    records = [r for r in records if count[pair_key(r["arm"], r)] == sizes.get(r["session_id"])]
+    built = {(r["session_id"], r["distance"], r["context_len"]) for r in rows}  # records of other sessions go
+    records = [r for r in records if count[pair_key(r["arm"], r)] == sizes.get(r["session_id"])
+               and (r["session_id"], r["distance"], r["context_len"]) in built]
     done = {pair_key(r["arm"], r) for r in records}
     dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)

@@ -718,7 +718,7 @@ def test_the_writer_hands_queued_puts_to_a_tier_in_one_batch(tmp_path, vurl, vse
     s.flush(10)
     assert all(d.result(5) == {"disk": None, "valkey": None} for d in [first, *done])
     assert client.info("commandstats")["cmdstat_multi"]["calls"] - multis == 2  # "first", then one batch
-    fresh = store_factory([ValkeyTier(vurl)])
+    fresh = store_factory([ValkeyTier(vurl, chunk_bytes=1024)])
     for k, t in puts.items():
         got = fresh.get(k, fingerprint=FP, session_id=SID)
         assert got is not None and _bits_equal(t, got[0]), k

@@ -7,7 +7,8 @@ cannot leak into the key part.) Keys must not contain NUL (the Valkey tier names
 
 Writes. ``put`` does no I/O and no encoding: it records the tensors as *pending* (``get`` serves them from
 there until they are written) and queues them for one background writer thread, which encodes the entry
-(checksum included) and writes it. With ``write_policy="through"`` (the default) the entry goes to every
+(checksum included) and writes it. The writer takes up to ``WRITE_BATCH`` queued puts at once and hands
+each tier that is not an evicting cache all of them in one ``put_many`` (Valkey: one transaction). With ``write_policy="through"`` (the default) the entry goes to every
 tier, top first: the host copy serves fast reads, the lower copies make ``flush()`` a durable save point
 (a session can resume in another process) and survive a failing tier. With ``"top"`` it goes to the
 first tier only and reaches the others by demotion (cheaper, not durable until pushed out).
