@@ -20,11 +20,13 @@ from pace_hf import Blueprint, H2OCache, ObservationWindow, PACECache, SnapKVCac
 
 @dataclass(frozen=True)
 class ArmSettings:
-    """What every evicting arm shares: B (resident tokens per layer and KV head) and L (the rotary
-    limit of the bounded arms)."""
+    """What every evicting arm shares: B (resident tokens per layer and KV head), L (the rotary
+    limit of the bounded arms) and, with a store, the most spilled bytes a session keeps there
+    (``spill_cap_bytes``; None: all of it)."""
 
     budget: int = 2048
     limit: int = 8192
+    spill_cap_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ def make_cache(arm: str, model, blueprint: Blueprint, s: ArmSettings, store=None
     ``store`` (``pace_hf.tiers.TieredStore``) its evicted tokens are spilled there under ``session_id``."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
-    kwargs = {"store": store, "session_id": session_id} if store is not None else {}
+    kwargs = ({"store": store, "session_id": session_id, "spill_cap_bytes": s.spill_cap_bytes}
+              if store is not None else {})
     return ARMS[arm].build(model, blueprint, s, **kwargs)
 
 

@@ -392,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--store", choices=STORES, default="none",
                     help="spill evicted tokens to this tier (planned spans are restored from it)")
     ap.add_argument("--store-path", default=None, help="the disk tier's folder; none: OUT/kv")
+    ap.add_argument("--spill-cap-mb", type=int_at_least(0), default=None, metavar="MB",
+                    help="keep at most MB of spilled KV per session in the store (least recently used "
+                         "pages go first; a restore of a dropped page brings back what is left)")
     ap.add_argument("--valkey-url", default="valkey://127.0.0.1:6379", help="the valkey tier's server")
     ap.add_argument("--rehydrate", action=argparse.BooleanOptionalAction, default=False,
                     help="before each probe, restore the evicted turns its prompt names (needs --store)")
@@ -414,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(ap: argparse.ArgumentParser, args) -> None:
     """Checks across arguments, before anything loads (``ap.error`` exits with a usage message)."""
-    settings = ArmSettings(budget=args.budget, limit=args.limit)
+    settings = ArmSettings(budget=args.budget, limit=args.limit,
+                           spill_cap_bytes=None if args.spill_cap_mb is None else args.spill_cap_mb << 20)
     for arm in args.arms:
         refusal = check_settings(arm, settings)  # the cache's own check of B and L
         if refusal:
@@ -536,7 +540,8 @@ def _run(args) -> int:
     model.to(state.device)
     metric = evaluate.load(PACE_CODING)
     stop_ids = ChatTemplate(tokenizer, SYSTEM_PROMPT).stop_ids()
-    settings = ArmSettings(budget=args.budget, limit=args.limit)
+    settings = ArmSettings(budget=args.budget, limit=args.limit,
+                           spill_cap_bytes=None if args.spill_cap_mb is None else args.spill_cap_mb << 20)
     if sharded and args.store == "disk":  # each process its own folder
         args.store_path = str(Path(args.store_path or out_dir / "kv") / f"rank{state.process_index}")
     store = make_store(args, out_dir)

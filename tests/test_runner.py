@@ -540,3 +540,15 @@ def test_a_sweep_run_writes_the_table_by_distance_and_the_peak_memory(tmp_path, 
     records = [json.loads(line) for line in (out / "probes.jsonl").read_text().splitlines()]
     pace = [r for r in records if r["arm"] == "pace"]
     assert all(0 < r["peak_cache_bytes"] < r["full_cache_bytes"] for r in pace)
+
+
+def test_spill_cap_reaches_every_evicting_arms_cache_with_a_store():
+    from pace_bench.arms import ArmSettings, make_cache
+    from pace_hf.tiers import HostTier, TieredStore
+
+    settings = ArmSettings(budget=256, limit=1024, spill_cap_bytes=3 << 20)
+    with TieredStore([HostTier()]) as store:
+        for arm in ("h2o", "pace", "snapkv"):
+            cache = make_cache(arm, None, Blueprint(), settings, store=store, session_id=f"cap-{arm}")
+            assert cache.spill_cap_bytes == 3 << 20, arm
+    assert make_cache("pace", None, Blueprint(), settings).spill_cap_bytes is None  # no store: nothing spills
