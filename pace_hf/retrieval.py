@@ -271,9 +271,9 @@ class PageRetriever:
             used += cost
             missing = self.not_resident(cache, seen)  # overlapping pages now cost less
             spans.append(Span(start, end, [cache.step]))
-            cache._restore_stats["retrieval_tokens_restored"] += sum(  # layer 0, every KV head
+            cache.restores.stats["retrieval_tokens_restored"] += sum(  # layer 0, every KV head
                 int((~torch.isin(new, old)).sum()) for new, old in zip(after, before))
-        stats = cache._restore_stats
+        stats = cache.restores.stats
         stats["retrieval_pages_scored"] += int(candidates.sum())
         stats["retrieval_pages_restored"] += len(spans)
         stats["retrieval_seconds"] += time.perf_counter() - started
@@ -283,7 +283,7 @@ class PageRetriever:
 def ensure_stats(cache) -> None:
     """Start the retrieval counters of ``cache.tier_stats`` at 0."""
     for key in STAT_KEYS:
-        cache._restore_stats.setdefault(key, 0.0 if key.endswith("seconds") else 0)
+        cache.restores.stats.setdefault(key, 0.0 if key.endswith("seconds") else 0)
 
 
 __all__ = ["PageRetriever", "SIGNALS", "layer0_projections"]

@@ -20,8 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .blueprint import Span, as_index, as_steps
-from . import persist
-from .cache import PACECache
+from .cache import PACECache, persist
 from .chat import DEFAULT_SYSTEM, ChatTemplate
 
 SESSION_KEY = "session"  # the conversation, an attachment of each save
@@ -153,7 +152,7 @@ class PACESession:
     # -- persistence --------------------------------------------------------------------------------
     def save(self) -> str:
         """Save the cache and the conversation to the store as one generation, all or nothing (see
-        ``pace_hf.persist``): returns the generation, or raises and the previous save stays whole."""
+        ``pace_hf.cache.persist``): returns the generation, or raises and the previous save stays whole."""
         if self.cache.store is None:
             raise ValueError("save needs a session with a store")
         meta = {"messages": [asdict(m) for m in self.messages], "step": self.step, "system": self.system,
@@ -211,7 +210,7 @@ class PACESession:
                 tops = [int(layer.physical.max()) + 1 for layer in cache.layers
                         if layer.is_initialized and layer.physical.numel()]
                 cache.next_physical = max(tops, default=0)
-        cache._restores = {k: v for k, v in cache._restores.items() if k[1] <= cut}
+        cache.restores.forget_past(cut)
         if cache.blueprint is not None:
             for span in [s for s in cache.blueprint if s.end > cut]:
                 cache.blueprint.remove(span)

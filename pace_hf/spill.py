@@ -37,7 +37,7 @@ Cap. ``cap_bytes`` bounds the spilled bytes a session holds (payload bytes; the 
 entry): past it, the least recently used logical page (written to or restored last) is dropped from every
 layer. A restore that asks for a dropped page brings back what is left, counts the page in
 ``stats["capped_requests"]`` and warns once; it never fails. A dropped version that the session's current
-save indexes stays in the store until the next save replaces that one (``pace_hf.persist`` deletes it
+save indexes stays in the store until the next save replaces that one (``pace_hf.cache.persist`` deletes it
 then): the save stays whole.
 
 Saves. ``state()`` is the index a save's manifest holds: per layer, each version's key, page, sequence

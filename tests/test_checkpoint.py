@@ -120,7 +120,8 @@ def test_a_pair_stopped_at_any_save_resumes_to_the_same_records(tmp_path, monkey
 
     from pace_bench.arms import ArmSettings
     from pace_bench.checkpoint import STATE_KEY
-    from pace_hf import Blueprint, persist
+    from pace_hf import Blueprint
+    from pace_hf.cache import persist
 
     model, row = tiny_model("qwen2"), _synthetic_row()
     g = torch.Generator().manual_seed(2)
@@ -253,7 +254,7 @@ def test_a_checkpoint_of_other_settings_is_refused_and_kept(model_dir, tmp_path,
             raise KeyboardInterrupt  # as a Ctrl-C in the middle of the prefill
         return real(*args, **kwargs)
 
-    from pace_hf import persist
+    from pace_hf.cache import persist
 
     real = persist.save
     monkeypatch.setattr(persist, "save", stop_after_two_saves)

@@ -13,7 +13,7 @@ import torch
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, PACECache
-from pace_hf.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
+from pace_hf.cache.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
 from pace_hf.tiers import DiskTier, parse_store
 from pace_hf.tiers.__main__ import main
 

@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 
-from ..persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
+from ..cache.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
 from .errors import IntegrityError, TierError, WriterConflict
 from .spec import SPELLINGS, parse_store
 

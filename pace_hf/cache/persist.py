@@ -44,10 +44,10 @@ from __future__ import annotations
 import secrets
 from concurrent.futures import Future
 
-from .scoring import describe
-from .spill import versions_of
-from .tiers.entry import digest, digest_algorithm
-from .tiers.errors import IntegrityError, TierError, WriterConflict
+from ..scoring import describe
+from ..spill import versions_of
+from ..tiers.entry import digest, digest_algorithm
+from ..tiers.errors import IntegrityError, TierError, WriterConflict
 
 SAVE_FORMAT = 3
 # The manifest of a saved session is readable whatever the model: it says which model saved it.
@@ -229,7 +229,7 @@ def _confirm_spill(store, sid: str, spill) -> None:
 def resume(cls, session_id: str, *, store, model, scoring=None):
     """``(cache, attachments)``: the session's current save, every entry verified against the manifest's
     digests before anything is built (see the module docstring). ``cls._from_manifest`` builds the cache."""
-    from .tiers import model_fingerprint
+    from ..tiers import model_fingerprint
 
     fingerprint = model_fingerprint(model)
     for attempt in range(3):

@@ -1,0 +1,433 @@
+"""``EvictionCache``: a list of ``EvictingLayer`` that transformers drives, bracketed by the binding.
+
+It validates its settings, binds to a model (``pace_hf.binding``), answers transformers' cache
+contract, gives readings (ledger, residency, rotary gap), runs the forward bracket (renumber before,
+evict after) and, with a store, spills what it evicts, restores planned spans (``restore.Restores``)
+and saves and resumes the session (``persist``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from .. import attention
+from ..binding import Binding
+from ..blueprint import Blueprint, Span, as_index
+from ..rope import RotaryParams
+from ..rope.params import is_nested
+from ..scoring import CumulativeAttention, ScoringPolicy, rebuild
+from ..spill import SpillLog
+from . import persist
+from .layer import EvictingLayer, keep_index
+from .restore import Restores
+
+DEFAULT_SINKS = 4
+DEFAULT_RECENT = 128
+
+class EvictionCache(DynamicCache):
+    """The shared base: a token budget, a scoring policy and, with ``limit``, bounded positions.
+
+    Every arm of the 2x2 ablation is this class with another policy or limit, so they share the
+    prefill schedule, the eviction schedule and the decode path.
+
+    Args:
+        model: the model to bind to (installs hooks and the ``pace_sdpa`` attention function).
+        budget: resident tokens kept per layer and KV head after each forward.
+        sinks / recent: the first ``sinks`` and the last ``recent`` tokens are never evicted.
+        scoring: a ``pace_hf.scoring.ScoringPolicy`` (default ``CumulativeAttention()``, H2O).
+        limit: keep every rotary position below ``limit`` by renumbering residents (None: unbounded).
+            It must exceed ``budget`` plus the largest chunk a forward brings.
+        store / session_id: a ``pace_hf.tiers.TieredStore``: every evicted token is spilled to it, and
+            planned spans that are not resident are restored when their reader step comes (fetched
+            ``prefetch_steps`` steps ahead, in the background). ``save()`` / ``resume()`` persist the
+            session there. ``spill_tokens``: logical positions per spill page (a restore reads the pages
+            its span covers); ``spill_cap_bytes``: the most spilled bytes the session holds (least
+            recently used pages go first; see ``pace_hf.spill``).
+
+    ``torch.compile(model.forward)`` is not supported: the hooks, the cache and ``pace_sdpa`` break
+    the graph at every layer, and the cache's counters change every forward, so a compiled forward
+    gains nothing and may recompile on each one. Run the model uncompiled.
+    """
+
+    layer_class = EvictingLayer  # what ``bind`` builds the layers from
+
+    def __init__(
+        self,
+        model=None,
+        *,
+        budget: int = 2048,
+        sinks: int = DEFAULT_SINKS,
+        recent: int = DEFAULT_RECENT,
+        scoring: ScoringPolicy | None = None,
+        limit: int | None = None,
+        store=None,
+        session_id: str | None = None,
+        prefetch_steps: int = 1,
+        spill_tokens: int = 64,
+        spill_cap_bytes: int | None = None,
+    ):
+        budget, sinks, recent = (as_index(v, n) for v, n in ((budget, "budget"), (sinks, "sinks"), (recent, "recent")))
+        if budget <= 0 or sinks < 0 or recent < 0:
+            raise ValueError(f"budget must be > 0 and sinks, recent >= 0 (got {budget}, {sinks}, {recent})")
+        if budget < sinks + recent:
+            raise ValueError(f"budget {budget} cannot hold the protected sinks + recent = {sinks} + {recent} tokens")
+        scoring = scoring if scoring is not None else CumulativeAttention()
+        if not isinstance(scoring, ScoringPolicy):
+            raise TypeError(f"scoring must be a pace_hf.scoring.ScoringPolicy, got {type(scoring).__name__}")
+        if limit is not None:
+            limit = as_index(limit, "limit")
+            if limit <= budget:
+                raise ValueError(f"limit {limit} must exceed budget {budget} plus the chunk size")
+        if store is not None and not (isinstance(session_id, str) and session_id):
+            raise ValueError("a cache with a store needs a session_id (a non-empty str) to name its entries")
+        prefetch_steps, spill_tokens = as_index(prefetch_steps, "prefetch_steps"), as_index(spill_tokens, "spill_tokens")
+        if prefetch_steps < 0 or spill_tokens < 1:
+            raise ValueError(f"prefetch_steps must be >= 0 and spill_tokens >= 1 (got {prefetch_steps}, {spill_tokens})")
+        if spill_cap_bytes is not None and as_index(spill_cap_bytes, "spill_cap_bytes") < 0:
+            raise ValueError(f"spill_cap_bytes must be >= 0 or None, got {spill_cap_bytes}")
+        self.store, self.session_id = store, session_id
+        self.prefetch_steps, self.spill_tokens, self.spill_cap_bytes = prefetch_steps, spill_tokens, spill_cap_bytes
+        self.spill: SpillLog | None = None
+        self.fingerprint: str | None = None
+        self.restores = Restores()
+        self.budget, self.sinks, self.recent = budget, sinks, recent
+        self.scoring = scoring
+        self.limit = limit
+        self._step = 0
+        self.renumbers = 0
+        self.next_physical = 0
+        self.rotary: list[RotaryParams] = []
+        self.binding: Binding | None = None
+        self._release = None
+        self._chunk = None
+        self.progress = None  # optional: anything with update(n), told of every prefilled chunk
+        # As DynamicCache does, build the layers and hand them to Cache (its own __init__ would build
+        # DynamicLayers); without a model, bind builds them.
+        Cache.__init__(self, layers=self._new_layers(model) if model is not None else [])
+        if model is not None:
+            self.bind(model)
+
+    # -- the agent's step ----------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The agent's current step: planned spans read at or after it keep their foresight bonus."""
+        return self._step
+
+    @step.setter
+    def step(self, value) -> None:
+        value = as_index(value, "cache.step")
+        if value < 0:
+            raise ValueError(f"cache.step must be >= 0, got {value}")
+        self._step = value
+        self.restores.plan(self)
+
+    @property
+    def bounded(self) -> bool:
+        return self.limit is not None
+
+    @property
+    def blueprint(self) -> Blueprint | None:
+        """The blueprint of the foresight policy, if the scoring has one."""
+        return self.scoring.blueprint
+
+    # -- binding to a model ------------------------------------------------------------------------
+    def bind(self, model) -> "EvictionCache":
+        """Install the hooks and the ``pace_sdpa`` attention on ``model`` (shared with other caches
+        bound to it). Undo with :meth:`unbind`; a garbage-collected cache unbinds itself."""
+        if self.binding is not None:
+            if self.binding.model_ref() is model:
+                return self
+            raise RuntimeError(f"this {type(self).__name__} is already bound to another model; unbind() it first")
+        config = model.config.get_text_config(decoder=True)
+        self._check_model(model, config)
+        layer_types = _layer_types(config)
+        if self.bounded:
+            rope = getattr(config, "rope_parameters", None) or {}
+            nested = is_nested(rope)
+            self.rotary = [RotaryParams.from_config(config, layer_type=t if nested else None) for t in layer_types]
+        if not self.layers:
+            self.layers = self._new_layers(model)
+        elif len(self.layers) != len(layer_types):
+            raise ValueError(f"this cache holds {len(self.layers)} layers; the model has {len(layer_types)}")
+        if self.store is not None and self.spill is None:
+            from ..tiers import model_fingerprint
+
+            self.fingerprint = model_fingerprint(model)
+            self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens,
+                                  self.spill_cap_bytes)
+        self.binding = Binding.acquire(model)
+        self._release = weakref.finalize(self, self.binding.release)
+        return self
+
+    def _new_layers(self, model) -> list:
+        """One empty ``layer_class`` layer per decoder layer of ``model``."""
+        config = model.config.get_text_config(decoder=True)
+        return [self.layer_class(keep_reference=self.bounded, budget=self.budget) for _ in _layer_types(config)]
+
+    @staticmethod
+    def _check_model(model, config) -> None:
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is None and getattr(config, "sliding_window", None) is not None:
+            raise NotImplementedError(
+                f"pace_hf caches support full-attention layers only; this config sets sliding_window="
+                f"{config.sliding_window} (a sliding window counted over evicted positions would be wrong). "
+                "Set config.sliding_window = None if the model was trained without one."
+            )
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
+            raise NotImplementedError(
+                f"pace_hf caches support full-attention layers only; this model has {sorted(set(layer_types))}"
+            )
+        impl = model.config._attn_implementation
+        if impl not in ("sdpa", None, attention.ATTN_NAME):
+            raise NotImplementedError(
+                f"pace_hf scores attention alongside SDPA; load the model with attn_implementation='sdpa' (got {impl!r})"
+            )
+
+    def unbind(self) -> None:
+        """Release the model: when no other cache is bound to it, its hooks, wrappers and attention
+        implementation are removed, and it is exactly as loaded."""
+        if self._release is not None:
+            self._release()
+        self.binding = self._release = None
+
+    @contextlib.contextmanager
+    def bound_to(self, model):
+        """``with cache.bound_to(model): model.generate(..., cache=cache)``; unbinds on exit."""
+        self.bind(model)
+        try:
+            yield self
+        finally:
+            self.unbind()
+
+    # -- what transformers calls -------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self._chunk is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not bound to the model that uses it: pass model= to the "
+                "constructor, or call cache.bind(model)"
+            )
+        logical_start, physical_start = self._chunk
+        return self.layers[layer_idx].update(
+            key_states, value_states, logical_start=logical_start, physical_start=physical_start
+        )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].cumulative_length if self.layers else 0
+
+    def reset(self) -> None:
+        """Forget every token, as a new cache would, keeping the binding, the policy and the buffers:
+        the next forward starts again at logical and rotary position 0. With a store, the spill index
+        starts afresh too (the new tokens' entries overwrite the old ones)."""
+        if self.in_forward:
+            raise RuntimeError("reset cannot run inside a forward")
+        for layer in self.layers:
+            layer.reset()
+        self._step = self.renumbers = self.next_physical = 0
+        self.restores.pending.clear()
+        if self.spill is not None:
+            self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens,
+                                  self.spill_cap_bytes)
+
+    # -- public readings ---------------------------------------------------------------------------
+    def ledger(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logical, physical) positions ``[kv_heads, n]`` of the resident tokens of ``layer_idx``, in
+        the order of that layer's stored keys."""
+        layer = self.layers[layer_idx]
+        if layer.logical is None:
+            empty = torch.empty(0, 0, dtype=torch.long)
+            return empty, empty
+        return layer.logical, layer.physical
+
+    def resident_count(self) -> int:
+        return self.layers[0].resident_count if self.layers else 0
+
+    @property
+    def next_position(self) -> int:
+        """The rotary position the next token will get."""
+        return self.next_physical if self.bounded else self.get_seq_length()
+
+    def residency(self, positions) -> float:
+        """Fraction of the given logical positions that are resident, over every layer and KV head."""
+        positions = torch.as_tensor(positions, dtype=torch.long).flatten()
+        if positions.numel() == 0 or not self.layers or self.layers[0].logical is None:
+            return 0.0 if positions.numel() else 1.0
+        hits = [torch.isin(layer.logical.cpu(), positions).sum(-1) for layer in self.layers if layer.logical is not None]
+        return float(torch.cat(hits).float().mean() / positions.unique().numel())
+
+    def rotary_gap(self, positions) -> int | None:
+        """The largest rotary distance, over layers and heads, from the next query to a resident token
+        of the given logical positions; None when none of them is resident."""
+        positions = torch.as_tensor(positions, dtype=torch.long).flatten()
+        nearest = None
+        for layer in self.layers:
+            if layer.logical is None:
+                continue
+            hit = torch.isin(layer.logical.cpu(), positions)
+            if hit.any():
+                low = int(layer.physical.cpu()[hit].min())
+                nearest = low if nearest is None else min(nearest, low)
+        return None if nearest is None else self.next_position - nearest
+
+    # -- forward bracket (called by the hooks) -------------------------------------------------------
+    @property
+    def in_forward(self) -> bool:
+        return self._chunk is not None
+
+    def begin_forward(self, q_len: int) -> int:
+        """Prepare for a forward of ``q_len`` new tokens; return the first physical position."""
+        self.restores.apply_due(self)
+        seen, n = self.get_seq_length(), self.resident_count()
+        if q_len == 1 and self.blueprint is not None:  # decoding: the prompt ends at seen
+            self.blueprint.warn_past(seen)
+        if self.bounded:
+            if n + q_len > self.limit:
+                raise ValueError(
+                    f"a forward of {q_len} tokens on {n} resident tokens cannot stay below limit={self.limit}; "
+                    f"use limit > budget + chunk, e.g. prefill_chunk_size <= {self.limit - self.budget}"
+                )
+            if self.next_physical + q_len > self.limit:
+                self.renumber()
+        else:
+            self.next_physical = seen
+        self._chunk = (seen, self.next_physical)
+        return self.next_physical
+
+    def renumber(self) -> None:
+        """Physical positions become ``0..n-1`` in logical order in every layer (keys re-rotated)."""
+        for layer, params in zip(self.layers, self.rotary):
+            if layer.is_initialized:
+                layer.renumber(params)
+        self.next_physical = self.resident_count()
+        self.renumbers += 1
+
+    def abort_forward(self) -> None:
+        logical_start, _ = self._chunk
+        self._chunk = None
+        for layer in self.layers:
+            if layer.is_initialized and layer.cumulative_length > logical_start:
+                layer.drop_last(layer.cumulative_length - logical_start)
+
+    def end_forward(self, q_len: int) -> None:
+        self._chunk = None
+        self.next_physical += q_len
+        if self.progress is not None and q_len > 1:
+            self.progress.update(q_len)
+        for layer_idx, layer in enumerate(self.layers):
+            if layer.is_initialized and layer.resident_count > self.budget:
+                evicted = layer.keep(self._keep_index(layer), collect=self.spill is not None)
+                if evicted is not None:
+                    self.evicted(layer_idx, evicted)
+
+    def evicted(self, layer_idx: int, tokens: dict[str, torch.Tensor]) -> None:
+        """Every token a layer evicts (flat, see ``EvictingLayer.tokens_at``): spilled with a store,
+        dropped without one."""
+        if self.spill is not None:
+            self.spill.add(layer_idx, tokens)
+
+    # -- tiers: restore, prefetch, save, resume ------------------------------------------------------
+    @property
+    def tier_stats(self) -> dict:
+        """The store's counters (per tier: bytes, hits, misses, integrity failures, errors, seconds)
+        and this cache's restores: count, tokens, seconds, and the stall (seconds a forward waited)."""
+        out = dict(self.restores.stats)
+        if self.spill is not None:
+            out["spilled_tokens"] = self.spill.spilled_tokens
+            out["spill"] = dict(self.spill.stats, held_bytes=self.spill.held_bytes)
+        if self.store is not None:
+            out["store"] = self.store.stats
+        return out
+
+    def restore(self, start: int, end: int) -> int:
+        """Bring the evicted tokens of logical range ``[start, end)`` back now, and plan the range for
+        the current step so that its foresight bonus keeps it. Returns the tokens restored (layer 0)."""
+        start, end = as_index(start, "start"), as_index(end, "end")
+        if not 0 <= start < end:
+            raise ValueError(f"restore needs 0 <= start < end, got [{start}, {end})")
+        if self.spill is None:
+            raise ValueError("restore needs a cache with a store (store=..., session_id=...) bound to a model")
+        if self.blueprint is None:
+            raise ValueError("restored tokens stay resident through their foresight bonus: restore needs a "
+                             "cache with a Foresight policy (PACECache)")
+        if self.in_forward:
+            raise RuntimeError("restore cannot run inside a forward")
+        self.blueprint.add(Span(start, end, [self.step]))
+        self.restores.apply(self, [((start, end), self.spill.fetch(start, end))])
+        return self.restores.stats["last_restored"]
+
+    def save(self) -> str:
+        """Write everything needed to continue this session to the store, as one new generation: every
+        layer's tensors (resident and reference keys, ledger, scores), the step, the renumber state, the
+        policy with its blueprint, and the spill index, tied together by a manifest of digests. All or
+        nothing (``pace_hf.cache.persist``): it returns the generation once it is on every durable tier, or
+        raises ``SaveFailed`` / ``WriterConflict`` and the previous save stays the one ``resume`` gives."""
+        return persist.save(self)
+
+    @classmethod
+    def resume(cls, session_id: str, *, store, model, scoring: ScoringPolicy | None = None) -> "EvictionCache":
+        """Continue a session saved with :meth:`save`, possibly in another process, bound to ``model``.
+        Every entry is checked against the save's manifest first: a session saved by another model,
+        config or dtype, or with an entry missing or from another save, is refused, naming it."""
+        return persist.resume(cls, session_id, store=store, model=model, scoring=scoring)[0]
+
+    @classmethod
+    def _from_manifest(cls, m: dict, states: dict, *, store, session_id: str, model,
+                       scoring: ScoringPolicy | None = None) -> "EvictionCache":
+        """The cache a verified save describes (``persist.resume`` checked every entry of ``states``)."""
+        cache = cls.__new__(cls)
+        EvictionCache.__init__(cache, budget=m["budget"], sinks=m["sinks"], recent=m["recent"],
+                               scoring=scoring or rebuild(m["scoring"]), limit=m["limit"], store=store,
+                               session_id=session_id, prefetch_steps=m["prefetch_steps"],
+                               spill_tokens=m["spill"]["page_tokens"], spill_cap_bytes=m["spill"]["cap_bytes"])
+        cache.bind(model)
+        if len(m["layers"]) != len(cache.layers):
+            cache.unbind()
+            raise ValueError(f"session {session_id!r} has {len(m['layers'])} layers; the model has {len(cache.layers)}")
+        for i, (tensors, meta) in states.items():
+            cache.layers[i].load({k: v.to(model.device) for k, v in tensors.items()}, meta["seen"])
+        cache.spill.load(m["spill"], m["generation"])
+        cache._step, cache.renumbers, cache.next_physical = m["step"], m["renumbers"], m["next_physical"]
+        return cache
+
+    def score_query_window(self, q_len: int) -> int | None:
+        return self.scoring.query_window(q_len) if self.scoring.needs_attention else 0
+
+    def record_attention(self, layer_idx: int, column_sums: torch.Tensor) -> None:
+        self.layers[layer_idx].record_scores(column_sums[0], self.scoring)  # batch 1
+
+    def _keep_index(self, layer) -> torch.Tensor:
+        """Indices ([kv_heads, budget], sorted) of the tokens to keep in ``layer``."""
+        n = layer.resident_count
+        if self.scoring.needs_attention and layer.scored != n:
+            raise RuntimeError(
+                "attention scores were not recorded for every token: the model must run its attention "
+                f"through {attention.ATTN_NAME!r} (got {layer.scored} scores for {n} tokens)"
+            )
+        priority = self.scoring.priority(layer.logical, layer.scores, self.step)
+        return keep_index(priority, min(self.budget, n), self.sinks, self.recent)
+
+    # -- retrieval: evicted context found by what a new turn asks (pace_hf.retrieval) ----------------
+    def rehydrate(self, text: str, ids, tokenizer=None, *, retriever=None) -> list[Span]:
+        """Rank the evicted pages of the context against the new turn ``text`` and restore the best
+        ones, within ``budget // 4`` tokens per KV head, exactly re-rotated and planned for the current
+        step (see :mod:`pace_hf.retrieval`). ``ids``: the ids of everything this cache has seen (the
+        cache keeps no ids). The first call builds a ``PageRetriever(tokenizer)`` (or keeps
+        ``retriever``); later calls reuse it. No store, or nothing spilled: a no-op."""
+        from ..retrieval import PageRetriever
+
+        if retriever is not None:
+            self.retriever = retriever
+        elif getattr(self, "retriever", None) is None:
+            self.retriever = PageRetriever(tokenizer)
+        return self.retriever.rehydrate(self, text, ids)
+
+
+def _layer_types(config) -> list[str]:
+    return getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+
+
+__all__ = ["DEFAULT_RECENT", "DEFAULT_SINKS", "EvictionCache"]

@@ -1,0 +1,67 @@
+"""The named caches: each is ``EvictionCache`` with one policy (and, for PACE, bounded positions)."""
+
+from __future__ import annotations
+
+from ..blueprint import Blueprint
+from ..scoring import CumulativeAttention, Foresight, ForesightBonus, ObservationWindow, Recency, ScoringPolicy
+from .eviction import DEFAULT_SINKS, EvictionCache
+
+
+class H2OCache(EvictionCache):
+    """Heavy-hitter oracle: keep the tokens with the most cumulative attention (plus sinks and recent).
+    With ``limit`` it is the positions-only arm."""
+
+    def __init__(self, model=None, *, budget: int = 2048, **kwargs):
+        kwargs.setdefault("scoring", CumulativeAttention())
+        super().__init__(model, budget=budget, **kwargs)
+
+
+class PACECache(EvictionCache):
+    """PACE: foresight (a bonus for the blueprint's planned spans) around H2O, with bounded positions.
+
+    ``limit=None`` is the retention-only arm. ``scorer`` replaces H2O under the bonus (e.g.
+    ``ObservationWindow()`` for SnapKV with foresight); ``bonus`` replaces ``ForesightBonus(phi)``.
+    Set ``cache.step`` to the agent's current step.
+    """
+
+    def __init__(
+        self,
+        blueprint: Blueprint | None = None,
+        model=None,
+        *,
+        budget: int = 2048,
+        limit: int | None = 8192,
+        phi: float = 1e5,
+        bonus=None,
+        scorer: ScoringPolicy | None = None,
+        **kwargs,
+    ):
+        blueprint = Blueprint() if blueprint is None else blueprint
+        if not isinstance(blueprint, Blueprint):
+            raise TypeError(f"blueprint must be a pace_hf.Blueprint, got {type(blueprint).__name__}")
+        if "scoring" in kwargs:
+            raise TypeError("PACECache builds its scoring from blueprint, scorer and bonus; use EvictionCache(scoring=...)")
+        foresight = Foresight(scorer or CumulativeAttention(), blueprint, bonus if bonus is not None else ForesightBonus(phi))
+        super().__init__(model, budget=budget, limit=limit, scoring=foresight, **kwargs)
+
+    @property
+    def bonus(self):
+        return self.scoring.bonus
+
+
+class SnapKVCache(EvictionCache):
+    """SnapKV: scores from the observation window of each forward's last queries, max-pooled."""
+
+    def __init__(self, model=None, *, budget: int = 2048, window: int = 32, kernel: int = 7, **kwargs):
+        super().__init__(model, budget=budget, scoring=ObservationWindow(window, kernel), **kwargs)
+
+
+class StreamingLLMCache(EvictionCache):
+    """StreamingLLM: attention sinks plus the most recent tokens."""
+
+    def __init__(self, model=None, *, budget: int = 2048, sinks: int = DEFAULT_SINKS, **kwargs):
+        kwargs.setdefault("recent", 0)
+        super().__init__(model, budget=budget, sinks=sinks, scoring=Recency(), **kwargs)
+
+
+__all__ = ["H2OCache", "PACECache", "SnapKVCache", "StreamingLLMCache"]
