@@ -8,7 +8,7 @@ token *and* old heavy hitters): every entry overlapped every span, and a restore
 whole log (313 MB on SmolLM2). Now a restore of ``[start, end)`` reads the pages it covers and nothing
 else: the tokens it returns plus, at each edge, at most one page per layer and head.
 
-Why 64 positions per page by default: ``bench/spill_pages.py`` measured 32, 64, 128 and 256 (a
+Why 64 positions per page by default: we measured 32, 64, 128 and 256 (``spill_pages.py``, a
 random-weight model of SmolLM2's attention shape, 3.3K tokens, budget 256). Bytes read per restored byte,
 for spans of 128 / 32 positions: 1.2 / 1.8 (32), 1.3 / 3.0 (64), 1.6 / 4.5 (128), 2.1 / 8.8 (256); the
 time-grouped log read 3.7 / 22 on that session, and its cost grows with the session. 32 reads least but
@@ -20,7 +20,7 @@ Versions. A page that receives more evictions later gets a new *version*: a new 
 tokens evicted since the last one, and a restore merges the page's versions, the newest copy winning.
 Writing each version as the page's whole evicted set instead would rewrite the page on every flush:
 a page that H2O keeps evicting old heavy hitters from is flushed many times, and each flush would cost
-a whole page (on the bench's random-weight session pages got one version each, so both wrote the same;
+a whole page (on that random-weight session pages got one version each, so both wrote the same;
 in the worst case every flush rewrites the whole page). Merging at read costs nothing extra as long
 as no token has two copies, and that holds: a restore *consumes* the pages it read. The tokens it made
 resident leave the spill (a new version of the page holds what it read but did not make resident, and

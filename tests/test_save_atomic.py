@@ -156,8 +156,9 @@ def test_valkey_evicting_indexed_spill_entries_refuses_the_resume_naming_one(mod
         with pytest.raises(IncompleteSave, match="is missing from every tier") as refused:
             PACECache.resume(SID, store=store, model=model)
         named = str(refused.value).split("entry '", 1)[1].split("'", 1)[0]
-        # it names an entry that really is gone (the server may evict more while resume reads)
-        assert f"pace:{SID}:{named}" in spills and not client.exists(f"pace:{SID}:{named}")
+        # it names an entry of the save that really is gone: the server's LRU is approximate (it samples
+        # keys), so it may also evict a layer state, and it may evict more while resume reads
+        assert f"pace:{SID}:{named}" in spills + hot and not client.exists(f"pace:{SID}:{named}")
     finally:
         client.config_set("maxmemory", 0)
         client.config_set("maxmemory-policy", "noeviction")
