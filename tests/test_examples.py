@@ -29,7 +29,7 @@ COMMITTED_CHECKS = {
     "02_agent_session.ipynb": ["the answer names the vault code 4471 and the owner Ada Lovelace: True",
                                "the answer names port 7312: True"],
     "03_benchmark.ipynb": ["PACE passed more hidden checks than H2O on this session"],
-    "04_agent.ipynb": ["the final answer is the total balance 48: True"],
+    "04_agent.ipynb": ["the first answer is the total balance 48: True", "the second answer is the difference 34: True"],
 }
 
 
