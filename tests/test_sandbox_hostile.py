@@ -4,7 +4,6 @@ Each test runs a real attack through :func:`run_calls` and then checks the host:
 object or POSIX message queue, no file written outside the scratch area, no sandbox process left,
 bounded kernel memory, and no false credit (a forged value never passes)."""
 
-import ctypes
 import os
 import textwrap
 import threading
@@ -13,6 +12,8 @@ import time
 import pytest
 
 from pace_hf.metrics.pace_coding.sandbox import SandboxLimits, run_calls
+
+from host_objects import mqueue_exists, sysv_objects
 
 QUICK = SandboxLimits(timeout_s=8.0, memory_mb=256, cpu_s=5)
 QUEUE = b"/pace-sandbox-covert"
@@ -31,27 +32,6 @@ def passes(result, expected):
     return result.status == "ok" and type(result.value) is type(expected) and result.value == expected
 
 
-def _sysv():
-    """The host's System V objects (the header line aside)."""
-    found = {}
-    for kind in ("shm", "msg", "sem"):
-        with open(f"/proc/sysvipc/{kind}") as f:
-            found[kind] = sorted(f.read().splitlines()[1:])
-    return found
-
-
-def _queue_exists(name=QUEUE):
-    """Whether the POSIX message queue exists in the host's IPC namespace (removes it if so)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mq_open.restype = ctypes.c_int
-    fd = libc.mq_open(name, os.O_RDONLY)
-    if fd < 0:
-        return False
-    os.close(fd)
-    libc.mq_unlink(name)
-    return True
-
-
 @pytest.fixture
 def host(tmp_path):
     """A world-writable directory the program aims at, and the host's kernel objects: afterwards
@@ -61,11 +41,11 @@ def host(tmp_path):
     target.mkdir()
     os.chmod(target, 0o777)
     (target / "sentinel").write_text("keep me")
-    before = _sysv()
+    before = sysv_objects()
     yield target
     assert sorted(os.listdir(target)) == ["sentinel"] and (target / "sentinel").read_text() == "keep me"
-    assert _sysv() == before
-    assert not _queue_exists()
+    assert sysv_objects() == before
+    assert not mqueue_exists(QUEUE)
 
 
 # --------------------------------------------------------------------------------------------

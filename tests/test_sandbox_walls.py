@@ -2,7 +2,6 @@
 has taken over the child's interpreter (native code, ctypes in hand, no audit hook) runs inside the
 real confinement of ``_sandbox_child`` and tries what issue 22 found getting through."""
 
-import ctypes
 import json
 import os
 import shutil
@@ -14,6 +13,8 @@ from dataclasses import asdict
 import pytest
 
 from pace_hf.metrics.pace_coding import sandbox as S
+
+from host_objects import mqueue_exists, sysv_objects
 
 _NATIVE = r'''
 import ctypes, errno, json, os, socket, sys
@@ -74,24 +75,6 @@ os.write(out_fd, json.dumps(facts).encode())
 '''
 
 
-def _sysv():
-    found = {}
-    for kind in ("shm", "msg", "sem"):
-        with open(f"/proc/sysvipc/{kind}") as f:
-            found[kind] = sorted(f.read().splitlines()[1:])
-    return found
-
-
-def _queue_exists(name):
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.mq_open(name.encode(), os.O_RDONLY)
-    if fd < 0:
-        return False
-    os.close(fd)
-    libc.mq_unlink(name.encode())
-    return True
-
-
 def _native(mode, tmp_path, prefix=()):
     """Run the stand-in in ``mode`` under the real confinement (``prefix``: a command that
     execs it, e.g. with fewer capabilities); returns what it reported and the job."""
@@ -136,12 +119,12 @@ def _native(mode, tmp_path, prefix=()):
 def test_kernel_objects_made_inside_die_with_the_run(tmp_path):
     """Without seccomp, only the namespaces: System V objects and a POSIX queue made in the run
     are the run's IPC namespace's, and go with it; the host never sees them."""
-    before = _sysv()
+    before = sysv_objects()
     facts, job = _native("namespaces", tmp_path)
     assert facts["pid"] == 2  # pid 2 of its own pid namespace (init is 1)
     assert min(facts["shm"], facts["msg"], facts["sem"], facts["mq"]) >= 0, facts  # made, inside
-    assert _sysv() == before
-    assert not _queue_exists(job["queue"])
+    assert sysv_objects() == before
+    assert not mqueue_exists(job["queue"])
 
 
 # Without CAP_SYS_ADMIN (as for a user without root), the namespaces come from a user namespace.
@@ -156,7 +139,7 @@ def test_native_code_meets_the_kernel_walls(tmp_path, prefix):
     the same from a user namespace, where the process keeps no capabilities."""
     if prefix and (shutil.which("setpriv") is None or os.geteuid() != 0):
         pytest.skip("needs root and setpriv to drop CAP_SYS_ADMIN")
-    before = _sysv()
+    before = sysv_objects()
     facts, job = _native("full", tmp_path, prefix)
     assert "seccomp allowlist" in facts["layers"] and "ipcns" in facts["layers"], facts
     if prefix:
@@ -167,5 +150,5 @@ def test_native_code_meets_the_kernel_walls(tmp_path, prefix):
     assert all(code in (1, 13, 30) for code in facts["denied"].values()), facts  # EPERM, EACCES, EROFS
     made, code = facts["mkdir"]
     assert code == 28 and made < job["limits"]["max_inodes"], facts  # ENOSPC at the cap
-    assert _sysv() == before
-    assert not _queue_exists(job["queue"])
+    assert sysv_objects() == before
+    assert not mqueue_exists(job["queue"])
