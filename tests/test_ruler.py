@@ -25,17 +25,6 @@ def model_dir(tmp_path_factory):
     return _tiny_model_dir(tmp_path_factory.mktemp("ruler") / "model")
 
 
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    from pace_bench import models
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model or tokenizer was loaded")
-
-    monkeypatch.setattr(models, "load_model", refuse)
-    monkeypatch.setattr(models, "load_tokenizer", refuse)
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--tasks", "niah_single_9"], "unknown task(s) niah_single_9"),
     (["--tasks", "vt", "--lengths", "512"], "vt needs >= 1024"),
