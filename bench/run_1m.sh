@@ -26,11 +26,12 @@ SPILL_CAP_MB=${SPILL_CAP_MB:-1024}
 OUT=${OUT:-runs/length-1m}
 RESULTS=${RESULTS:-bench/results/length/1m}
 EXTRA=${EXTRA:-}
+NICE=${NICE:-19}  # it yields the CPU to anything run in the foreground; its chunk log records the load
 PY=${PY:-.venv/bin/python}
 
 mkdir -p "$OUT"
 if [ "${1:-}" != "--foreground" ]; then
-    nohup bash "$0" --foreground >> "$OUT/run.log" 2>&1 < /dev/null &
+    nohup nice -n "$NICE" bash "$0" --foreground >> "$OUT/run.log" 2>&1 < /dev/null &
     echo "started in the background (pid $!); follow it with: tail -f $OUT/run.log"
     echo "to stop it: kill $!; to resume: bash $0 again"
     exit 0

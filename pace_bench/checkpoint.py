@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -104,7 +105,8 @@ class PairCheckpoint:
 class ChunkLog:
     """Appends one JSON line per prefilled chunk to ``path``: the tokens the cache has seen after it,
     the chunk's size and tokens/s, the bytes the cache holds then (before the forward's eviction: each
-    forward's peak) and what the full cache would hold (``full_bytes_per_token`` times the tokens seen).
+    forward's peak), what the full cache would hold (``full_bytes_per_token`` times the tokens seen) and
+    the host's load average (a chunk that shared the CPU is slow for that reason alone).
     Passes every update on to ``inner`` (a progress bar). A resumed run appends; readers keep the last
     line for each ``seen`` (the chunks redone after a kill)."""
 
@@ -130,7 +132,7 @@ class ChunkLog:
         line = {**self.labels, "seen": seen, "tokens": n, "seconds": round(seconds, 4),
                 "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,
                 "cache_bytes": cache_nbytes(self.cache), "full_cache_bytes": self.full_bytes_per_token * seen,
-                "time": round(time.time(), 1)}
+                "time": round(time.time(), 1), "load1": round(os.getloadavg()[0], 2)}
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
 

@@ -134,12 +134,36 @@ def _constant_like(node: ast.Assign) -> bool:
         return False
 
 
+def _bound_once(tree: ast.Module) -> set[str]:
+    """The names that the module binds exactly once, at any depth outside classes and functions (an
+    assignment, a def or class, an import)."""
+    count: dict[str, int] = {}
+
+    def bind(name):
+        count[name] = count.get(name, 0) + 1
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bind(child.name)
+                continue
+            if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+                bind(child.id)
+            elif isinstance(child, ast.alias):
+                bind(child.asname or child.name.split(".")[0])
+            visit(child)
+
+    visit(tree)
+    return {name for name, n in count.items() if n == 1}
+
+
 def targets_in(source: str, path: str, renamed: set[str]) -> list[Target]:
     """Every definition of ``source`` (a renamed file) that a probe can ask about; ``renamed``: the
     names the renaming replaced (only those are asked about, so pretraining cannot answer)."""
     tree = ast.parse(source)
     lines = source.splitlines()
     out = []
+    once = _bound_once(tree)  # a module-level name bound twice (try/except, if/else) has no one answer
 
     def src(first, last):
         return textwrap.dedent("\n".join(lines[first - 1:last]))
@@ -147,6 +171,8 @@ def targets_in(source: str, path: str, renamed: set[str]) -> list[Target]:
     def functions(body, owner):
         for node in body:
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name not in renamed:
+                continue
+            if owner is None and node.name not in once:
                 continue
             qual = f"{owner.name}.{node.name}" if owner else node.name
             first, last = node.lineno, node.end_lineno
@@ -166,7 +192,7 @@ def targets_in(source: str, path: str, renamed: set[str]) -> list[Target]:
         if isinstance(node, ast.ClassDef) and node.name in renamed:
             functions(node.body, node)
         if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                and node.targets[0].id in renamed and node.lineno == node.end_lineno
+                and node.targets[0].id in renamed and node.targets[0].id in once and node.lineno == node.end_lineno
                 and isinstance(node.value, (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BinOp,
                                             ast.UnaryOp, ast.Call))
                 and 3 <= len(ast.unparse(node.value)) <= 100 and _constant_like(node)):
@@ -200,14 +226,13 @@ def probe_for(t: Target, token_count) -> dict:
                   f"parameters without a default). {_BLOCK}")
         reference = {"kind": "signature", "callee": t.qualname.split(".")[-1],
                      "defaults": {name: ast.unparse(d) for name, d in defaults}}
-        prefix = f"```python\n{t.qualname}("
-        budget = min(256, 16 + sum(token_count(f"{n}={ast.unparse(d)}, ") for n, d in defaults))
+        prefix = ""
+        budget = min(320, 48 + token_count(t.qualname) + sum(token_count(f"{n}={ast.unparse(d)}, ") for n, d in defaults))
     elif t.kind == "constant":
-        prompt = (f"What is the value of the module-level constant `{t.qualname}` in `{t.path}`? Write its assignment "
-                  f"exactly as it is written in the file. {_BLOCK}")
+        prompt = (f"Quote the line of `{t.path}` that assigns the module-level constant `{t.qualname}`, exactly as the "
+                  f"file writes it. {_BLOCK}")
         reference = {"kind": "constant", "name": t.qualname, "value": ast.unparse(node.value)}
-        prefix = f"```python\n{t.qualname} = "
-        budget = min(160, token_count(ast.unparse(node.value)) + 16)
+        prefix, budget = "", min(200, token_count(t.source) + 48)
     else:
         raise ValueError(f"unknown probe kind {t.kind!r}; kinds: {', '.join(KINDS)}")
     return {"kind": t.kind, "target": t.qualname, "path": t.path, "prompt": prompt, "answer_prefix": prefix,

@@ -106,28 +106,40 @@ def test_needle_is_scored_by_repoqa_similarity_at_its_threshold():
 
 def test_signature_is_scored_against_the_definitions_parameters_and_defaults():
     p = _probe("signature")
-    assert p["answer_prefix"].endswith("Pool.fetch(")
+    assert p["answer_prefix"] == "" and "`Pool.fetch`" in p["prompt"]  # a forced prefix derails a small model
     ref = json.loads(p["reference"])
     assert ref["defaults"] == {"timeout": "30.0", "retries": "RETRY_CODES", "verbose": "False"}
-    ok = score("timeout=30.0, retries=RETRY_CODES, verbose=False)\n```", p["reference"], p["answer_prefix"])
+    ok = score("Here it is:\n```python\nPool.fetch(timeout=30.0, retries=RETRY_CODES, verbose=False)\n```", p["reference"])
     assert ok["passed"] and ok["recall_hits"] == 3
-    assert score("verbose = False, timeout=3e1, retries=RETRY_CODES)", p["reference"], p["answer_prefix"])["passed"]
-    wrong = score("timeout=10, retries=RETRY_CODES)", p["reference"], p["answer_prefix"])
+    assert score("fetch(verbose = False, timeout=3e1, retries=RETRY_CODES)", p["reference"])["passed"]
+    wrong = score("pool.fetch(timeout=10, retries=RETRY_CODES)", p["reference"])
     assert not wrong["passed"] and wrong["recall_hits"] == 1
     assert "missing: verbose" in wrong["failure"] and "wrong default: timeout" in wrong["failure"]
-    extra = score("timeout=30.0, retries=RETRY_CODES, verbose=False, url='x')", p["reference"], p["answer_prefix"])
+    extra = score("Pool.fetch(timeout=30.0, retries=RETRY_CODES, verbose=False, url='x')", p["reference"])
     assert not extra["passed"] and "not a parameter with a default: url" in extra["failure"]
-    assert score("timeout=30.0,, oops", p["reference"], p["answer_prefix"])["failure"] == "does not parse"
+    assert score("Pool.fetch(timeout=30.0,, oops", p["reference"])["failure"] == "does not parse"
 
 
 def test_constant_is_compared_exactly():
     p = _probe("constant")
-    assert p["answer_prefix"].endswith("RETRY_CODES = ")
-    assert score("(429, 503)\n```", p["reference"], p["answer_prefix"])["passed"]
-    assert score("(429,503)", p["reference"], p["answer_prefix"])["passed"]  # the value, not its spacing
-    wrong = score("(429, 500)", p["reference"], p["answer_prefix"])
+    assert p["answer_prefix"] == "" and "`RETRY_CODES`" in p["prompt"] and "`pool.py`" in p["prompt"]
+    assert score("```python\nRETRY_CODES = (429, 503)\n```", p["reference"])["passed"]
+    assert score("RETRY_CODES = (429,503)", p["reference"])["passed"]  # the value, not its spacing
+    wrong = score("RETRY_CODES = (429, 500)", p["reference"])
     assert not wrong["passed"] and wrong["recall_hits"] == 1 and wrong["recall_total"] == 2
-    assert not score("[429, 503]", p["reference"], p["answer_prefix"])["passed"]
+    assert not score("RETRY_CODES = [429, 503]", p["reference"])["passed"]
+    assert score("OTHER = (429, 503)", p["reference"])["failure"] == "no assignment to RETRY_CODES"
+
+
+def test_a_name_the_module_binds_twice_is_never_asked_about():
+    # requests/compat.py: `has_simplejson = False` at the top level, then `has_simplejson = True` in a try
+    source = ("has_simplejson = False\ntry:\n    import simplejson as json\n    has_simplejson = True\n"
+              "except ImportError:\n    import json\nTIMEOUT = 300\n\nif json:\n    def load(path, strict=False, "
+              "limit=10):\n        \"\"\"Read one JSON document from the path.\"\"\"\n        return json.load(open(path))"
+              "\nelse:\n    pass\n\ndef load(path, strict=True, limit=5):\n    \"\"\"Read one JSON document from "
+              "the given path.\"\"\"\n    return None\n")
+    names = {t.qualname for t in repo_probes.targets_in(source, "compat.py", {"has_simplejson", "TIMEOUT", "load"})}
+    assert names == {"TIMEOUT"}
 
 
 # -- sessions ------------------------------------------------------------------------------------------------
