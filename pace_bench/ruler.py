@@ -1,34 +1,47 @@
 """RULER through lm-eval: the field's long-context test, played with each arm's cache.
 
     pace-bench --suite ruler --tasks niah_single_1,niah_multikey_2,vt,fwe,cwe --lengths 8192,32768 \\
-        --samples 10 --arms full,snapkv,snapkv_bounded,pace_retrieval --out runs/ruler
+        --samples 10 --needles 4 --arms full,snapkv,snapkv_bounded,pace_retrieval --out runs/ruler
 
 Samples come from lm-eval 0.4.13's own RULER generators (``lm_eval.tasks.ruler``), sized with this
 model's tokenizer; answers are scored with lm-eval's own ``common_utils.process_results``. Nothing of
-either is re-implemented here: a task is the generator call its lm-eval task makes, with fewer samples.
+either is re-implemented here: a task is the generator call its lm-eval task makes, with fewer samples
+(and, in the session setting, more needles).
 
 Two settings, reported apart:
-- ``question_last``: RULER's layout, the context then the question in one user message.
+- ``question_last``: RULER's layout and RULER's one-question prompts, the context then the question in
+  one user message, each prompt prefilled from scratch.
 - ``session``: the context arrives as tool outputs of about ``--tool-tokens`` tokens each (an agent
-  reading documents), the question as a later user turn. The protocol: prefill the tool outputs once,
-  save (``cache.save()``; a deep copy for DynamicCache), then resume the saved state, add the question
-  and answer. One question per context here, as in RULER (``tests/test_ruler.py`` checks that the
-  answer from the saved state is token for token the answer of a fresh prefill).
+  reading documents), each question as a later user turn. The cost protocol: a 128K prefill takes half
+  an hour on a CPU, so one context carries ``--needles`` K needles (the NIAH generator's key count,
+  ``num_needle_k`` = ``num_needle_q`` = K) and is prefilled once and saved (``cache.save()``; a deep copy
+  for DynamicCache); each of its K questions resumes the saved state, adds its turn and answers.
+  Each question asks for one needle in RULER's one-question wording, with that needle's value as its
+  only expected output (``tests/test_ruler.py`` checks that every answer from the saved state is, token
+  for token, the answer of a fresh prefill of the context and that question). vt, fwe and cwe ask one
+  question of all their context and keep one per context.
 
 In both, each answer starts after lm-eval's ``gen_prefix`` in the assistant turn, as lm-eval does for
 chat models. The context is prefilled in ``--chunk`` forwards, then the question (and for the PACE
 arms the retrieval step comes between the two).
 
 Arms: ``full`` (DynamicCache), ``h2o``, ``snapkv``, ``snapkv_bounded`` (SnapKV with bounded
-positions), ``streaming`` (StreamingLLM), ``pace_retrieval`` (PACE with no plan; the question's turn
+positions), ``streaming`` (StreamingLLM), ``pace_retrieval`` (PACE with no plan; each question's turn
 restores the evicted pages it matches, ``pace_hf.retrieval``) and ``pace_plan`` (PACE given the
-question as its plan: the context pages it matches lexically are planned before the context arrives).
+questions as its plan: the context pages they match lexically are planned before the context arrives).
 
-Each record holds the needle's residency (mean over layers and KV heads) and its rotary gap when the
-answer's first query runs; for ``pace_retrieval``, the rank of the needle's page under each retrieval
-signal (lexical, digest, both) over every page of the context. Output in ``--out``: ``records.jsonl``
-(one line per sample, arm and setting; ``--resume`` keeps them), ``table.md`` (accuracy per task,
-length and arm with 95% Wilson intervals, per setting), ``ruler_{setting}.png`` and ``run.json``.
+Each record is one question: its context (``session_id``) and its index there (``probe``), the answer,
+lm-eval's score, the residency (mean over layers and KV heads) and rotary gap of its own needle when the
+answer's first query runs; for ``pace_retrieval``, the rank of that needle's page under each retrieval
+signal (lexical, digest, both) over every page of the context. Output in ``--out``: ``probes.jsonl``
+(``--resume`` keeps it; a context cut short answers only its missing questions), ``table.md``
+(accuracy per task, length and arm over questions, with 95% Wilson intervals, per setting),
+``ruler_{setting}.png`` and ``run.json``.
+
+Contexts are independent, so several processes can share the (context, arm) pairs, as in the coding
+runner: under ``accelerate launch`` each process plays a disjoint share
+(``PartialState.split_between_processes``) into ``probes.rank{N}.jsonl``, and the main process merges
+them (``pace_bench.records``).
 """
 
 from __future__ import annotations
@@ -71,6 +84,10 @@ ARMS = ("full", "h2o", "snapkv", "snapkv_bounded", "streaming", "pace_retrieval"
 BOUNDED = ("snapkv_bounded", "pace_retrieval", "pace_plan")
 SIGNALS = ("lexical", "digest", "both")
 LONG_LINE = 200  # a needle is its whole line when the line is at most this long (niah, vt), else its words
+# Needles per NIAH context, at most: every other needle of a context is a distractor of the same form
+# for each question, so more needles is a harder task; 8 is twice RULER's densest NIAH (4 keys, queries
+# or values).
+MAX_NEEDLES = 8
 
 
 @dataclass(frozen=True)
@@ -109,39 +126,92 @@ def _ruler(module: str):
         nltk.download = download
 
 
-def generate(task: str, length: int, n: int, tokenizer, seed: int) -> list[dict]:
+def needles_of(task: str, needles: int) -> int:
+    """The needles a context of ``task`` carries: ``needles`` for the NIAH tasks; vt, fwe and cwe ask one
+    question of all their context, so one."""
+    return needles if TASKS[task]["kind"] == "niah" else 1
+
+
+def generate(task: str, length: int, n: int, tokenizer, seed: int, needles: int = 1) -> list[dict]:
     """``n`` samples of ``task`` at ``length`` tokens from lm-eval's generator (seeded: the generators
-    draw from the global ``random`` and ``numpy`` states)."""
+    draw from the global ``random`` and ``numpy`` states). A NIAH sample with ``needles`` K > 1 holds K
+    needles and asks for all of them (the generator's ``num_needle_k`` = ``num_needle_q`` = K, sized to
+    fit that longer question); :func:`questions` splits it into one question per needle. Each sample
+    gets ``task`` and ``needles``."""
     import numpy as np
 
     spec = TASKS[task]
+    if needles != needles_of(task, needles) or not 1 <= needles <= MAX_NEEDLES:
+        allowed = f"1 to {MAX_NEEDLES} needles" if spec["kind"] == "niah" else "one needle"
+        raise ValueError(f"{task} carries {allowed} per context, not {needles}")
     random.seed(f"{seed}:{task}:{length}")
     np.random.seed(zlib.crc32(f"{seed}:{task}:{length}".encode()))
     quiet = contextlib.redirect_stdout(io.StringIO())  # vt prints every size it tries
     with quiet:
         if spec["kind"] == "niah":
             niah, prepare = _ruler("niah_utils"), _ruler("prepare_niah")
-            return prepare.generate_samples(
+            out = prepare.generate_samples(
                 prepare.get_haystack(type_haystack=spec["haystack"]), max_seq_length=length, template=niah.TEMPLATE,
                 type_haystack=spec["haystack"], type_needle_k=spec["needle_k"], type_needle_v=spec["needle_v"],
-                num_samples=n, TOKENIZER=tokenizer)
-        if spec["kind"] == "vt":
+                num_samples=n, TOKENIZER=tokenizer, num_needle_k=needles, num_needle_q=needles)
+        elif spec["kind"] == "vt":
             vt = _ruler("vt_utils")
             icl = vt.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=1, max_seq_length=500, incremental=5)[0]
-            return vt.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=n, max_seq_length=length,
-                                                  icl_example=icl)
-        if spec["kind"] == "fwe":
-            return _ruler("fwe_utils").sys_kwext(tokenizer=tokenizer, max_seq_length=length, num_samples=n)
-        return _ruler("cwe_utils").sys_word_pair_random(num_samples=n, max_seq_length=length, tokenizer=tokenizer)
+            out = vt.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=n, max_seq_length=length,
+                                                 icl_example=icl)
+        elif spec["kind"] == "fwe":
+            out = _ruler("fwe_utils").sys_kwext(tokenizer=tokenizer, max_seq_length=length, num_samples=n)
+        else:
+            out = _ruler("cwe_utils").sys_word_pair_random(num_samples=n, max_seq_length=length, tokenizer=tokenizer)
+    return [dict(x, task=task, needles=needles) for x in out]
 
 
-def score(sample: dict, prediction: str) -> float:
-    """lm-eval's RULER score of one answer (the fraction of the expected outputs it contains)."""
-    metrics = _ruler("common_utils").process_results(sample, [prediction])
-    return float(metrics[str(sample["max_length"])])
+def niah_question(task: str, key: str) -> tuple[str, str]:
+    """RULER's one-question wording for ``key`` in ``task``: the question line and the ``gen_prefix`` that
+    lm-eval's NIAH generator writes for a sample with one query and one value (``generate_input_output``
+    words its ``TEMPLATE`` in the singular, ``generate_samples`` its prefix)."""
+    line = _ruler("niah_utils").TEMPLATE.rsplit("\n", 1)[1]
+    for plural, singular in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
+        line = line.replace(plural, singular)
+    value = TASKS[task]["needle_v"][:-1]
+    return (line.format(type_needle_v=value, query=key),
+            f"The special magic {value} for {key} mentioned in the provided text is")
 
 
-# -- prompts, with the needle's token positions ------------------------------------------------------------
+def niah_questions(sample: dict) -> list[dict]:
+    """One question per needle of a NIAH ``sample``: each expected value's key is read off its needle
+    line (lm-eval's ``NEEDLE`` format; of the lines holding that value, the one whose key the sample's
+    question asks, since niah_multikey's haystack is made of needles too) and asked alone."""
+    context, asked = split_question(sample)
+    before, after = _ruler("prepare_niah").NEEDLE.format(
+        type_needle_v=TASKS[sample["task"]]["needle_v"], key="\n", value="\n").split("\n", 1)
+    out = []
+    for value in sample["outputs"]:
+        line = re.compile(re.escape(before) + r"([^\n]+?)" + re.escape(after.replace("\n", value)))
+        keys = {m.group(1) for m in line.finditer(context) if m.group(1) in asked}
+        if len(keys) != 1:
+            raise ValueError(f"cannot tell which needle holds {value!r} (keys {sorted(keys)}); try another --seed")
+        question, prefix = niah_question(sample["task"], keys.pop())
+        out.append({"question": question, "gen_prefix": prefix, "outputs": [value]})
+    return out
+
+
+def questions(sample: dict) -> list[dict]:
+    """The questions asked of ``sample``'s context, each a RULER doc for :func:`score` (its question line,
+    ``gen_prefix``, ``outputs`` and the sample's ``max_length``): one per needle when it carries several,
+    else the sample's own."""
+    own = [{"question": split_question(sample)[1], "gen_prefix": sample["gen_prefix"],
+            "outputs": list(sample["outputs"])}]
+    return [dict(q, max_length=sample["max_length"]) for q in (niah_questions(sample) if sample["needles"] > 1 else own)]
+
+
+def score(doc: dict, prediction: str) -> float:
+    """lm-eval's RULER score of one answer (the fraction of the doc's expected outputs it contains)."""
+    metrics = _ruler("common_utils").process_results(doc, [prediction])
+    return float(metrics[str(doc["max_length"])])
+
+
+# -- prompts, with each needle's token positions -----------------------------------------------------------
 
 
 def split_question(sample: dict) -> tuple[str, str]:
@@ -168,25 +238,29 @@ def needle_spans(text: str, outputs) -> list[tuple[int, int]]:
     return merged
 
 
-def encode_block(template, role: str, content: str, char_spans) -> tuple[list[int], list[int]]:
-    """The message's ids and the (block-relative) token positions covering ``char_spans`` of ``content``."""
+def encode_block(template, role: str, content: str, groups) -> tuple[list[int], list[list[int]]]:
+    """The message's ids and, per group of character spans of ``content``, the (block-relative) token
+    positions covering them."""
     block = template.block(role, content)
     at = block.index(content)
     enc = template.tok(block, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     ends = [e for _, e in offsets]
     starts = [s for s, _ in offsets]
-    positions = []
-    for cs, ce in char_spans:
-        first = bisect.bisect_right(ends, cs + at)
-        last = bisect.bisect_left(starts, ce + at)
-        positions += range(first, max(first, last))
-    return ids, positions
+    out = []
+    for spans in groups:
+        positions = []
+        for cs, ce in spans:
+            first = bisect.bisect_right(ends, cs + at)
+            last = bisect.bisect_left(starts, ce + at)
+            positions += range(first, max(first, last))
+        out.append(positions)
+    return ids, out
 
 
-def tool_pieces(context: str, spans, tokenizer, tool_tokens: int) -> list[tuple[str, list]]:
-    """The context cut into tool outputs of about ``tool_tokens`` tokens, at a line or word end and never
-    inside a needle; each with its needle spans (relative to the piece)."""
+def tool_cuts(context: str, spans, tokenizer, tool_tokens: int) -> list[int]:
+    """Where the context is cut into tool outputs of about ``tool_tokens`` tokens: character offsets, at a
+    line or word end and never inside a needle (``spans``), first 0 and last ``len(context)``."""
     offsets = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     cuts, k = [0], tool_tokens
     while k < len(offsets):
@@ -199,35 +273,39 @@ def tool_pieces(context: str, spans, tokenizer, tool_tokens: int) -> list[tuple[
         if at > cuts[-1]:
             cuts.append(at)
         k += tool_tokens
-    cuts.append(len(context))
-    pieces = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        if hi > lo:
-            pieces.append((context[lo:hi], [(max(s, lo) - lo, min(e, hi) - lo) for s, e in spans if s < hi and e > lo]))
-    return pieces
+    return cuts + [len(context)]
 
 
 def build_prompt(sample: dict, setting: str, template, settings: RulerSettings) -> dict:
-    """The conversation's ids: ``context`` (everything before the question's turn, or before the
-    question in question-last), ``question`` (the rest, up to and with the answer prefix), the question
-    text, and the needle's logical positions."""
-    context, question = split_question(sample)
-    spans = needle_spans(context, sample["outputs"])
-    ids, needle = list(template.system_ids), []
-    answer_prefix = template.encode(template.gen_header + sample["gen_prefix"])
+    """The conversation's ids: ``context`` (everything before the first question's turn, or before the
+    question in question-last), ``questions`` (per question, the rest, up to and with its answer prefix),
+    ``docs`` (:func:`questions`) and ``needles`` (per question, its needle's logical positions)."""
+    context, _ = split_question(sample)
+    docs = questions(sample)
+    groups = [needle_spans(context, d["outputs"]) for d in docs]
+    ids = list(template.system_ids)
+
+    def answer_prefix(doc):
+        return template.encode(template.gen_header + doc["gen_prefix"])
+
     if setting == "question_last":
-        content = context + question
-        block, positions = encode_block(template, "user", content, spans)
-        _, asked = encode_block(template, "user", content, [(len(context), len(content))])
+        if len(docs) != 1:
+            raise ValueError("question-last prompts are RULER's, one question each: generate them with needles=1")
+        content = context + docs[0]["question"]
+        block, (positions, asked) = encode_block(template, "user", content, groups + [[(len(context), len(content))]])
         split = asked[0] if asked else len(block)
-        return {"context": ids + block[:split], "question": block[split:] + answer_prefix, "question_text": question,
-                "needle": [len(ids) + p for p in positions]}
-    for text, piece_spans in tool_pieces(context, spans, template.tok, settings.tool_tokens):
-        block, positions = encode_block(template, "tool", text, piece_spans)
-        needle += [len(ids) + p for p in positions]
+        return {"context": ids + block[:split], "questions": [block[split:] + answer_prefix(docs[0])], "docs": docs,
+                "needles": [[len(ids) + p for p in positions]]}
+    needles = [[] for _ in docs]
+    cuts = tool_cuts(context, [s for g in groups for s in g], template.tok, settings.tool_tokens)
+    for lo, hi in zip(cuts, cuts[1:]):
+        inside = [[(max(s, lo) - lo, min(e, hi) - lo) for s, e in g if s < hi and e > lo] for g in groups]
+        block, positions = encode_block(template, "tool", context[lo:hi], inside)
+        for got, p in zip(needles, positions):
+            got += [len(ids) + x for x in p]
         ids += block
-    turn = template.encode(template.block("user", question))
-    return {"context": ids, "question": turn + answer_prefix, "question_text": question, "needle": needle}
+    turns = [template.encode(template.block("user", d["question"])) + answer_prefix(d) for d in docs]
+    return {"context": ids, "questions": turns, "docs": docs, "needles": needles}
 
 
 # -- arms ----------------------------------------------------------------------------------------------------
@@ -251,26 +329,43 @@ def make_cache(arm: str, model, s: RulerSettings, store=None, session_id: str | 
                          recent=0 if arm == "streaming" else 128, **kw)
 
 
-def plan_question(cache, retriever, context_ids: list[int], question: str, step: int) -> list:
-    """PACE given the question as its plan: the context pages the question matches lexically, best
-    first, planned for ``step`` until they fill the retrieval share of the budget."""
+def plan_questions(cache, retriever, context_ids: list[int], texts: list[str], step: int) -> list:
+    """PACE given the questions as its plan (the agent knows its next steps): per question, the context
+    pages it matches lexically, best first, within the retrieval share of the budget (``budget // 4``),
+    all planned for ``step``. Questions take pages in turns, each its best page first, and the plan stops
+    at half the budget (the rest is for the sinks, the recent window and the question); a page two
+    questions match is planned once.
+
+    Why the retriever's BM25 and not the planner's lexical ranker (``pace_hf.planner.prose.Lexicon``):
+    that ranker ranks the *definitions* the planner's reader extracts (code, and named prose facts such
+    as "`MAX_RETRIES` = 5"), and RULER's haystack holds none a question asks for: a NIAH needle ("One of
+    the special magic numbers for wry-hat is: 7301041.") is not one, so it would plan nothing. The
+    retriever's pages are the same BM25 (``bm25s``) over the context's own text."""
     from pace_hf import Span
 
-    order, _ = retriever.rank(context_ids, question)
     share = retriever.share or max(1, cache.budget // 4)
-    planned, used = [], 0
-    for page in order:
-        start, end = retriever.pages(len(context_ids))[page]
-        if used + (end - start) <= share:
-            planned.append(cache.blueprint.add(Span(start, end, [step])))
-            used += end - start
-    return planned
+    pages = retriever.pages(len(context_ids))
+    orders = [retriever.rank(context_ids, text)[0] for text in texts]
+    used, chosen, total = [0] * len(texts), [], 0
+    for r in range(max(map(len, orders), default=0)):
+        for j, order in enumerate(orders):
+            if r >= len(order) or order[r] in chosen:
+                continue
+            start, end = pages[order[r]]
+            if used[j] + end - start <= share and total + end - start <= cache.budget // 2:
+                chosen.append(order[r])
+                used[j] += end - start
+                total += end - start
+    return [cache.blueprint.add(Span(*pages[p], [step])) for p in chosen]
 
 
-def prefill(model, cache, ids: list[int], chunk: int) -> None:
+def prefill(model, cache, ids: list[int], chunk: int, bar=None) -> None:
+    """Prefill what ``cache`` lacks of ``ids``, ``chunk`` tokens per forward, each counted on ``bar``."""
     with torch.no_grad():
         for s in range(cache.get_seq_length(), len(ids), chunk):
             model(torch.tensor([ids[s:s + chunk]], device=model.device), cache=cache)
+            if bar is not None:
+                bar.update(len(ids[s:s + chunk]))
 
 
 def save_state(cache):
@@ -290,23 +385,23 @@ def resume_state(state, model, store):
     return copy.deepcopy(what)
 
 
-def answer(model, cache, ids: list[int], max_new_tokens: int, stop_ids, chunk: int, needle) -> tuple[list[int], dict]:
+def answer(model, cache, ids: list[int], max_new_tokens: int, stop_ids, chunk: int, needle,
+           criteria=()) -> tuple[list[int], dict]:
     """Greedy answer to ``ids`` (the cache holds a prefix), and the ledger at the answer's first query."""
     from pace_bench.readings import ReadAtFirstQuery
     from pace_hf.session import generate_reply
 
     reading = ReadAtFirstQuery(cache, torch.tensor(needle, dtype=torch.long))
     tokens = generate_reply(model, ids, cache, max_new_tokens=max_new_tokens, stop_ids=stop_ids, chunk=chunk,
-                            stopping_criteria=[reading])
+                            stopping_criteria=[reading, *criteria])
     return tokens, reading.reading or {}
 
 
-def needle_page_ranks(retriever_for, model, context_ids: list[int], question: str, needle) -> dict:
-    """The rank (0 = first) of the page holding most of the needle, per retrieval signal, over every
-    page of the context: how well each signal would find it."""
+def needle_page_ranks(rankers: dict, model, context_ids: list[int], question: str, needle) -> dict:
+    """The rank (0 = first) of the page holding most of the needle, per retrieval signal (``rankers``:
+    a PageRetriever per signal), over every page of the context: how well each signal would find it."""
     out = {}
-    for signal in SIGNALS:
-        r = retriever_for(signal)
+    for signal, r in rankers.items():
         pages = r.pages(len(context_ids))
         hits = [sum(s <= p < e for p in needle) for s, e in pages]
         target = max(range(len(pages)), key=hits.__getitem__) if needle else None
@@ -315,56 +410,86 @@ def needle_page_ranks(retriever_for, model, context_ids: list[int], question: st
     return out
 
 
+def context_id(setting: str, sample: dict) -> str:
+    return f"{setting}-{sample['task']}-{sample['max_length']}-{sample['index']}"
+
+
 def play(model, tokenizer, template, sample: dict, setting: str, arm: str, s: RulerSettings, stop_ids,
-         session_id: str, store=None, ranks: bool = False) -> dict:
-    """One sample, one arm, one setting: the record (answer, lm-eval score, the needle's ledger)."""
+         store=None, ranks: bool = False, skip=(), progress: bool = False) -> list[dict]:
+    """One context, one arm, one setting: a record per question (answer, lm-eval score, its needle's
+    ledger), but for the question indices in ``skip`` (answered before). Session: the context is
+    prefilled once and saved, and each question resumes the saved state. ``progress``: a bar of the
+    prefilled tokens that names the phase (:class:`pace_bench.progress.SessionProgress`)."""
     from pace_hf import EvictionCache
     from pace_hf.retrieval import PageRetriever
 
     started = time.perf_counter()
     prompt = build_prompt(sample, setting, template, s)
-    context, full = prompt["context"], prompt["context"] + prompt["question"]
+    context, docs = prompt["context"], prompt["docs"]
+    todo = [j for j in range(len(docs)) if j not in skip]
+    sid = context_id(setting, sample)
     pace = arm in ("pace_retrieval", "pace_plan")
     use_store = store if (pace or setting == "session") and arm != "full" else None
-    cache = make_cache(arm, model, s, use_store, session_id)
+    cache = make_cache(arm, model, s, use_store, f"ruler-{sid}-{arm}")
     retriever = PageRetriever(tokenizer)
-    if arm == "pace_plan":
-        plan_question(cache, retriever, context, prompt["question_text"], step=1)
+    rankers = {sig: PageRetriever(tokenizer, signal=sig) for sig in SIGNALS} if ranks and arm == "pace_retrieval" else {}
+    if arm == "pace_plan":  # every question, answered or not: the prefill is the one they all share
+        plan_questions(cache, retriever, context, [d["question"] for d in docs], step=1)
     if isinstance(cache, EvictionCache):
         cache.step = 1
+    bar = None
+    if progress:
+        from pace_bench.progress import SessionProgress
+
+        bar = SessionProgress(f"{arm} {sid}", len(context) + sum(len(prompt["questions"][j]) for j in todo))
+    records = []
     try:
-        prefill(model, cache, context, s.chunk)
-        if setting == "session":  # prefill once, save; each question resumes the saved state
-            cache = resume_state(save_state(cache), model, use_store)
-            if isinstance(cache, EvictionCache):
-                cache.step = 1
-        restored = None
-        if arm == "pace_retrieval":
-            cache.rehydrate(prompt["question_text"], context, retriever=retriever)
-            restored = cache.tier_stats.get("retrieval_tokens_restored", 0)
-        budget = min(TASKS[sample["task"]]["max_gen_toks"], s.max_new_tokens or 1 << 30)
-        tokens, reading = answer(model, cache, full, budget, stop_ids, s.chunk, prompt["needle"])
+        if bar is not None:
+            bar.phase("prefill context", len(context))
+        prefill(model, cache, context, s.chunk, bar)
+        prefill_seconds = time.perf_counter() - started
+        state = save_state(cache) if setting == "session" else None  # prefill once, save
+        for n, j in enumerate(todo, 1):
+            start, doc, of = time.perf_counter(), docs[j], f"{n}/{len(todo)}"
+            if state is not None:  # each question resumes the saved state
+                cache = resume_state(state, model, use_store)
+                if isinstance(cache, EvictionCache):
+                    cache.step = 1
+            restored = None
+            if arm == "pace_retrieval":
+                before = cache.tier_stats.get("retrieval_tokens_restored", 0)
+                cache.rehydrate(doc["question"], context, retriever=retriever)
+                restored = cache.tier_stats.get("retrieval_tokens_restored", 0) - before
+            budget = min(TASKS[sample["task"]]["max_gen_toks"], s.max_new_tokens or 1 << 30)
+            criteria = []
+            if bar is not None:
+                bar.phase(f"prefill question {of}", len(prompt["questions"][j]))
+                criteria.append(bar.answering(f"answer {of}", budget, len(context) + len(prompt["questions"][j])))
+            tokens, reading = answer(model, cache, context + prompt["questions"][j], budget, stop_ids, s.chunk,
+                                     prompt["needles"][j], criteria)
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            record = {"setting": setting, "task": sample["task"], "length": sample["max_length"],
+                      "index": sample["index"], "session_id": sid, "probe": j, "probes": len(docs), "arm": arm,
+                      "score": score(doc, text), "answer": text, "outputs": doc["outputs"],
+                      "context_tokens": len(context), "needle_tokens": len(prompt["needles"][j]), **reading,
+                      "seconds": round(time.perf_counter() - start, 2), "prefill_seconds": round(prefill_seconds, 2)}
+            if restored is not None:
+                record["retrieval_tokens_restored"] = restored
+            if rankers:
+                record["needle_page_rank"] = needle_page_ranks(rankers, model, context, doc["question"],
+                                                               prompt["needles"][j])
+            records.append(record)
     finally:
+        if bar is not None:
+            bar.close()
         if use_store is not None:
-            use_store.delete_session(session_id)
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    record = {"setting": setting, "task": sample["task"], "length": sample["max_length"], "index": sample["index"],
-              "arm": arm, "score": score(sample, text), "answer": text, "outputs": list(sample["outputs"]),
-              "context_tokens": len(context), "needle_tokens": len(prompt["needle"]), **reading,
-              "seconds": round(time.perf_counter() - started, 2)}
-    if restored is not None:
-        record["retrieval_tokens_restored"] = restored
-    if ranks and arm == "pace_retrieval":
-        record["needle_page_rank"] = needle_page_ranks(lambda sig: PageRetriever(tokenizer, signal=sig), model,
-                                                       context, prompt["question_text"], prompt["needle"])
-    return record
-
-
+            use_store.delete_session(f"ruler-{sid}-{arm}")
+    return records
 # -- reporting ---------------------------------------------------------------------------------------------
 
 
 def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson interval of a proportion ``p`` over ``n`` samples (RULER's partial scores count as
+    """The 95% Wilson interval of a proportion ``p`` over ``n`` questions (RULER's partial scores count as
     that fraction of a success)."""
     if n == 0:
         return 0.0, 1.0
@@ -388,7 +513,7 @@ def accuracy(records: list[dict]) -> dict[tuple, tuple[float, int, float, float]
 
 def table(records: list[dict]) -> str:
     """Markdown, kvpress's leaderboard shape: one table per setting, a row per (task, length), a column
-    per arm, each cell the accuracy in % with its 95% Wilson interval and sample count."""
+    per arm, each cell the accuracy in % with its 95% Wilson interval and question count."""
     acc = accuracy(records)
     arms = [a for a in ARMS if any(k[3] == a for k in acc)]
     out = []
@@ -476,7 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tasks", type=_list(list(TASKS), "task(s)"), default="niah_single_1", metavar="TASK[,TASK...]",
                     help=f"from {{{', '.join(TASKS)}}}")
     ap.add_argument("--lengths", type=_lengths, default="8192", metavar="N[,N...]", help="RULER's max_seq_length(s)")
-    ap.add_argument("--samples", type=int_at_least(1), default=5, help="samples per task and length")
+    ap.add_argument("--samples", type=int_at_least(1), default=5, help="contexts per task and length")
+    ap.add_argument("--needles", type=int_at_least(1), default=4, metavar="K",
+                    help=f"session setting: needles per NIAH context, each asked from the saved state (1 to "
+                         f"{MAX_NEEDLES}); vt, fwe and cwe ask one question of all their context and keep 1, and "
+                         "question-last keeps RULER's one-question prompts")
     ap.add_argument("--arms", type=_list(ARMS, "arm(s)"), default="full,snapkv,pace_retrieval", metavar="ARM[,ARM...]",
                     help=f"from {{{', '.join(ARMS)}}}")
     ap.add_argument("--settings", type=_list(SETTINGS, "setting(s)"), default="session", metavar="S[,S...]",
@@ -488,10 +617,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help="cap the tasks' max_gen_toks")
     ap.add_argument("--ranks", action=argparse.BooleanOptionalAction, default=True,
                     help="record the needle page's rank under each retrieval signal (pace_retrieval)")
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                    help="a bar per context and arm: its prefilled tokens and the phase")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
-    ap.add_argument("--out", default="runs/ruler", help="folder for records.jsonl, table.md, run.json and figures")
-    ap.add_argument("--resume", action="store_true", help="keep the records already in OUT/records.jsonl")
+    ap.add_argument("--out", default="runs/ruler", help="folder for probes.jsonl, table.md, run.json and figures")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the questions already answered in OUT/probes.jsonl (and a sharded run's "
+                         "OUT/probes.rank*.jsonl) and answer the rest")
     return ap
 
 
@@ -504,6 +637,9 @@ def check_args(ap, args) -> None:
              if n < TASKS[t]["min_length"]]
     if short:
         ap.error(f"--lengths {args.lengths[0]} is under the task's minimum length: {'; '.join(short)}")
+    if args.needles > MAX_NEEDLES:
+        ap.error(f"--needles {args.needles}: a NIAH context carries at most {MAX_NEEDLES} needles (every other needle "
+                 "is a distractor of the same form for each question)")
     if args.budget < 4 + 128:
         ap.error(f"--budget {args.budget} cannot hold the 4 sink and 128 recent tokens the arms protect")
     bounded = [a for a in args.arms if a in BOUNDED]
@@ -512,8 +648,42 @@ def check_args(ap, args) -> None:
                  f"{args.limit} <= {args.budget} + {args.chunk}")
 
 
-def record_key(r: dict) -> tuple:
-    return r["setting"], r["task"], r["length"], r["index"], r["arm"]
+def contexts(args, tokenizer) -> list[tuple[str, dict]]:
+    """(setting, sample) per context this run plays: RULER's one-question samples for question-last, the
+    ``--needles`` samples for the session setting (the same samples when a context carries one needle).
+    A task that cannot fill a length is an error here, before the model loads."""
+    made: dict[tuple, list[dict]] = {}
+    out = []
+    for setting in args.settings:
+        for task in args.tasks:
+            k = needles_of(task, args.needles) if setting == "session" else 1
+            for length in args.lengths:
+                if (task, length, k) not in made:
+                    try:
+                        made[task, length, k] = generate(task, length, args.samples, tokenizer, args.seed, k)
+                        for x in made[task, length, k]:
+                            questions(x)  # every needle's question can be formed
+                    except (ValueError, AssertionError) as e:
+                        raise SystemExit(f"pace-bench --suite ruler: {task} at {length} tokens: {e}") from None
+                out += [(setting, x) for x in made[task, length, k]]
+    return out
+
+
+def kept_records(paths, plays) -> list[dict]:
+    """The records of the logs ``paths`` (``--resume``). A record of a context this run plays that asks
+    another question than this run's (another --seed, --needles or tokenizer) is an error: the table
+    would mix two runs' questions."""
+    from pace_bench.records import read_jsonl
+
+    asked = {context_id(setting, x): [q["outputs"] for q in questions(x)] for setting, x in plays}
+    records = read_jsonl(paths)
+    for r in records:
+        want = asked.get(r["session_id"])
+        if want is not None and (r["probes"] != len(want) or want[r["probe"]] != r["outputs"]):
+            raise SystemExit(f"pace-bench --suite ruler: --resume: {Path(paths[0]).parent} holds answers to other "
+                             f"questions of context {r['session_id']} than this run asks; resume with the same "
+                             "--seed, --needles and --model, or use another --out")
+    return records
 
 
 def main(argv=None) -> int:
@@ -524,53 +694,82 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     from pace_bench.models import load_model, load_tokenizer, preferred_dtype
+    from pace_bench.records import read_jsonl, shard_paths, write_jsonl
+    from pace_bench.runner import process_state
     from pace_hf.chat import DEFAULT_SYSTEM, ChatTemplate
     from pace_hf.tiers import HostTier, TieredStore
 
+    state = process_state()
+    sharded = state.num_processes > 1
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir / "records.jsonl"
-    records = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()] if args.resume and log_path.exists() else []
-    done = {record_key(r) for r in records}
+    log_path = out_dir / "probes.jsonl"
     tokenizer = load_tokenizer(args.model)
-    samples = []  # generated before the model loads: a task that cannot fill a length fails fast
-    for task in args.tasks:
-        for length in args.lengths:
-            try:
-                samples += [dict(x, task=task) for x in generate(task, length, args.samples, tokenizer, args.seed)]
-            except (ValueError, AssertionError) as e:
-                raise SystemExit(f"pace-bench --suite ruler: {task} at {length} tokens: {e}") from None
-    dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    plays = contexts(args, tokenizer)  # before the model loads: a task that cannot fill a length fails fast
+    # every process reads the kept records before the main one rewrites the log
+    records = kept_records([log_path, *shard_paths(out_dir)], plays) if args.resume else []
+    answered: dict[tuple, set] = {}
+    for r in records:
+        answered.setdefault((r["session_id"], r["arm"]), set()).add(r["probe"])
+    dtype = preferred_dtype(state.device.type) if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
+    model.to(state.device)
     template = ChatTemplate(tokenizer, DEFAULT_SYSTEM)
     stop_ids = template.stop_ids()
     s = RulerSettings(budget=args.budget, limit=args.limit, chunk=args.chunk, tool_tokens=args.tool_tokens,
                       max_new_tokens=args.max_new_tokens)
-    (out_dir / "run.json").write_text(json.dumps({**{k: v for k, v in vars(args).items() if k != "resume"},
-                                                  "dtype": str(dtype).removeprefix("torch.")}, indent=1) + "\n")
+    state.wait_for_everyone()
+    if state.is_main_process:
+        write_jsonl(log_path, records)  # the kept records are on disk before the first new context starts
+        for path in shard_paths(out_dir):
+            path.unlink()
+        (out_dir / "run.json").write_text(json.dumps({**{k: v for k, v in vars(args).items() if k != "resume"},
+                                                      "dtype": str(dtype).removeprefix("torch."),
+                                                      "num_processes": state.num_processes}, indent=1) + "\n")
+    state.wait_for_everyone()
+    order = [(setting, x, arm) for setting, x in plays for arm in args.arms]
+    work = [(setting, x, arm) for setting, x, arm in order
+            if len(answered.get((context_id(setting, x), arm), ())) < len(questions(x))]
+    shard = out_dir / f"probes.rank{state.process_index}.jsonl" if sharded else log_path
     store = TieredStore([HostTier()])
-    work = [(setting, x, arm) for setting in args.settings for x in samples for arm in args.arms
-            if (setting, x["task"], x["max_length"], x["index"], arm) not in done]
     try:
-        with open(log_path, "a") as log:
-            for setting, x, arm in tqdm(work, desc="ruler samples x arms", unit="answer"):
-                r = play(model, tokenizer, template, x, setting, arm, s, stop_ids,
-                         f"ruler-{setting}-{x['task']}-{x['max_length']}-{x['index']}-{arm}", store, args.ranks)
-                log.write(json.dumps(r) + "\n")
-                log.flush()
-                records.append(r)
-                gap = r.get("rotary_gap")
-                tqdm.write(f"{setting:>13} {r['task']} {r['length']:>6} #{r['index']} {arm:>14} score {r['score']:.2f} "
-                           f"residency {r.get('residency', float('nan')):.3f} gap {'n/a' if gap is None else gap} "
-                           f"{r['seconds']:.0f}s  {r['answer'][:40]!r}")
+        with state.split_between_processes(work) as mine, open(shard, "w" if sharded else "a") as log:
+            for setting, x, arm in tqdm(mine, desc=f"ruler contexts x arms (process {state.process_index})" if sharded
+                                        else "ruler contexts x arms", unit="context", position=state.process_index):
+                for r in play(model, tokenizer, template, x, setting, arm, s, stop_ids, store, args.ranks,
+                              skip=answered.get((context_id(setting, x), arm), ()),
+                              progress=args.progress and state.is_main_process):
+                    if sharded:
+                        r["process"] = state.process_index
+                    log.write(json.dumps(r) + "\n")
+                    log.flush()
+                    records.append(r)
+                    gap = r.get("rotary_gap")
+                    tqdm.write((f"[{state.process_index}] " if sharded else "") +
+                               f"{setting:>13} {r['task']} {r['length']:>6} #{r['index']}.{r['probe']} {arm:>14} "
+                               f"score {r['score']:.2f} residency {r.get('residency', float('nan')):.3f} "
+                               f"gap {'n/a' if gap is None else gap} {r['seconds']:.0f}s  {r['answer'][:40]!r}")
     finally:
         store.close()
-    text = table(records)
-    (out_dir / "table.md").write_text(f"model {args.model} ({dtype}), B={args.budget:,}, H={args.chunk:,}, "
-                                      f"L={args.limit:,}, {args.samples} samples per cell\n\n" + text + "\n")
-    paths = figures(records, out_dir)
-    print(text)
-    print("figures: " + ", ".join(str(p) for p in paths))
+    state.wait_for_everyone()
+    if state.is_main_process:
+        if sharded:  # the kept records, then each process's share, in the order the contexts were dealt
+            rank = {(context_id(setting, x), arm): k for k, (setting, x, arm) in enumerate(order)}
+            records = sorted(read_jsonl([log_path, *shard_paths(out_dir)]),
+                             key=lambda r: (rank.get((r["session_id"], r["arm"]), len(rank)), r["probe"]))
+            write_jsonl(log_path, records)
+            for path in shard_paths(out_dir):
+                path.unlink()
+        text = table(records)
+        header = (f"model {args.model} ({dtype}), B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, "
+                  f"{args.samples} contexts per cell; session: up to {args.needles} needles per context, each "
+                  "asked from its saved state; n counts questions"
+                  + (f"; {state.num_processes} processes" if sharded else ""))
+        (out_dir / "table.md").write_text(header + "\n\n" + text + "\n")
+        paths = figures(records, out_dir)
+        print(header + "\n\n" + text)
+        print("figures: " + ", ".join(str(p) for p in paths))
+    state.wait_for_everyone()
     return 0
 
 

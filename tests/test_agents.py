@@ -105,6 +105,33 @@ def test_a_code_agent_prefills_only_what_is_new_and_answers_like_dynamic_cache(t
     assert llm.steps and llm.session.planner.steps == llm.steps
 
 
+def test_a_real_model_calls_its_tool_through_pace_and_answers_with_its_result():
+    """The bundled Qwen2.5-Coder-0.5B in a CodeAgent: the code it writes calls the tool (the random
+    tiny model above never does), the tool's output reaches the agent, and the final answer is it."""
+    from pace_bench.models import load_model
+
+    model, tokenizer = load_model("qwen2.5-coder-0.5b", dtype=torch.float32)
+    called = []
+
+    @tool
+    def ledger_balance(owner: str) -> str:
+        """Returns the balance of an owner's ledger.
+
+        Args:
+            owner: the ledger's owner
+        """
+        called.append(owner)
+        return {"ada": "41", "bob": "7"}.get(owner.lower(), "unknown owner")
+
+    llm = PACEModel(model, tokenizer, budget=4096, limit=16384, max_new_tokens=96)
+    agent = CodeAgent(tools=[ledger_balance], model=llm, max_steps=2, verbosity_level=0)
+    out = agent.run('Run this code: balance = ledger_balance(owner="ada"); final_answer(balance)')
+    assert called == ["ada"]
+    assert str(out) == "41"
+    assert llm.last["prompt_tokens"] > 1000 and llm.last["output_tokens"] > 0  # the whole system prompt went through PACE
+    assert llm.session.cache.get_seq_length() == llm.last["prompt_tokens"] + llm.last["output_tokens"] - 1
+
+
 def test_edited_history_is_rewound_or_rebuilt_never_reused(tiny):
     model, tokenizer = tiny
     ref = DynamicCacheModel(model, tokenizer, 16)

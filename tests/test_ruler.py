@@ -1,7 +1,8 @@
-"""The RULER suite: lm-eval's own samples and scores, both settings, the save-then-answer protocol."""
+"""The RULER suite: lm-eval's own samples and scores, both settings, several needles per saved context."""
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, rea
 
 # B // 4 = 288 tokens: two 144-token pages (the needle's, and the task instruction's, which matches too)
 SMALL = ["--budget", "1152", "--limit", "1536", "--chunk", "256", "--tool-tokens", "256", "--max-new-tokens", "4"]
+NEEDLE_LINE = re.compile(r"^One of the special magic numbers for (.+) is: (\d+)\.$", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +27,20 @@ def model_dir(tmp_path_factory):
     return _tiny_model_dir(tmp_path_factory.mktemp("ruler") / "model")
 
 
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tasks", "niah_single_9"], "unknown task(s) niah_single_9"),
     (["--tasks", "vt", "--lengths", "512"], "vt needs >= 1024"),
     (["--arms", "pace_plan", "--limit", "4096"], "need --limit > --budget + --chunk"),
     (["--lengths", "many"], "comma-separated token counts"),
+    (["--needles", "0"], "must be >= 1, got 0"),
+    (["--needles", "9"], "a NIAH context carries at most 8 needles"),
 ])
 def test_bad_input_is_an_error_before_anything_loads(nothing_loads, capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -45,73 +56,148 @@ def test_without_lm_eval_the_suite_says_so_before_anything_loads(nothing_loads, 
     assert "lm-eval is not installed" in capsys.readouterr().err
 
 
-def test_samples_and_scores_are_lm_evals_own(model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    sample = dict(ruler.generate("niah_single_1", 1024, 1, tok, seed=0)[0], task="niah_single_1")
+def test_samples_and_scores_are_lm_evals_own(tok):
+    sample = ruler.generate("niah_single_1", 1024, 1, tok, seed=0)[0]
     assert sample["max_length"] == 1024 and sample["outputs"][0] in sample["input"]
-    assert ruler.score(sample, f" {sample['outputs'][0]}.") == 1.0 and ruler.score(sample, " 12.") == 0.0
+    [doc] = ruler.questions(sample)  # one needle: the sample's own question
+    assert ruler.score(doc, f" {sample['outputs'][0]}.") == 1.0 and ruler.score(doc, " 12.") == 0.0
     context, question = ruler.split_question(sample)
     assert question.startswith("What is the special magic number") and sample["outputs"][0] in context
+    # RULER's one-question wording, as this suite writes it for any needle, is lm-eval's own
+    asked = ruler.niah_questions(sample)
+    assert asked == [{"question": question, "gen_prefix": sample["gen_prefix"], "outputs": sample["outputs"]}]
 
 
-def _answer_fresh(model, tokenizer, template, sample, arm, s, stop_ids):
-    """The same sample answered without save and resume: prefill, (retrieve,) answer."""
+def test_a_context_carries_k_needles_from_lm_evals_generator_each_asked_and_scored_alone(tok):
+    from pace_hf.chat import DEFAULT_SYSTEM, ChatTemplate
+
+    sample = ruler.generate("niah_single_1", 1024, 1, tok, seed=0, needles=3)[0]
+    context, _ = ruler.split_question(sample)
+    assert context.startswith("Some special magic numbers are hidden")  # lm-eval's template, K needles
+    needles = dict(NEEDLE_LINE.findall(context))  # the repeat haystack has no other line of that form
+    docs = ruler.questions(sample)
+    assert len(needles) == 3 and sorted(d["outputs"][0] for d in docs) == sorted(needles.values())
+    for doc in docs:
+        key = re.fullmatch(r"What is the special magic number for (.+) mentioned in the provided text\?",
+                           doc["question"]).group(1)
+        assert needles[key] == doc["outputs"][0] and doc["gen_prefix"].endswith(f"for {key} mentioned in the provided text is")
+        # lm-eval's metric, against this question's needle only
+        others = [v for v in needles.values() if v != doc["outputs"][0]]
+        assert ruler.score(doc, f" {doc['outputs'][0]}.") == 1.0 and ruler.score(doc, f" {others[0]}.") == 0.0
+    # niah_multikey_2: the haystack is needles too; each question still finds the one its key names
+    multi = ruler.generate("niah_multikey_2", 1024, 1, tok, seed=0, needles=2)[0]
+    lines = dict(NEEDLE_LINE.findall(multi["input"]))
+    assert len(lines) > 10 and [lines[re.search(r"for (.+) mentioned", d["question"]).group(1)] for d in
+                                ruler.questions(multi)] == multi["outputs"]
+    # each question's needle is its own span of the conversation's tokens
+    template = ChatTemplate(tok, DEFAULT_SYSTEM)
+    prompt = ruler.build_prompt(sample, "session", template, ruler.RulerSettings(tool_tokens=128))
+    for doc, positions in zip(docs, prompt["needles"]):
+        text = tok.decode([prompt["context"][p] for p in positions])
+        assert doc["outputs"][0] in text and text.strip().startswith("One of the special magic") and len(positions) < 40
+    with pytest.raises(ValueError, match="vt carries one needle"):
+        ruler.generate("vt", 1024, 1, tok, seed=0, needles=2)
+
+
+def _answer_fresh(model, tokenizer, template, sample, j, arm, s, stop_ids):
+    """Question ``j`` answered without save and resume: a fresh prefill of the context, (retrieve,) answer."""
     from pace_hf.retrieval import PageRetriever
     from pace_hf.tiers import HostTier, TieredStore
 
     prompt = ruler.build_prompt(sample, "session", template, s)
-    store = TieredStore([HostTier()])
-    cache = ruler.make_cache(arm, model, s, store if arm != "full" else None, "fresh")
+    cache = ruler.make_cache(arm, model, s, TieredStore([HostTier()]) if arm != "full" else None, "fresh")
     if arm != "full":
         cache.step = 1
     ruler.prefill(model, cache, prompt["context"], s.chunk)
     if arm == "pace_retrieval":
-        cache.rehydrate(prompt["question_text"], prompt["context"], retriever=PageRetriever(tokenizer))
-    tokens, _ = ruler.answer(model, cache, prompt["context"] + prompt["question"], 12, stop_ids, s.chunk,
-                             prompt["needle"])
+        cache.rehydrate(prompt["docs"][j]["question"], prompt["context"], retriever=PageRetriever(tokenizer))
+    tokens, _ = ruler.answer(model, cache, prompt["context"] + prompt["questions"][j], 12, stop_ids, s.chunk,
+                             prompt["needles"][j])
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def test_save_then_answer_equals_a_fresh_prefill_token_for_token(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_save_then_answer_equals_a_fresh_prefill_token_for_token(model_dir, tok):
+    """Two needles in one context: each question answered from the one saved state is the answer of a
+    fresh prefill of the context and that question, for the full cache and for evicting arms."""
+    from transformers import AutoModelForCausalLM
 
     from pace_hf.chat import DEFAULT_SYSTEM, ChatTemplate
     from pace_hf.tiers import HostTier, TieredStore
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     template = ChatTemplate(tok, DEFAULT_SYSTEM)
     s = ruler.RulerSettings(budget=640, limit=1024, chunk=256, tool_tokens=256, max_new_tokens=12)
-    sample = dict(ruler.generate("niah_single_1", 1536, 1, tok, seed=1)[0], task="niah_single_1")
+    sample = ruler.generate("niah_single_1", 1536, 1, tok, seed=1, needles=2)[0]
     for arm in ("full", "h2o", "pace_retrieval"):
-        saved = ruler.play(model, tok, template, sample, "session", arm, s, template.stop_ids(), f"saved-{arm}",
-                           TieredStore([HostTier()]))
-        assert saved["answer"] == _answer_fresh(model, tok, template, sample, arm, s, template.stop_ids()), arm
-    assert saved["retrieval_tokens_restored"] > 0 and saved["residency"] == 1.0  # the needle's page came back
+        saved = ruler.play(model, tok, template, sample, "session", arm, s, template.stop_ids(), TieredStore([HostTier()]))
+        assert [r["probe"] for r in saved] == [0, 1] and saved[0]["outputs"] != saved[1]["outputs"]
+        for j, r in enumerate(saved):
+            assert r["answer"] == _answer_fresh(model, tok, template, sample, j, arm, s, template.stop_ids()), (arm, j)
+    # each question's turn brought its own needle's page back
+    assert all(r["retrieval_tokens_restored"] > 0 and r["residency"] == 1.0 for r in saved)
 
 
-def test_the_suite_runs_on_a_tiny_model_at_two_lengths_and_resumes(model_dir, tmp_path):
+def test_the_suite_runs_at_two_lengths_with_two_needles_and_resumes(model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["--suite", "ruler", "--model", model_dir, "--tasks", "niah_single_1", "--lengths", "2048,2560",
-            "--samples", "1", "--arms", "snapkv_bounded,pace_retrieval,pace_plan",
+            "--samples", "1", "--needles", "2", "--arms", "snapkv_bounded,pace_retrieval,pace_plan",
             "--settings", "question_last,session", *SMALL, "--out", str(out)]
     assert main(argv) == 0
-    records = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 3 * 2  # lengths x arms x settings
+    assert "prefill context" in capsys.readouterr().err  # the context's prefill has its own bar
+    records = [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()]
+    # lengths x arms x (one RULER question in question-last, a question per needle in session)
+    assert len(records) == 2 * 3 * (1 + 2)
+    assert {(r["setting"], r["probes"]) for r in records} == {("question_last", 1), ("session", 2)}
     for r in records:
-        assert {"score", "residency", "rotary_gap", "answer"} <= set(r) and 0.0 <= r["score"] <= 1.0
+        assert {"score", "residency", "rotary_gap", "answer", "session_id", "probe"} <= set(r) and 0.0 <= r["score"] <= 1.0
         if r["rotary_gap"] is not None:
             assert r["rotary_gap"] < 1536  # bounded arms stay below the limit
     planned = [r for r in records if r["arm"] in ("pace_retrieval", "pace_plan")]
-    assert all(r["residency"] == 1.0 for r in planned)  # retrieval, or the plan, kept the needle
+    assert all(r["residency"] == 1.0 for r in planned)  # retrieval, or the plan, kept each question's needle
     assert all(set(r["needle_page_rank"]) == {"lexical", "digest", "both"} for r in records if r["arm"] == "pace_retrieval")
     table = (out / "table.md").read_text()
     assert "**question_last**" in table and "**session**" in table and "| niah_single_1 | 2,560 |" in table
+    assert table.count("(n=2)") == 2 * 3 and table.count("(n=1)") == 2 * 3  # n counts questions
     assert (out / "ruler_session.png").stat().st_size > 0 and (out / "ruler_question_last.png").stat().st_size > 0
-    assert main(argv + ["--resume"]) == 0  # nothing left to play: the records are kept as they were
-    assert [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()] == records
+    # as a stopped two-process run leaves it: rank 0 holds all but the last question, rank 1 nothing yet
+    (out / "probes.jsonl").unlink()
+    (out / "probes.rank0.jsonl").write_text("".join(json.dumps(dict(r, answer="KEPT")) + "\n" for r in records[:-1]))
+    (out / "probes.rank1.jsonl").write_text("")
+    assert main(argv + ["--resume"]) == 0  # one question left: its context is prefilled again, it alone answered
+    resumed = [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()]
+    assert [r["answer"] for r in resumed[:-1]] == ["KEPT"] * (len(records) - 1)
+    timing = ("seconds", "prefill_seconds")
+    assert {k: v for k, v in resumed[-1].items() if k not in timing} == {k: v for k, v in records[-1].items() if k not in timing}
+    assert not list(out.glob("probes.rank*.jsonl"))
+    # another --needles asks other questions of the same contexts: refused, the log kept
+    with pytest.raises(SystemExit, match="other questions of context"):
+        main([a if a != "2" else "3" for a in argv] + ["--resume"])
+    assert len((out / "probes.jsonl").read_text().splitlines()) == len(records)
+
+
+@pytest.mark.slow  # two processes, each importing lm-eval
+def test_two_processes_share_the_contexts_and_the_main_one_merges(model_dir, tmp_path):
+    """`accelerate launch` with 2 CPU processes: each plays one of the two contexts (both its questions,
+    from one saved state) into its shard, and the main process merges them in the order dealt."""
+    import socket
+    import subprocess
+
+    out = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+              str(port), "-m", "pace_bench", "--suite", "ruler", "--model", model_dir, "--tasks", "niah_single_1",
+              "--lengths", "2048", "--samples", "2", "--needles", "2", "--arms", "pace_retrieval", *SMALL,
+              "--no-ranks", "--no-progress", "--out", str(out)]
+    done = subprocess.run(launch, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 processes" in done.stdout
+    merged = [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()]
+    assert [(r["index"], r["probe"], r["process"]) for r in merged] == [(0, 0, 0), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert not list(out.glob("probes.rank*.jsonl")) and json.loads((out / "run.json").read_text())["num_processes"] == 2
+    assert "(n=4)" in (out / "table.md").read_text()
 
 
 def test_wilson_interval():
