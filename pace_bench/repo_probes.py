@@ -253,6 +253,23 @@ def _leaves(expr: ast.AST) -> list[str]:
     return [ast.dump(n) for n in ast.walk(expr) if isinstance(n, (ast.Constant, ast.Name, ast.Attribute))]
 
 
+def _signature_defaults(code: str, callee: str) -> dict[str, str] | None:
+    """The parameters with defaults (as ``ast.dump`` of the default) of ``callee(...)`` written as a
+    signature in ``code``, or None when there is none that parses."""
+    at = re.search(rf"\b{re.escape(callee)}\s*\(", code)
+    if at is None:
+        return None
+    depth, start = 0, at.end() - 1
+    for i in range(start, len(code)):
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        if depth == 0:
+            tree = _parse(f"def {callee}{code[start:i + 1]}: pass")
+            if tree is None:
+                return None
+            return {name: ast.dump(d) for name, d in _defaults(tree.body[0].args) if name not in ("self", "cls")}
+    return None
+
+
 def score(answer: str, reference: str | dict, answer_prefix: str = "") -> dict:
     """Score one answer (the generated text; ``answer_prefix``, given in the prompt, is put before it):
     ``passed``, ``recall_hits`` / ``recall_total``, ``failure`` (why it failed, or None) and, for a
@@ -273,19 +290,22 @@ def score(answer: str, reference: str | dict, answer_prefix: str = "") -> dict:
         call = None if tree is None else next(
             (n for n in ast.walk(tree) if isinstance(n, ast.Call)
              and ast.unparse(n.func).split(".")[-1] == ref["callee"]), None)
-        if call is None:
+        if call is not None:
+            got, positional = {k.arg: ast.dump(k.value) for k in call.keywords if k.arg}, bool(call.args)
+        else:  # a signature written out instead of a call ("f(a: int = 1, b=2)") states the same defaults
+            got, positional = _signature_defaults(code, ref["callee"]), False
+        if got is None:
             return {"passed": False, "recall_hits": 0, "recall_total": len(want),
                     "failure": "no call of " + ref["callee"] if tree is not None else "does not parse"}
-        got = {k.arg: ast.dump(k.value) for k in call.keywords if k.arg}
         hits = sum(got.get(k) == v for k, v in want.items())
-        passed = got == want and not call.args
+        passed = got == want and not positional
         why = None
         if not passed:
             missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
             wrong = sorted(k for k in want if k in got and got[k] != want[k])
             why = "; ".join(f"{label}: {', '.join(v)}" for label, v in
                             (("missing", missing), ("not a parameter with a default", extra), ("wrong default", wrong),
-                             ("positional arguments", ["given"] if call.args else [])) if v)
+                             ("positional arguments", ["given"] if positional else [])) if v)
         return {"passed": passed, "recall_hits": hits, "recall_total": len(want), "failure": why}
     if kind == "constant":
         want = ast.parse(ref["value"], mode="eval").body

@@ -100,6 +100,15 @@ def fits(model, row, max_new_tokens: int | None = None) -> bool:
     return total <= getattr(model.config, "max_position_embeddings", 1 << 62)
 
 
+def graded(text: str, probe: dict) -> dict:
+    """The record fields of an answer's grade (no model: stored answers are graded again on --resume)."""
+    got = score(text, probe["reference"], probe["answer_prefix"])
+    return {"checks_passed": int(got["passed"]), "checks_total": 1, "recall_hits": got["recall_hits"],
+            "recall_total": got["recall_total"], "failure": got["failure"],
+            "checks": [{"name": probe["kind"], "passed": got["passed"], "fact": probe["target"]}],
+            **({"similarity": got["similarity"]} if "similarity" in got else {})}
+
+
 def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, stop_ids, template,
          max_new_tokens: int | None = None, progress: bool = False) -> list[dict]:
     """Prefill the session, then answer its probes in order, appending each answer (agent style)."""
@@ -163,15 +172,11 @@ def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, sto
                                     stopping_criteria=criteria)
             ids += answer + list(row["turn_end_ids"])
             text = tokenizer.decode(answer, skip_special_tokens=True)
-            got = score(text, probe["reference"], probe["answer_prefix"])
             records.append({
                 "arm": arm, "session_id": row["session_id"], "package": row["package"], "probe": probe["name"],
                 "kind": probe["kind"], "step": probe["step"], "distance": row["distance"],
                 "context_len": row["context_len"], "tokens": row["total_tokens"], "answer": text,
-                "checks_passed": int(got["passed"]), "checks_total": 1, "recall_hits": got["recall_hits"],
-                "recall_total": got["recall_total"], "failure": got["failure"],
-                "checks": [{"name": probe["kind"], "passed": got["passed"], "fact": probe["target"]}],
-                **({"similarity": got["similarity"]} if "similarity" in got else {}),
+                **graded(text, probe),
                 "seconds": round(time.perf_counter() - start, 1), **(reading.reading or {}),
                 **plan_reading(blueprint, row, probe), **tier_reading(cache),
                 **({"rehydrated_tokens": restored} if restored is not None else {}),
@@ -318,6 +323,8 @@ def main(argv=None) -> int:
     built = {(r["session_id"], r["distance"], r["context_len"]) for r in rows}  # records of other sessions go
     records = [r for r in records if count[pair_key(r["arm"], r)] == sizes.get(r["session_id"])
                and (r["session_id"], r["distance"], r["context_len"]) in built]
+    probes = {(r["session_id"], r["context_len"], p["name"]): p for r in rows for p in r["probes"]}
+    records = [{**r, **graded(r["answer"], probes[r["session_id"], r["context_len"], r["probe"]])} for r in records]
     done = {pair_key(r["arm"], r) for r in records}
     dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)

@@ -118,6 +118,11 @@ def test_signature_is_scored_against_the_definitions_parameters_and_defaults():
     extra = score("Pool.fetch(timeout=30.0, retries=RETRY_CODES, verbose=False, url='x')", p["reference"])
     assert not extra["passed"] and "not a parameter with a default: url" in extra["failure"]
     assert score("Pool.fetch(timeout=30.0,, oops", p["reference"])["failure"] == "does not parse"
+    # Qwen often writes the signature out instead of a call: the same defaults, so the same answer
+    written = score("```python\nPool.fetch(\n    self, url: str,\n    timeout: float = 30.0,\n    *, retries=RETRY_CODES,"
+                    "\n    verbose: bool = False,\n) -> tuple\n```", p["reference"])
+    assert written["passed"], written
+    assert not score("Pool.fetch(url: str, timeout: float = 3.0)", p["reference"])["passed"]
 
 
 def test_constant_is_compared_exactly():
@@ -232,4 +237,9 @@ def test_the_suite_runs_end_to_end_on_a_tiny_model_and_resumes(tmp_path):
     table = (out / "table.md").read_text()
     assert "plan footprint" in table and "| pace_rehydrate |" in table
     assert main(argv + ["--resume"]) == 0  # nothing left to play: the records are kept as they were
+    assert [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()] == records
+    # a stored grade is graded again from its answer (a scoring fix reaches old records; no model runs)
+    forged = [{**r, "checks_passed": 1, "failure": None} for r in records]
+    (out / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in forged))
+    assert main(argv + ["--resume"]) == 0
     assert [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()] == records
