@@ -89,14 +89,19 @@ def session_blueprint(row, tokenizer, planner: str = "oracle", drop_edges: float
 
 
 def rehydrate_for_probe(cache, row, tokenizer, probe, messages) -> int:
-    """Restore, from the cache's store, the evicted turns that define what the probe's prompt names
-    (``SymbolPlanner.rehydrate``); returns the tokens restored (layer 0)."""
+    """Restore, from the cache's store, the evicted definitions that the probe's prompt names
+    (``SymbolPlanner.rehydrate``, mapped to tokens through the session's chat template, so a
+    definition comes back without the rest of its turn); returns the tokens restored (layer 0)."""
+    from pace_hf.chat import ChatTemplate
     from pace_hf.planner import SymbolPlanner
     from pace_hf.session import Message
 
+    from .build import SYSTEM_PROMPT
+
     turn = Message(len(messages), "user", probe["prompt"], cache.get_seq_length(),
                    cache.get_seq_length() + len(probe["prompt_ids"]), probe["step"])
-    session = SimpleNamespace(messages=messages, cache=cache, step=probe["step"])
+    session = SimpleNamespace(messages=messages, cache=cache, step=probe["step"],
+                              template=ChatTemplate(tokenizer, SYSTEM_PROMPT))
     before = cache.tier_stats["restored_tokens"]
     SymbolPlanner().rehydrate(session, turn)
     return cache.tier_stats["restored_tokens"] - before

@@ -265,14 +265,10 @@ class PageRetriever:
             if not candidates[page] or cost == 0 or used + cost > share:
                 continue
             start, end = self.pages(seen)[page]
-            before = cache.ledger(0)[0].clone()
-            cache.restore(start, end)
-            after = cache.ledger(0)[0]
+            cache.restores.stats["retrieval_tokens_restored"] += cache.restore(start, end)
             used += cost
             missing = self.not_resident(cache, seen)  # overlapping pages now cost less
             spans.append(Span(start, end, [cache.step]))
-            cache.restores.stats["retrieval_tokens_restored"] += sum(  # layer 0, every KV head
-                int((~torch.isin(new, old)).sum()) for new, old in zip(after, before))
         stats = cache.restores.stats
         stats["retrieval_pages_scored"] += int(candidates.sum())
         stats["retrieval_pages_restored"] += len(spans)

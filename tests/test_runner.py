@@ -1,6 +1,7 @@
 """The benchmark runner: arms, ledger readings, the table, and a brief real-model run."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -264,33 +265,42 @@ def test_symbols_planner_blueprint_from_the_session_text():
 # -- a session played on a tiny model: store, tier counters, progress ------------------------------------
 
 
-def _synthetic_row(n=480, turn=48):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 128, (n,), generator=g).tolist()
-    turns = [{"step": -1, "role": "system", "kind": "system", "start": 0, "end": turn}]
-    for k, start in enumerate(range(turn, n, turn)):
-        turns.append({"step": k, "role": "user", "kind": "filler", "start": start, "end": start + turn})
-    steps = len(turns) - 1
-    probes = [{"name": name, "step": steps + k, "prompt": "write fee_for", "max_new_tokens": 2,
-               "prompt_ids": torch.randint(3, 128, (8,), generator=g).tolist(),
-               "reference": json.dumps({"checks": [], "recall": ["x"]})} for k, name in enumerate(("a", "b"))]
-    return {"session_id": "t0-0", "context_ids": ids, "context_len": n, "distance": n - 2 * turn, "turns": turns,
-            "turn_end_ids": [1, 2], "probes": probes,
-            "blueprint": [{"start": turn, "end": 2 * turn, "readers": [steps, steps + 1]}]}
+@pytest.fixture(scope="module")
+def session():
+    """A session of the benchmark's own generator (SmolLM2's tokenizer; 3 probes, 3 definitions), a tiny
+    random model of that vocabulary, and the chat template's stop ids, as the runner plays it."""
+    from pace_bench import build_session
+    from pace_bench.build import SYSTEM_PROMPT
+    from pace_bench.models import load_tokenizer
+    from pace_hf.chat import ChatTemplate
+
+    tok = load_tokenizer("smollm2-135m")
+    row = build_session(tok, seed=0, total_tokens=1500, distance=400)
+    return SimpleNamespace(tokenizer=tok, row=row, model=tiny_model("qwen2", vocab_size=len(tok)),
+                           stop_ids=ChatTemplate(tok, SYSTEM_PROMPT).stop_ids())
 
 
-class _Tokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return "user\nsome text"
+@pytest.fixture
+def metric(monkeypatch):
+    """The suite's metric, loaded as the runner loads it; it runs the answers' code in its sandbox."""
+    import evaluate
+
+    from pace_hf.metrics import PACE_CODING
+
+    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+    monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
+    return evaluate.load(PACE_CODING)
 
 
-class _Metric:
-    def compute(self, predictions, references):
-        return {"details": [{"checks_passed": 0, "checks_total": 0, "recall_hits": 0, "recall_total": 1,
-                             "checks": [], "failure": None, "answer_form": "standalone"}]}
+def _play(session, arm, settings, metric, row=None, **kw):
+    """``play_session`` on the session (or ``row``) in 256-token chunks, each answer cut at 4 tokens (a
+    random model's code is noise)."""
+    return runner.play_session(session.model, session.tokenizer, row or session.row, arm, settings, metric, 256,
+                               session.stop_ids, 4, **kw)
 
 
-def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progress(monkeypatch):
+def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progress(monkeypatch, session,
+                                                                                     metric):
     import io
 
     import tqdm.auto
@@ -309,33 +319,33 @@ def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progr
             return super().refresh(*args, **kwargs)
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
-    model, row = tiny_model("qwen2"), _synthetic_row()
+    row = session.row
+    settings = ArmSettings(budget=640, limit=1024)  # room for the 3 planned definitions, below the 1,480 tokens
     host = HostTier()
     store = TieredStore([host])
     try:
-        records = runner.play_session(model, _Tokenizer(), row, "pace", ArmSettings(budget=256, limit=400), _Metric(),
-                                      64, [0], blueprint=runner.oracle_blueprint(row), store=store, rehydrate=True,
-                                      progress=True)
-        assert [r["probe"] for r in records] == ["a", "b"]
-        for r in records:
+        records = _play(session, "pace", settings, metric, blueprint=runner.oracle_blueprint(row), store=store,
+                        rehydrate=True, progress=True)
+        assert [r["probe"] for r in records] == ["fee_for", "settle", "module"]
+        for r, probe in zip(records, row["probes"]):
             assert set(r["tier"]) == set(readings.TIER_FIELDS) and r["tier"]["spilled_tokens"] > 0
-            assert r["rehydrated_tokens"] == 0 and r["residency"] == 1.0  # foresight kept the planned span
+            assert r["rehydrated_tokens"] == 0 and r["residency"] == 1.0  # foresight kept the planned spans
+            assert r["checks_total"] == len(json.loads(probe["reference"])["checks"])  # the metric's verdict
         assert all(n <= total for n, total, _ in seen)  # never past its total
         assert seen[-1][0] == seen[-1][1] >= row["context_len"] + sum(len(p["prompt_ids"]) for p in row["probes"])
         phases = list(dict.fromkeys(str(p).split(":")[0] for _, _, p in seen if p))
-        assert phases == ["prefill history 1/2", "rehydrate 1/2", "prefill probe 1/2", "answer 1/2", "scoring 1/2",
-                          "prefill history 2/2", "rehydrate 2/2", "prefill probe 2/2", "answer 2/2", "scoring 2/2"]
-        assert any(str(p).startswith("answer 1/2: 1/") for _, _, p in seen)  # the answer's tokens, as they come
+        assert phases == [f"{phase} {k}/3" for k in (1, 2, 3) for phase in
+                          ("prefill history", "rehydrate", "prefill probe", "answer", "scoring")]
+        assert any(str(p).startswith("answer 1/3: 1/") for _, _, p in seen)  # the answer's tokens, as they come
         store.flush()
         assert len(host) == 0  # the session's spilled KV is dropped when it ends
-        plain = runner.play_session(model, _Tokenizer(), row, "h2o", ArmSettings(budget=256, limit=400), _Metric(),
-                                    64, [0])
+        plain = _play(session, "h2o", settings, metric)
         assert all("tier" not in r and "rehydrated_tokens" not in r for r in plain)
     finally:
         store.close()
 
 
-def test_the_full_arm_counts_its_prefill_when_the_answer_starts(monkeypatch):
+def test_the_full_arm_counts_its_prefill_when_the_answer_starts(monkeypatch, session, metric):
     """DynamicCache reports no chunks: each phase's tokens are counted when its answer starts, and the
     bar still ends at its total, never past it."""
     import io
@@ -355,37 +365,38 @@ def test_the_full_arm_counts_its_prefill_when_the_answer_starts(monkeypatch):
             return super().update(n)
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
-    row = _synthetic_row()
-    runner.play_session(tiny_model("qwen2"), _Tokenizer(), row, "full", ArmSettings(), _Metric(), 64, [0],
-                        progress=True)
+    _play(session, "full", ArmSettings(), metric, progress=True)
     (bar,) = bars
-    assert bar.n == bar.total >= row["context_len"]
+    assert bar.n == bar.total >= session.row["context_len"]
 
 
-def test_rehydration_restores_what_the_history_evicted_before_the_first_probe():
-    """No plan: the definition the first probe names is evicted while the history is prefilled, and
-    rehydration brings it back from the store before the probe's turn (as in a live session)."""
+def test_rehydration_restores_what_the_history_evicted_before_the_first_probe(session, metric):
+    """No plan: the definition the first probe names (``fee_for``, 4 steps back) is evicted while the
+    history is prefilled, and rehydration brings it back from the store before the probe's turn (as in
+    a live session). What comes back is the definition's code, not the rest of its turn (the spec's
+    prose, the assistant's ack), which the oracle's needed span also holds."""
     from pace_hf.tiers import HostTier, TieredStore
 
-    model, row = tiny_model("qwen2"), _synthetic_row()
-    definition = row["context_ids"][48:96]
-
-    class Tokenizer:
-        def decode(self, ids, skip_special_tokens=True):
-            return "user\nfee_for = 3" if list(ids) == definition else "user\nsome text"
-
+    row, probe = session.row, session.row["probes"][0]
+    first = dict(row, probes=[probe])  # the session up to its first probe
+    needed = runner.needed_positions(row, probe)
+    (definition,) = [s for s in runner.session_blueprint(row, session.tokenizer, "symbols")
+                     if probe["step"] in s.readers]
+    assert "def fee_for" in session.tokenizer.decode(row["context_ids"][definition.start:definition.end])
+    assert needed[0] <= definition.start < definition.end <= needed[-1] + 1  # inside the needed turn
     readings = {}
     for rehydrate in (False, True):
         store = TieredStore([HostTier()])
         try:
-            records = runner.play_session(model, Tokenizer(), row, "pace", ArmSettings(budget=192, limit=400),
-                                          _Metric(), 64, [0], blueprint=Blueprint(), store=store,
-                                          rehydrate=rehydrate)
+            records = _play(session, "pace", ArmSettings(budget=256, limit=640), metric, first,
+                            blueprint=Blueprint(), store=store, rehydrate=rehydrate)
             readings[rehydrate] = records[0]
         finally:
             store.close()
     assert readings[False]["residency"] < 0.5  # the history's prefill evicted it
-    assert readings[True]["rehydrated_tokens"] > 0 and readings[True]["residency"] == 1.0
+    assert readings[True]["rehydrated_tokens"] > 0
+    # at least the definition's share of the needed span is resident again: the code is back whole
+    assert round(readings[True]["residency"] * len(needed)) >= definition.end - definition.start
 
 
 # -- sessions sharded across processes (issue 14 section 4) ------------------------------------------------
@@ -500,19 +511,18 @@ def test_cache_nbytes_counts_every_layer_tensor_once():
     assert cache_nbytes(object()) == 0
 
 
-def test_play_session_records_the_peak_cache_against_the_full_cache():
+def test_play_session_records_the_peak_cache_against_the_full_cache(session, metric):
     """The full cache's peak is its whole size; PACE's stays near B + H tokens, below it."""
-    model, row = tiny_model("qwen2"), _synthetic_row()
-    settings = ArmSettings(budget=192, limit=400)
-    full = runner.play_session(model, _Tokenizer(), row, "full", settings, _Metric(), 64, [0])
-    pace = runner.play_session(model, _Tokenizer(), row, "pace", settings, _Metric(), 64, [0],
-                               blueprint=runner.oracle_blueprint(row))
+    model, row = session.model, session.row
+    settings = ArmSettings(budget=640, limit=1024)
+    full = _play(session, "full", settings, metric)
+    pace = _play(session, "pace", settings, metric, blueprint=runner.oracle_blueprint(row))
     for r in full:
         assert r["peak_cache_bytes"] == r["full_cache_bytes"] > 0
     assert [r["full_cache_bytes"] for r in pace] == [r["full_cache_bytes"] for r in full]  # same tokens
     per_token = readings.full_cache_bytes(model, 1)
     assert pace[-1]["peak_cache_bytes"] < pace[-1]["full_cache_bytes"]
-    assert pace[-1]["peak_cache_bytes"] >= (192 + 64) * per_token  # budget + a chunk, before the eviction
+    assert pace[-1]["peak_cache_bytes"] >= (640 + 256) * per_token  # budget + a chunk, before the eviction
     assert not model.model.layers[-1]._forward_hooks  # the measuring hook is gone
     table = summarize(full + pace, "full")
     assert "peak KV (vs full cache)" in table and "(1.00x) |" in table.splitlines()[2]

@@ -344,7 +344,8 @@ class EvictionCache(DynamicCache):
 
     def restore(self, start: int, end: int) -> int:
         """Bring the evicted tokens of logical range ``[start, end)`` back now, and plan the range for
-        the current step so that its foresight bonus keeps it. Returns the tokens restored (layer 0)."""
+        the current step so that its foresight bonus keeps it. Returns the tokens restored (logical
+        positions back in layer 0, in any KV head)."""
         start, end = as_index(start, "start"), as_index(end, "end")
         if not 0 <= start < end:
             raise ValueError(f"restore needs 0 <= start < end, got [{start}, {end})")

@@ -69,8 +69,9 @@ class Restores:
             pushed = layer.insert(tokens, cache.scoring, cache.step, cache.budget, cache.sinks, cache.recent)
             cache.spill.settle(layer_idx, pages, layer.logical)  # what came back leaves the spill ...
             cache.evicted(layer_idx, pushed)  # ... and what it pushed out is spilled
-            if layer_idx == 0:
-                restored = sum(int((~torch.isin(new, old)).sum()) for new, old in zip(layer.logical, before))
+            if layer_idx == 0:  # tokens (logical positions) back in any KV head, not (token, head) pairs
+                back = [new[~torch.isin(new, old)] for new, old in zip(layer.logical, before)]
+                restored = int(torch.unique(torch.cat(back)).numel())
         if cache.bounded and inserted:
             cache.renumber()
         stats = self.stats
