@@ -324,7 +324,11 @@ def dispatch(event, handlers):
     ("The version parser is slow; speed it up.", "class VersionParser"),
     ("Fix the dispatch function.", "def dispatch"),
     ("Something calls every handler registered for an event; make it skip failures.", "def dispatch"),
-], ids=["spaced-words", "camel-for-snake", "class-as-words", "lowercase-word", "description"])
+    # requests' extract_cookies_to_jar, described by its docstring: CookieJar is imported, not defined here
+    ("Find the function that does this: Call every handler registered for the event with a CookieJar.",
+     "def dispatch"),
+], ids=["spaced-words", "camel-for-snake", "class-as-words", "lowercase-word", "description",
+        "description-naming-an-import"])
 def test_plans_in_prose(template, words, name):
     sess = Session(template, ("user", "Task."), *cat("versions.py", VERSIONS))
     plan = sess.plan({2: words}, depth=0)

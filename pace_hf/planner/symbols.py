@@ -54,8 +54,8 @@ import bisect
 from dataclasses import dataclass
 
 from ..blueprint import Blueprint, Span, as_index
-from .extract import Definition, mentions, plain_word, read
-from .prose import Lexicon, candidates, keyed, variants
+from .extract import Definition, mentions, plain_word, read, shaped
+from .prose import KIND_WORDS, Lexicon, candidates, keyed, variants
 
 LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
 
@@ -315,8 +315,10 @@ class SymbolPlanner:
         for name, got in derived.items():
             if name not in owned:
                 add(got, DERIVED)
-        if lexical and not found and not said.chains and LITERAL not in said.names.values() and said.words:
-            # a step that names nothing literally: the lexical ranker
+        described = sum(not plain_word(w) and not shaped(w) and w.lower() not in KIND_WORDS for w in said.words)
+        if lexical and not found and said.words and (LITERAL not in said.names.values() or described >= 4):
+            # a step that names nothing the session defines: prose, or a description whose only names
+            # come from elsewhere ("... into a CookieJar", an imported class): the lexical ranker
             for got in index.lexicon.rank(list(said.words) + list(said.names), before):
                 add(got, LEXICAL)
         if self.depth:
