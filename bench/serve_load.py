@@ -20,6 +20,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -149,6 +150,7 @@ def run(n: int, args) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        shutil.rmtree(store, ignore_errors=True)  # the sessions' saves and spilled KV (GBs at N = 16)
     prompt = sum(r["prompt"] for r in results)
     history = sum(r["prompt"] - max(r["new"], 0) for r in results if r["turn"] > 0)
     cached = sum(r["cached"] for r in results)

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -56,7 +57,7 @@ class PairCheckpoint:
 
     def __init__(self, store, session_id: str, every: int, expected: dict):
         self.store, self.session_id, self.every, self.expected = store, session_id, every, expected
-        self.saves, self.save_seconds = 0, 0.0
+        self.saves, self.failed_saves, self.save_seconds = 0, 0, 0.0
 
     def resume(self, cls, model):
         """``(cache, state)`` of the pair's last save, or None when it has none. A save made with other
@@ -90,7 +91,13 @@ class PairCheckpoint:
             started = time.perf_counter()
             now = state()
             ids = torch.tensor(now.pop("ids"), dtype=torch.long)
-            persist.save(cache, {STATE_KEY: ({"ids": ids}, dict(now, settings=self.expected))})
+            try:
+                persist.save(cache, {STATE_KEY: ({"ids": ids}, dict(now, settings=self.expected))})
+            except persist.SaveFailed as e:  # the last checkpoint stands whole; a long run goes on
+                self.failed_saves += 1
+                warnings.warn(f"pace-bench: checkpoint of {self.session_id!r} not saved, the previous one stands "
+                              f"and the next one tries again: {e}", stacklevel=2)
+                return
             self.saves += 1
             self.save_seconds += time.perf_counter() - started
             if after is not None:

@@ -312,3 +312,28 @@ def test_the_1m_script_runs_in_the_background_and_reports(model_dir, tmp_path):
         again = subprocess.run(["bash", "bench/run_1m.sh", "--foreground"], cwd=REPO, env=env, capture_output=True,
                                text=True, timeout=30)
     assert again.returncode == 1 and "one run at a time" in again.stderr
+
+
+def test_a_checkpoint_that_cannot_be_saved_warns_and_the_run_goes_on(tmp_path):
+    """A save that reaches no durable tier (here the disk's root is under a regular file) raises
+    ``SaveFailed`` in ``persist.save``; a checkpoint only warns: the previous one stands whole, the next
+    one tries again, and hours of prefill are not thrown away (the 1M run died this way once)."""
+    from pace_bench.checkpoint import PairCheckpoint
+    from pace_hf.cache import persist
+
+    (tmp_path / "file").write_bytes(b"x")
+    store = TieredStore([DiskTier(tmp_path / "file" / "kv")])
+    try:
+        model = tiny_model("qwen2")
+        cache = PACECache(None, model=model, budget=32, limit=96, recent=8, store=store, session_id="s")
+        with torch.no_grad():
+            model(torch.arange(3, 80)[None], cache=cache)
+        with pytest.raises(persist.SaveFailed):
+            persist.save(cache)
+        checkpoint = PairCheckpoint(store, "s", every=1, expected={"budget": 32})
+        save = checkpoint.saver(cache, lambda: {"ids": list(range(3, 80))})
+        with pytest.warns(UserWarning, match="not saved, the previous one stands"):
+            save()
+        assert checkpoint.failed_saves == 1 and checkpoint.saves == 0
+    finally:
+        store.close()
