@@ -285,3 +285,29 @@ def test_kill_and_restart_resumes_sessions_from_disk(server, tiny_dir, reference
     assert u3.prompt_tokens - u3.prompt_tokens_details.cached_tokens == new_tokens(
         tiny_dir[1], ("user", "Thanks. Anything else?"))
     assert reference([DEFS, "Now call settle.", "Thanks. Anything else?"]) == [a1, a2, a3]
+
+
+def test_a_session_spills_under_the_servers_cap(tiny_dir, tmp_path, capsys):
+    """Without a cap a long conversation keeps every evicted token in the store (2 GB per session after
+    ten 4K-token turns of SmolLM2 in the load test); ``--spill-cap-mb`` bounds each session."""
+    import transformers as tf
+
+    from pace_hf.serve.__main__ import main
+    from pace_hf.serve.engine import Engine
+    from pace_hf.tiers import DiskTier, TieredStore
+
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_dir[0]), "--spill-cap-mb", "-1"])
+    assert "--spill-cap-mb must be >= 0" in capsys.readouterr().err
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_dir[0]).eval()
+    store = TieredStore([DiskTier(tmp_path / "kv")])
+    try:
+        cap = 64 << 10
+        engine = Engine(model, tiny_dir[1], store, "tiny", budget=160, limit=640, chunk=128, spill_cap_bytes=cap)
+        session = engine._new("You are terse.", "capped")
+        session.add("user", " ".join(f"item{i} = {i * 7 % 13}" for i in range(300)))  # ~2K tokens
+        session.generate(max_new_tokens=2)
+        spill = session.cache.spill
+        assert session.cache.get_seq_length() > 1500 and spill.held_bytes <= cap < 4 * spill.held_bytes
+    finally:
+        store.close()

@@ -53,9 +53,13 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     p.add_argument("--max-resident", type=int, default=4, help="sessions kept in memory (LRU); the others are parked")
     p.add_argument("--idle-ttl", type=float, default=600.0, help="seconds before an idle session is parked")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; more get a 429")
+    p.add_argument("--spill-cap-mb", type=float, default=512.0,
+                   help="spilled KV a session may keep in the store (least recently used pages go first; 0: none)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
+    if args.spill_cap_mb < 0:
+        p.error(f"--spill-cap-mb must be >= 0, got {args.spill_cap_mb}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
 
     import uvicorn
@@ -71,7 +75,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     names = args.served_name or [args.model]
     engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit or None, chunk=args.chunk,
                     max_context=args.max_context, max_tokens=args.max_tokens, max_resident=args.max_resident,
-                    idle_ttl_s=args.idle_ttl, queue_size=args.queue_size)
+                    idle_ttl_s=args.idle_ttl, queue_size=args.queue_size,
+                    spill_cap_bytes=int(args.spill_cap_mb * 2**20))
     uvicorn.run(create_app(engine, names), host=args.host, port=args.port, log_level=args.log_level)
 
 

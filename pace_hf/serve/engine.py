@@ -108,11 +108,12 @@ class Engine:
 
     def __init__(self, model, tokenizer, store, model_name: str, *, budget: int = 2048, limit: int | None = 8192,
                  chunk: int | None = None, max_context: int = 32768, max_tokens: int = 512, max_resident: int = 4,
-                 idle_ttl_s: float = 600.0, queue_size: int = 16):
+                 idle_ttl_s: float = 600.0, queue_size: int = 16, spill_cap_bytes: int | None = 512 << 20):
         if store is None:
             raise ValueError("pace-serve needs a store: sessions are saved and parked there")
         self.model, self.tokenizer, self.store, self.model_name = model, tokenizer, store, model_name
-        self.session_kwargs = dict(budget=budget, limit=limit, chunk=chunk)
+        # the spill cap: without one, a long conversation keeps every evicted token (GBs per session)
+        self.session_kwargs = dict(budget=budget, limit=limit, chunk=chunk, spill_cap_bytes=spill_cap_bytes)
         self.max_context, self.max_tokens = max_context, max_tokens
         self.max_resident, self.idle_ttl_s = max_resident, idle_ttl_s
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
