@@ -127,9 +127,11 @@ def run(n: int, args) -> dict:
                     errors.append(f"client {c} turn {t}: no usage in the stream (reply lost)")
                     return
                 cached = usage.prompt_tokens_details.cached_tokens
-                intact = prev is None or cached == prev.prompt_tokens + prev.completion_tokens - 1
+                expected = None if prev is None else prev.prompt_tokens + prev.completion_tokens - 1
+                intact = prev is None or cached == expected
                 results.append({"client": c, "turn": t, "ttft": first, "seconds": time.perf_counter() - t0,
-                                "prompt": usage.prompt_tokens, "cached": cached, "completion": usage.completion_tokens,
+                                "prompt": usage.prompt_tokens, "cached": cached, "expected_cached": expected,
+                                "completion": usage.completion_tokens, "reply_tail": text[-40:],
                                 "new": usage.prompt_tokens - (prev.prompt_tokens + prev.completion_tokens if prev else 0),
                                 "intact": intact})
                 msgs.append({"role": "assistant", "content": text})
@@ -161,7 +163,8 @@ def run(n: int, args) -> dict:
             "prefill_ours": prompt - cached, "prefill_reprefill_server": prompt,
             "history_avoided": cached / history if history else None,
             "intact": all(r["intact"] for r in results), "resumes": resumes,
-            "peak_rss_mib": peak["rss"] / 1024, "peak_resident": peak["resident"], "max_resident": args.max_resident}
+            "peak_rss_mib": peak["rss"] / 1024, "peak_resident": peak["resident"], "max_resident": args.max_resident,
+            "per_turn": results}
 
 
 def main(argv=None) -> None:
@@ -191,6 +194,9 @@ def main(argv=None) -> None:
     for r in rows:
         for e in r["errors"]:
             print("error:", e)
+        for t in [t for t in r["per_turn"] if not t["intact"]][:5]:
+            print(f"N={r['clients']} client {t['client']} turn {t['turn']}: cached {t['cached']}, expected "
+                  f"{t['expected_cached']} (the previous reply ended {t['reply_tail']!r})")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "serve_load.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
