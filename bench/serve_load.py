@@ -102,7 +102,7 @@ def run(n: int, args) -> dict:
         def client(c: int):
             oc = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.time_limit + 600)
             rng = random.Random(c)
-            msgs, prev = [], None
+            msgs, prev, prev_text = [], None, ""
             for t in range(args.turns):
                 if time.time() > stop_at:
                     break
@@ -131,11 +131,11 @@ def run(n: int, args) -> dict:
                 intact = prev is None or cached == expected
                 results.append({"client": c, "turn": t, "ttft": first, "seconds": time.perf_counter() - t0,
                                 "prompt": usage.prompt_tokens, "cached": cached, "expected_cached": expected,
-                                "completion": usage.completion_tokens, "reply_tail": text[-40:],
+                                "completion": usage.completion_tokens, "previous_reply_tail": prev_text[-40:],
                                 "new": usage.prompt_tokens - (prev.prompt_tokens + prev.completion_tokens if prev else 0),
                                 "intact": intact})
                 msgs.append({"role": "assistant", "content": text})
-                prev = usage
+                prev, prev_text = usage, text
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -196,7 +196,7 @@ def main(argv=None) -> None:
             print("error:", e)
         for t in [t for t in r["per_turn"] if not t["intact"]][:5]:
             print(f"N={r['clients']} client {t['client']} turn {t['turn']}: cached {t['cached']}, expected "
-                  f"{t['expected_cached']} (the previous reply ended {t['reply_tail']!r})")
+                  f"{t['expected_cached']} (the previous reply ended {t['previous_reply_tail']!r})")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "serve_load.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
