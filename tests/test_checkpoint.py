@@ -101,38 +101,35 @@ def test_checkpoint_arguments_are_checked():
 # -- play_session: a pair interrupted at any save resumes to the same record ------------------------------
 
 
-class _IdsTokenizer:
-    """Decodes to the ids themselves (an answer's text is its tokens), and the definition turn to the
-    text that the probes name, so that rehydration has something to find."""
-
-    def __init__(self, definition):
-        self.definition = definition
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "user\nfee_for = 3" if list(ids) == self.definition else " ".join(map(str, ids))
-
-
 def test_a_pair_stopped_at_any_save_resumes_to_the_same_records(tmp_path, monkeypatch):
     """Rehydration on, no plan: saves land in the history prefill of probe 1, in its own prompt, and in
     probe 2's prompt (with probe 1's record in the state). Stopped at each of them and resumed, the pair
     gives exactly the uninterrupted records."""
-    from test_runner import _Metric, _synthetic_row
+    import evaluate
 
+    from pace_bench import build_session
     from pace_bench.arms import ArmSettings
+    from pace_bench.build import SYSTEM_PROMPT
     from pace_bench.checkpoint import STATE_KEY
+    from pace_bench.models import load_tokenizer
     from pace_hf import Blueprint
     from pace_hf.cache import persist
+    from pace_hf.chat import ChatTemplate
+    from pace_hf.metrics import PACE_CODING
 
-    model, row = tiny_model("qwen2"), _synthetic_row()
-    g = torch.Generator().manual_seed(2)
-    for probe in row["probes"]:
-        probe.update(prompt_ids=torch.randint(3, 128, (40,), generator=g).tolist(), max_new_tokens=6)
-    tok = _IdsTokenizer(row["context_ids"][48:96])
+    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+    monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
+    metric = evaluate.load(PACE_CODING)  # the real metric: answers run in its sandbox
+    tok = load_tokenizer("smollm2-135m")
+    row = build_session(tok, seed=0, total_tokens=900, distance=300)  # the generator's own session
+    row["probes"] = row["probes"][:2]
+    model = tiny_model("qwen2", vocab_size=len(tok))
+    stop_ids = ChatTemplate(tok, SYSTEM_PROMPT).stop_ids()
     same = ("probe", "answer", "residency", "rotary_gap", "rehydrated_tokens", "peak_cache_bytes", "full_cache_bytes")
 
     def play(store, **kw):
-        records = runner.play_session(model, tok, row, "pace", ArmSettings(budget=192, limit=400), _Metric(), 32, [0],
-                                      blueprint=Blueprint(), store=store, rehydrate=True, **kw)
+        records = runner.play_session(model, tok, row, "pace", ArmSettings(budget=256, limit=640), metric, 16,
+                                      stop_ids, 6, blueprint=Blueprint(), store=store, rehydrate=True, **kw)
         return [{k: r.get(k) for k in same} for r in records]
 
     plain_store = TieredStore([DiskTier(tmp_path / "plain", fsync=False)])
