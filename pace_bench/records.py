@@ -46,6 +46,17 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def process_state():
+    """accelerate's ``PartialState``: this process's rank and device under ``accelerate launch`` (or
+    torchrun), a single process otherwise. On a machine without CUDA the processes talk over gloo.
+    Every suite shards its pairs with it and writes ``probes.rank{N}.jsonl`` (:func:`shard_paths`)."""
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+
+
 def shard_paths(out_dir: Path) -> list[Path]:
     """The per-process logs of a sharded run, ``probes.rank{N}.jsonl``, by rank."""
     return sorted(Path(out_dir).glob("probes.rank*.jsonl"),

@@ -695,7 +695,7 @@ def main(argv=None) -> int:
 
     from pace_bench.models import load_model, load_tokenizer, preferred_dtype
     from pace_bench.records import read_jsonl, shard_paths, write_jsonl
-    from pace_bench.runner import process_state
+    from pace_bench.records import process_state
     from pace_hf.chat import DEFAULT_SYSTEM, ChatTemplate
     from pace_hf.tiers import HostTier, TieredStore
 

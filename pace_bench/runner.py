@@ -39,7 +39,7 @@ from .cli import fraction, int_at_least, model_name
 from .figures import gap_text, make_figures, settings_for, summarize, with_distance_table
 from .progress import SessionProgress
 from .readings import ReadAtFirstQuery, full_cache_bytes, peak_cache_bytes, tier_reading
-from .records import pair_key, read_jsonl, session_key, shard_paths, write_jsonl
+from .records import pair_key, process_state, read_jsonl, session_key, shard_paths, write_jsonl
 from .sessions import session_messages
 
 PLANNERS = ("oracle", "symbols", "none")
@@ -482,15 +482,6 @@ def main(argv=None) -> int:
         return _run(args)
     except (CodeExecutionNotAllowed, SandboxUnavailable) as e:
         raise SystemExit(f"pace-bench: {type(e).__name__}: {e}") from None
-
-
-def process_state():
-    """accelerate's ``PartialState``: this process's rank and device under ``accelerate launch`` (or
-    torchrun), a single process otherwise. On a machine without CUDA the processes talk over gloo."""
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
 
 
 def run_settings(args, dtype, rows, num_processes: int) -> dict:

@@ -57,7 +57,7 @@ class EvictingLayer(DynamicLayer):
     - Append writes the chunk in place; ``torch.cat`` copied the whole layer for every decoded token.
     - Eviction compacts in place and moves, per KV head, only the tokens after its first evicted one:
       the least that keeping logical order allows. On Qwen at 8K resident tokens a decode step moves
-      about a third of the layer (``bench/decode_speed.py`` reports the fraction; H2O's victims are
+      about a third of the layer (the decode speed script reports the fraction; H2O's victims are
       spread over the context), not two whole copies as ``torch.cat`` and a gather did.
     - Why not refill evicted slots from the tail, with the ledger ordered through a permutation? It
       moves less, but attention then sums the keys in another order: outputs and scores change in
