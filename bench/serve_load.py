@@ -9,8 +9,9 @@ reuse against a server that re-prefills (that server prefills every request's wh
 count is the sum of ``prompt_tokens``; it needs no second run). Checks: no reply is lost (a 429 is
 retried after its Retry-After; any other error fails the run), and every transcript is intact (each
 turn after the first is served from exactly the previous turn's tokens: ``cached_tokens`` equals the
-previous prompt plus its reply, minus the reply's last token). Bounded: ``--time-limit`` per N stops
-new turns. The server's peak RSS and resident-session count are sampled.
+previous prompt plus its reply, minus the reply's last token when the reply was cut at
+``max_tokens``). Bounded: ``--time-limit`` per N stops new turns. The server's peak RSS and
+resident-session count are sampled.
 """
 
 from __future__ import annotations
@@ -102,19 +103,21 @@ def run(n: int, args) -> dict:
         def client(c: int):
             oc = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.time_limit + 600)
             rng = random.Random(c)
-            msgs, prev, prev_text = [], None, ""
+            msgs, prev, prev_text, prev_finish = [], None, "", None
             for t in range(args.turns):
                 if time.time() > stop_at:
                     break
                 msgs.append({"role": "user", "content": user_turn(rng, c, t, args.tokens)})
                 while True:
-                    t0, first, text, usage = time.perf_counter(), None, "", None
+                    t0, first, text, usage, finish = time.perf_counter(), None, "", None, None
                     try:
                         for ch in oc.chat.completions.create(model=args.model, messages=msgs, stream=True,
                                                              max_tokens=args.max_tokens):
                             if ch.choices and ch.choices[0].delta.content:
                                 first = first or time.perf_counter() - t0
                                 text += ch.choices[0].delta.content
+                            if ch.choices and ch.choices[0].finish_reason:
+                                finish = ch.choices[0].finish_reason
                             if ch.usage is not None:
                                 usage = ch.usage
                         break
@@ -127,7 +130,10 @@ def run(n: int, args) -> dict:
                     errors.append(f"client {c} turn {t}: no usage in the stream (reply lost)")
                     return
                 cached = usage.prompt_tokens_details.cached_tokens
-                expected = None if prev is None else prev.prompt_tokens + prev.completion_tokens - 1
+                # the session holds every reply token it fed back: all of a reply that stopped, all but
+                # the last of one cut at max_tokens (that token was never forwarded)
+                cut = int(prev_finish == "length")
+                expected = None if prev is None else prev.prompt_tokens + prev.completion_tokens - cut
                 intact = prev is None or cached == expected
                 results.append({"client": c, "turn": t, "ttft": first, "seconds": time.perf_counter() - t0,
                                 "prompt": usage.prompt_tokens, "cached": cached, "expected_cached": expected,
@@ -135,7 +141,7 @@ def run(n: int, args) -> dict:
                                 "new": usage.prompt_tokens - (prev.prompt_tokens + prev.completion_tokens if prev else 0),
                                 "intact": intact})
                 msgs.append({"role": "assistant", "content": text})
-                prev, prev_text = usage, text
+                prev, prev_text, prev_finish = usage, text, finish
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
