@@ -228,6 +228,11 @@ class _Index:
         return out
 
 
+def _described(words) -> int:
+    """Content words of a step: not plain English or Python, not identifier-shaped, not "function"."""
+    return sum(not plain_word(w) and not shaped(w) and w.lower() not in KIND_WORDS for w in words)
+
+
 class SymbolPlanner:
     """Blueprints from what planned steps name (see the module docstring).
 
@@ -315,8 +320,7 @@ class SymbolPlanner:
         for name, got in derived.items():
             if name not in owned:
                 add(got, DERIVED)
-        described = sum(not plain_word(w) and not shaped(w) and w.lower() not in KIND_WORDS for w in said.words)
-        if lexical and not found and said.words and (LITERAL not in said.names.values() or described >= 4):
+        if lexical and not found and said.words and (LITERAL not in said.names.values() or _described(said.words) >= 4):
             # a step that names nothing the session defines: prose, or a description whose only names
             # come from elsewhere ("... into a CookieJar", an imported class): the lexical ranker
             for got in index.lexicon.rank(list(said.words) + list(said.names), before):
