@@ -317,14 +317,14 @@ def main(argv=None) -> int:
     log_path = out_dir / "probes.jsonl"
     sizes = {r["session_id"]: len(r["probes"]) for r in rows}
     records = read_jsonl(log_path) if args.resume else []
+    probes = {(r["session_id"], r["distance"], r["context_len"], p["name"]): p for r in rows for p in r["probes"]}
+    key = lambda r: (r["session_id"], r["distance"], r["context_len"], r["probe"])  # noqa: E731
+    records = [r for r in records if key(r) in probes]  # records of other sessions, lengths or probe sets go
     count: dict[tuple, int] = {}
     for r in records:
         count[pair_key(r["arm"], r)] = count.get(pair_key(r["arm"], r), 0) + 1
-    built = {(r["session_id"], r["distance"], r["context_len"]) for r in rows}  # records of other sessions go
-    records = [r for r in records if count[pair_key(r["arm"], r)] == sizes.get(r["session_id"])
-               and (r["session_id"], r["distance"], r["context_len"]) in built]
-    probes = {(r["session_id"], r["context_len"], p["name"]): p for r in rows for p in r["probes"]}
-    records = [{**r, **graded(r["answer"], probes[r["session_id"], r["context_len"], r["probe"]])} for r in records]
+    records = [{**r, **graded(r["answer"], probes[key(r)])} for r in records  # a scoring fix reaches old answers
+               if count[pair_key(r["arm"], r)] == sizes.get(r["session_id"])]
     done = {pair_key(r["arm"], r) for r in records}
     dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
