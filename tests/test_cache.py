@@ -387,6 +387,19 @@ def test_policies_keep_what_they_promise():
     assert kept(Foresight(Recency(), bp), 5) == [0, 7, 8, 10, 11]
 
 
+@pytest.mark.parametrize("n, budget", [(4097, 4096), (300, 290), (300, 150), (300, 40), (64, 64)])
+def test_keep_index_keeps_the_top_budget_tokens_whichever_side_it_counts_from(n, budget):
+    # decode drops few tokens (it picks them), a prefill chunk drops many (it picks what stays); both
+    # must give the sorted top-`budget` set, the protected sinks and recent tokens in it
+    g = torch.Generator().manual_seed(n + budget)
+    priority = torch.rand(3, n, generator=g)
+    protected = torch.cat([torch.arange(2), torch.arange(n - 8, n)])
+    top = priority.clone()
+    top[:, protected] = float("inf")
+    expected = top.topk(budget, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(keep_index(priority, budget, 2, 8), expected)
+
+
 def test_foresight_bonus_formula():
     bonus = ForesightBonus(phi=1e5)
     assert bonus(5, 5) == 1e5  # the reader is now

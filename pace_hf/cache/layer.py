@@ -14,12 +14,23 @@ from ..rope import RotaryParams, rerotate
 
 def keep_index(priority: torch.Tensor, budget: int, sinks: int, recent: int) -> torch.Tensor:
     """Indices ``[kv_heads, budget]`` (sorted) of the highest-priority tokens; the first ``sinks`` and
-    the last ``recent`` stored tokens are always kept."""
-    n = priority.shape[-1]
+    the last ``recent`` stored tokens are always kept.
+
+    When fewer tokens go than stay (decode drops one per head), it picks the ones to drop and counts
+    past them: sorting the ``budget`` kept indices cost more than the rest of a step's eviction."""
+    heads, n = priority.shape
     position = torch.arange(n, device=priority.device)
     protected = (position < sinks) | (position >= n - recent)
     score = priority.masked_fill(protected[None, :], float("inf"))
-    return score.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
+    drop = n - budget
+    if drop > budget:
+        return score.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
+    dropped = score.topk(drop, dim=-1, largest=False, sorted=False).indices.sort(dim=-1).values
+    # the kept token of rank r is r plus the dropped tokens before it; the j-th dropped token has
+    # dropped[j] - j kept tokens before it
+    rank = position[:budget].expand(heads, budget)
+    before = torch.searchsorted(dropped - position[:drop], rank.contiguous(), right=True)
+    return before.add_(rank)
 
 
 def cache_nbytes(cache) -> int:
