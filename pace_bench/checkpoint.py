@@ -113,7 +113,8 @@ class ChunkLog:
     """Appends one JSON line per prefilled chunk to ``path``: the tokens the cache has seen after it,
     the chunk's size and tokens/s, the bytes the cache holds then (before the forward's eviction: each
     forward's peak), what the full cache would hold (``full_bytes_per_token`` times the tokens seen) and
-    the host's load average (a chunk that shared the CPU is slow for that reason alone).
+    the host's load average and this process's CPU seconds (all its threads): a chunk that shared the
+    CPU is slow in wall time for that reason alone, while its CPU seconds per token barely change.
     Passes every update on to ``inner`` (a progress bar). A resumed run appends; readers keep the last
     line for each ``seen`` (the chunks redone after a kill)."""
 
@@ -128,16 +129,16 @@ class ChunkLog:
 
     def mark(self) -> None:
         """Time the next chunk from now (after a save, or when a phase starts)."""
-        self.last = time.perf_counter()
+        self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
     def update(self, n: int) -> None:
         if self.inner is not None:
             self.inner.update(n)
-        now = time.perf_counter()
-        seconds, self.last = now - self.last, now
+        now, cpu = time.perf_counter(), time.process_time()
+        seconds, cpu_seconds, self.last, self.last_cpu = now - self.last, cpu - self.last_cpu, now, cpu
         seen = self.cache.get_seq_length()
         line = {**self.labels, "seen": seen, "tokens": n, "seconds": round(seconds, 4),
-                "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,
+                "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None, "cpu_seconds": round(cpu_seconds, 4),
                 "cache_bytes": cache_nbytes(self.cache), "full_cache_bytes": self.full_bytes_per_token * seen,
                 "time": round(time.time(), 1), "load1": round(os.getloadavg()[0], 2)}
         with open(self.path, "a") as f:

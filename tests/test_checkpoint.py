@@ -298,6 +298,9 @@ def test_the_1m_script_runs_in_the_background_and_reports(model_dir, tmp_path):
         time.sleep(0.5)
     report = (results / "report.md").read_text()
     assert "B=256, H=64, L=1,024" in report and "| fee_for |" in report and "Per-chunk tokens/s" in report
+    assert "Per CPU-second of the run's process" in report
+    chunks = [json.loads(line) for line in (out / "chunks.jsonl").read_text().splitlines()]
+    assert all(0 < c["cpu_seconds"] for c in chunks)
     assert (results / "fig_chunks.png").stat().st_size > 0 and (results / "probes.jsonl").exists()
     settings = json.loads((results / "run.json").read_text())
     assert settings["checkpoint_every"] == 2 and settings["dtype"] == "float32" and settings["store"] == "disk"
