@@ -433,6 +433,30 @@ def test_paused_valkey_never_blocks_put_beyond_timeout(killable, store_factory):
         os.kill(killable._process.pid, signal.SIGCONT)
 
 
+def test_slow_but_progressing_disk_loses_no_put(tmp_path, store_factory):
+    """A healthy tier whose batches each take longer than timeout_s: put waits for it, drops nothing."""
+    class SlowDisk(DiskTier):  # a real disk write, 0.2 s slower per entry
+        def put(self, key, data):
+            time.sleep(0.2)
+            super().put(key, data)
+
+    s = store_factory([SlowDisk(tmp_path)], timeout_s=0.5, queue_size=4)
+    ts = {f"k{i}": _tensors(8, seed=i) for i in range(13)}
+    worst, done = 0.0, []
+    for k, t in ts.items():
+        t0 = time.monotonic()
+        done.append(s.put(k, t, {}, fingerprint=FP, session_id=SID))
+        worst = max(worst, time.monotonic() - t0)
+    s.flush(10)
+    assert worst > 0.5  # a put waited past timeout_s for a batch of 4 (0.8 s) and was kept
+    assert all(d.result(5) == {"disk": None} for d in done)
+    assert s.stats["failures"] == 0 and s.stats["puts"] == len(ts)
+    fresh = store_factory([DiskTier(tmp_path)])
+    for k, t in ts.items():
+        got = fresh.get(k, fingerprint=FP, session_id=SID)
+        assert got is not None and _bits_equal(t, got[0]), k
+
+
 def test_root_under_a_regular_file(tmp_path, store_factory):
     (tmp_path / "file").write_bytes(b"x")
     s = store_factory([HostTier(1 << 30), DiskTier(tmp_path / "file" / "kv")])

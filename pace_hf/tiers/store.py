@@ -14,10 +14,15 @@ tier, top first: the host copy serves fast reads, the lower copies make ``flush(
 first tier only and reaches the others by demotion (cheaper, not durable until pushed out).
 
 Backpressure, not dropping. The queue is bounded (``queue_size``). When it is full, ``put`` waits for
-room -- a stalled forward is visible in timings, silently lost KV is not -- but never longer than
-``timeout_s``: then the put is given up, counted in ``failures`` and logged (``strict=True`` raises
-``TierError``). A hung tier therefore costs at most one request timeout per request before it is marked
-unhealthy and skipped, so the queue drains and ``put`` stays non-blocking.
+room -- a stalled forward is visible in timings, silently lost KV is not -- for as long as the writer
+makes progress: each batch it takes from the queue (which frees room) gives it ``timeout_s`` per entry
+of that batch to finish, so a slow but healthy tier (a slow disk, a big batch) loses nothing. Only when
+the writer has made no progress for that long (a stalled or hung tier) is the put given up, counted in
+``failures`` and logged (``strict=True`` raises ``TierError``). A tier that fails with a timeout is
+marked unhealthy and skipped, so the queue drains and ``put`` stays non-blocking. Progress does not
+always free room for *this* caller (other threads' puts may take it first; promotions and demotions go
+before puts), so the wait is also capped at ``(queue_size + WRITE_BATCH) * timeout_s``: the time to
+write everything that can be ahead of a put at the slowest rate that still counts as progress.
 
 Reads. ``get`` tries the pending writes, then each healthy tier in order. Every value is verified
 (``entry.decode``: format version, checksum, fingerprint, session, key, tensor bounds) on every read. A
@@ -179,7 +184,8 @@ class TieredStore:
             names must be unique.
         timeout_s: the most one request may cost: a tier that does not answer within it (and has no
             timeout of its own) is marked unhealthy and skipped while it backs off; a ``put`` that finds
-            the write queue full waits at most this long.
+            the write queue full gives up once the writer has spent this long per entry of its batch
+            without finishing it (see the module docstring).
         strict: raise ``TierError`` (or ``IntegrityError``) where a lenient store counts the failure,
             logs it once and carries on.
         queue_size: writes queued for the background writer before ``put`` waits (backpressure).
@@ -227,6 +233,7 @@ class TieredStore:
         self._pending: dict[str, _Write] = {}
         self._demoting: dict[str, Any] = {}
         self._inflight = 0
+        self._stall_at = 0.0  # when the writer's work in hand, at timeout_s per entry, counts as stalled
         self._closed = False
         self._async_error: TierError | None = None
         self._prefetch_pool = ThreadPoolExecutor(2, thread_name_prefix="pace-tier-prefetch")
@@ -242,23 +249,25 @@ class TieredStore:
         fk = full_key(key, session_id)
         tensors = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
         item = _Write(fk, key, tensors, dict(meta or {}), fingerprint, session_id, through)
-        deadline = time.monotonic() + self.timeout_s
+        t0 = time.monotonic()
+        cap = t0 + (self.queue_size + WRITE_BATCH) * self.timeout_s
         with self._cv:
             if self._closed:
                 raise TierError("the store is closed")
-            while len(self._puts) >= self.queue_size:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
+            while len(self._puts) >= self.queue_size and not self._closed:
+                # at least timeout_s of our own: _stall_at is stale if the writer has not woken yet
+                left = min(cap, max(t0 + self.timeout_s, self._stall_at)) - time.monotonic()
+                if left <= 0:
                     break
                 self._cv.wait(left)
             if len(self._puts) >= self.queue_size:
+                why = f"write queue full for {time.monotonic() - t0:.1f} s"
                 with self._lock:
                     self._counts["failures"] += 1
-                self._log_once("store", "queue_full", "write queue full for %.1f s; dropped a put (%s)",
-                               self.timeout_s, fk)
+                self._log_once("store", "queue_full", "%s; dropped a put (%s)", why, fk)
                 if self.strict:
-                    raise TierError(f"write queue full for {self.timeout_s} s; put {fk!r} not stored")
-                item.done.set_result({t.name: f"write queue full for {self.timeout_s} s" for t in self.tiers})
+                    raise TierError(f"{why}; put {fk!r} not stored")
+                item.done.set_result({t.name: why for t in self.tiers})
                 return item.done
             self._pending[fk] = item
             self._puts.append(item)
@@ -501,7 +510,8 @@ class TieredStore:
                 else:
                     return  # closed and drained
                 self._inflight += 1
-                self._cv.notify_all()  # room in the queue
+                self._stall_at = time.monotonic() + self.timeout_s * (len(job) if isinstance(job, list) else 1)
+                self._cv.notify_all()  # room in the queue, and a later deadline for a waiting put
             try:
                 if isinstance(job, list):
                     self._do_writes(job)
