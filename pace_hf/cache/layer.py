@@ -51,6 +51,7 @@ def cache_nbytes(cache) -> int:
 
 _ROWS = ("keys", "values", "ref_keys")  # [1, kv_heads, capacity, head_dim]
 _LEDGER = ("logical", "physical", "ref_pos", "scores")  # [kv_heads, capacity]
+_SLICED_RUNS = 8  # up to this many runs of moved tokens (over heads), move them by slices
 
 
 class EvictingLayer(DynamicLayer):
@@ -224,6 +225,32 @@ class EvictingLayer(DynamicLayer):
             dropped = torch.ones((heads, n), dtype=torch.bool, device=index.device)
             dropped.scatter_(1, index, False)
             evicted = self.tokens_at(*dropped.nonzero(as_tuple=True))
+        # a run: kept tokens that move up by the same shift (the tokens dropped before them)
+        shift = index - torch.arange(m, device=index.device)
+        head, start = torch.diff(shift, dim=-1, prepend=shift.new_zeros(heads, 1)).nonzero(as_tuple=True)
+        if start.numel() <= _SLICED_RUNS:
+            self.moved = self._move_runs(head.tolist(), start.tolist(), shift[head, start].tolist(), m)
+        else:
+            self.moved = self._move_rows(index, heads, m)
+        self.resident_count = m
+        self.scored = min(self.scored, m)
+        self._view()
+        return evicted
+
+    def _move_runs(self, heads: list[int], starts: list[int], shifts: list[int], m: int) -> int:
+        """Few runs (decode drops one token per head: one run): each moves as one slice, a memcpy,
+        front to back (a run's target ends where the next run's source begins, so none is clobbered).
+        Returns how many tokens moved."""
+        ends = [starts[i + 1] if i + 1 < len(starts) and heads[i + 1] == h else m for i, h in enumerate(heads)]
+        for name, buffer in self._buffers.items():
+            rows = buffer[0] if name in _ROWS else buffer
+            for h, start, end, s in zip(heads, starts, ends, shifts):
+                rows[h, start:end].copy_(rows[h, start + s:end + s].clone())  # source and target overlap
+        return sum(end - start for start, end in zip(starts, ends))
+
+    def _move_rows(self, index: torch.Tensor, heads: int, m: int) -> int:
+        """Many runs (a prefill chunk's eviction): every moved token by one gather and one scatter.
+        Returns how many tokens moved."""
         # sorted and distinct: once a head's index passes its rank, every later token moves
         head, rank = (index != torch.arange(m, device=index.device)).nonzero(as_tuple=True)
         if rank.numel():
@@ -232,11 +259,7 @@ class EvictingLayer(DynamicLayer):
             for name, buffer in self._buffers.items():
                 flat = buffer.view(heads * self.capacity, -1) if name in _ROWS else buffer.view(-1)
                 flat.index_copy_(0, dst, flat.index_select(0, src))
-        self.moved = rank.numel()
-        self.resident_count = m
-        self.scored = min(self.scored, m)
-        self._view()
-        return evicted
+        return rank.numel()
 
     def drop_last(self, count: int) -> None:
         """Forget the ``count`` newest tokens (the partial writes of a failed forward)."""
