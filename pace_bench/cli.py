@@ -1,4 +1,4 @@
-"""The argument types both suites' command lines share (``pace-bench`` and ``pace-bench --suite ruler``):
+"""The argument types the suites' command lines share (``pace-bench``, ``--suite ruler``, ``--suite repo``):
 each turns bad input into a one-line usage error before anything loads."""
 
 from __future__ import annotations
@@ -31,6 +31,20 @@ def fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
     return value
+
+
+def choice_list(choices, what: str):
+    """An argparse type: a comma-separated list of ``choices`` (say ``what`` they are), each once, in
+    the order given."""
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or '(none given)'}: choose from "
+                                             f"{', '.join(choices)}")
+        return list(dict.fromkeys(items))
+
+    return parse
 
 
 def model_name(text: str) -> str:

@@ -219,18 +219,6 @@ def table(records: list[dict], reference_arm: str) -> str:
 # -- the command --------------------------------------------------------------------------------------------------
 
 
-def _list(choices, what):
-    def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or '(none given)'}: choose from "
-                                             f"{', '.join(choices)}")
-        return list(dict.fromkeys(items))
-
-    return parse
-
-
 def _lengths(text: str) -> list[int]:
     try:
         values = sorted({int(t) for t in text.split(",") if t.strip()})
@@ -242,7 +230,7 @@ def _lengths(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import int_at_least, model_name
+    from .cli import choice_list, int_at_least, model_name
     from .models import DEFAULT_MODEL
 
     ap = argparse.ArgumentParser(prog="pace-bench --suite repo", description=__doc__.split("\n\n")[0],
@@ -250,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  epilog="arms:\n" + "\n".join(f"  {k:<15} {a.summary}" for k, a in REPO_ARMS.items()))
     ap.formatter_class = type("F", (argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter), {})
     ap.add_argument("--model", type=model_name, default=DEFAULT_MODEL, help="a packaged model name or a local directory")
-    ap.add_argument("--arms", type=_list(list(REPO_ARMS), "arm(s)"), default="h2o,pace_oracle,pace_prose",
+    ap.add_argument("--arms", type=choice_list(list(REPO_ARMS), "arm(s)"), default="h2o,pace_oracle,pace_prose",
                     metavar="ARM[,ARM...]", help=f"from {{{', '.join(REPO_ARMS)}}}")
     ap.add_argument("--tokens", type=_lengths, default="32768", metavar="N[,N...]",
                     help="session lengths: context tokens before the first probe")

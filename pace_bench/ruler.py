@@ -569,18 +569,6 @@ def figures(records: list[dict], out_dir: Path) -> list[Path]:
 # -- the command ---------------------------------------------------------------------------------------------
 
 
-def _list(choices, what):
-    def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or '(none given)'}: choose from "
-                                             f"{', '.join(choices)}")
-        return list(dict.fromkeys(items))
-
-    return parse
-
-
 def _lengths(text: str) -> list[int]:
     try:
         values = [int(t) for t in text.split(",") if t.strip()]
@@ -593,22 +581,22 @@ def _lengths(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from pace_bench.models import DEFAULT_MODEL
-    from pace_bench.cli import int_at_least, model_name
+    from pace_bench.cli import choice_list, int_at_least, model_name
 
     ap = argparse.ArgumentParser(prog="pace-bench --suite ruler", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", type=model_name, default=DEFAULT_MODEL, help="a packaged model name or a local directory")
-    ap.add_argument("--tasks", type=_list(list(TASKS), "task(s)"), default="niah_single_1", metavar="TASK[,TASK...]",
-                    help=f"from {{{', '.join(TASKS)}}}")
+    ap.add_argument("--tasks", type=choice_list(list(TASKS), "task(s)"), default="niah_single_1",
+                    metavar="TASK[,TASK...]", help=f"from {{{', '.join(TASKS)}}}")
     ap.add_argument("--lengths", type=_lengths, default="8192", metavar="N[,N...]", help="RULER's max_seq_length(s)")
     ap.add_argument("--samples", type=int_at_least(1), default=5, help="contexts per task and length")
     ap.add_argument("--needles", type=int_at_least(1), default=4, metavar="K",
                     help=f"session setting: needles per NIAH context, each asked from the saved state (1 to "
                          f"{MAX_NEEDLES}); vt, fwe and cwe ask one question of all their context and keep 1, and "
                          "question-last keeps RULER's one-question prompts")
-    ap.add_argument("--arms", type=_list(ARMS, "arm(s)"), default="full,snapkv,pace_retrieval", metavar="ARM[,ARM...]",
-                    help=f"from {{{', '.join(ARMS)}}}")
-    ap.add_argument("--settings", type=_list(SETTINGS, "setting(s)"), default="session", metavar="S[,S...]",
+    ap.add_argument("--arms", type=choice_list(ARMS, "arm(s)"), default="full,snapkv,pace_retrieval",
+                    metavar="ARM[,ARM...]", help=f"from {{{', '.join(ARMS)}}}")
+    ap.add_argument("--settings", type=choice_list(SETTINGS, "setting(s)"), default="session", metavar="S[,S...]",
                     help=f"from {{{', '.join(SETTINGS)}}}")
     ap.add_argument("--budget", type=int_at_least(1), default=2048, help="B: resident tokens per layer and KV head")
     ap.add_argument("--limit", type=int_at_least(1), default=8192, help="L: the bounded arms' rotary limit (L > B + H)")

