@@ -39,7 +39,6 @@ _DIRECT_ROWS = 64  # scored queries up to which the plain blocked pass beats the
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-
 class ScoreSink(Protocol):
     """What ``pace_sdpa`` asks of the running cache: how many queries to score, and where the
     column sums go."""
@@ -139,7 +138,7 @@ def _column_sums_one_query(query, key, lse, scaling):
     mean. O(kv) per step, nothing of the keys copied in fp32 (they are read as they are when fp32).
     The same operations, in the same order, as ``_column_sums_masked`` on one row, so the same bits."""
     b, hq, _, d = query.shape
-    hkv, kv_len = key.shape[1], key.shape[2]
+    hkv = key.shape[1]
     group = hq // hkv
     q = (query.float() * scaling).reshape(b, hkv, group, d)
     logits = torch.matmul(q, key.float().transpose(-1, -2)).sub_(lse.reshape(b, hkv, group, 1))

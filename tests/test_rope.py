@@ -5,7 +5,7 @@ import torch
 import transformers as tf
 from tiny_models import tiny_config, tiny_model
 
-from pace_hf.rope import RotaryParams, rerotate, rerotate_reference
+from pace_hf.rope import RotaryParams, rerotate
 
 POSITION_PAIRS = [(0, 5000), (7000, 13), (123, 30000), (31999, 2), (4096, 4097), (60000, 1234)]
 

@@ -22,7 +22,7 @@ import re
 import bm25s
 import numpy as np
 
-from .extract import STOPWORDS, Definition, plain_word
+from .extract import STOPWORDS, Definition
 
 KIND_WORDS = frozenset("""function functions method methods class classes constant constants helper helpers
 attribute attributes field fields property properties decorator decorators variable variables""".split())
