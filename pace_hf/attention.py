@@ -17,7 +17,9 @@ On CPU, pass 2 reuses torch's flash kernel with the roles of queries and keys sw
 key ``j`` over the queries, with ``-lse_i`` appended to each query as one more dimension, is
 ``log(sum_i p_ij)``. Reversing both sequences turns the causal mask, aligned to the end of the keys,
 into the top-left one that kernel skips blocks for. Other masks take a blocked torch pass.
-``attention_with_column_sums_reference`` is the plain one-pass torch twin the tests hold both to.
+Decode in fp32 (one query) is one pass instead: its probabilities are the column sums, so logits,
+softmax and the values' matmul give both, reading the keys once.
+``attention_with_column_sums_reference`` is the plain one-pass torch twin the tests hold all to.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def attention_with_column_sums(
         return attention_with_column_sums_reference(query, key, value, attention_mask, scaling, last_queries)
     b, hq, _, d = query.shape
     hkv = key.shape[1]
+    if mask is None and q_len == 1 and score_from == 0 and query.dtype == torch.float32:
+        return _decode_one_pass(query, key, value, scaling)
     output, lse = _flash_attention_lse(query, key, value, mask, scaling)
     if score_from >= q_len:
         sums = torch.zeros(b, hkv, kv_len, dtype=torch.float32, device=key.device)
@@ -130,6 +134,21 @@ def _column_sums_causal(query, key, lse, scaling, score_from):
     zeros = rows.new_zeros(1, 1, 1, 1).expand(rows.shape)
     _, log_sums = _flash_cpu(cols, rows, zeros.contiguous(), 0.0, True, scale=1.0)  # [b, hq, kv]
     return log_sums.exp_().view(b, hkv, group, kv_len).mean(2).flip(-1)
+
+
+def _decode_one_pass(query, key, value, scaling):
+    """Decode in fp32: one query sees every key, so its probabilities are the column sums themselves.
+    One matmul for the logits, the softmax in place, one matmul with the values: the keys and values
+    are read once each, where the flash kernel and then the score pass read the keys twice (and torch's
+    CPU flash kernel is slower than two matmuls for one query). Output ``[b, 1, hq, dv]``."""
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    group = hq // hkv
+    probs = torch.matmul((query * scaling).reshape(b, hkv, group, d), key.transpose(-1, -2))
+    probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
+    probs.div_(probs.sum(dim=-1, keepdim=True))
+    output = torch.matmul(probs, value)  # [b, kv_heads, group, dv]: the query heads in order
+    return output.view(b, 1, hq, value.shape[-1]), probs.sum(dim=-2).div_(group)
 
 
 def _column_sums_one_query(query, key, lse, scaling):
