@@ -181,11 +181,11 @@ def timed_rounds(model, builders, token, steps, rounds):
 
 def kv_bytes(config, tokens, dtype, score_pass):
     """Bytes of KV that one decode step reads: keys and values once (attention), keys once more for
-    the score pass of an evicting cache."""
+    the score pass of an evicting cache, except in fp32, where decode is one pass (``pace_hf.attention``)."""
     heads, layers = config.num_key_value_heads, config.num_hidden_layers
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_tensor = layers * heads * tokens * dim * torch.tensor([], dtype=dtype).element_size()
-    return per_tensor * (3 if score_pass else 2)
+    return per_tensor * (3 if score_pass and dtype != torch.float32 else 2)
 
 
 def main(argv=None):
