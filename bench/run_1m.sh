@@ -27,21 +27,12 @@ OUT=${OUT:-runs/length-1m}
 RESULTS=${RESULTS:-bench/results/length/1m}
 EXTRA=${EXTRA:-}
 NICE=${NICE:-19}  # it yields the CPU to anything run in the foreground; its chunk log records the load
+export NICE
 PY=${PY:-.venv/bin/python}
 
-mkdir -p "$OUT"
-if [ "${1:-}" != "--foreground" ]; then
-    nohup nice -n "$NICE" bash "$0" --foreground >> "$OUT/run.log" 2>&1 < /dev/null &
-    echo "started in the background (pid $!); follow it with: tail -f $OUT/run.log"
-    echo "to stop it: kill $!; to resume: bash $0 again"
-    exit 0
-fi
-
-exec 9> "$OUT/.lock"
-if ! flock -n 9; then
-    echo "run_1m.sh: another run holds $OUT/.lock; one run at a time" >&2
-    exit 1
-fi
+# shellcheck source=bench/background.sh
+source bench/background.sh
+run_once_in_background "$OUT" "$0" "${1:-}"
 need=$(( SPILL_CAP_MB * 13 / 10 + 1024 ))  # MB: the capped spill and the checkpoints, with room to spare
 free=$(df -Pm "$OUT" | awk 'NR == 2 {print $4}')
 if [ -z "$(ls -A "$OUT/kv" 2>/dev/null)" ] && [ "$free" -lt "$need" ]; then

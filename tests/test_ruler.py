@@ -2,7 +2,9 @@
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from test_runner import _tiny_model_dir  # noqa: E402
 
 from pace_bench import ruler  # noqa: E402
 from pace_bench.runner import main  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs lm-eval (the [bench] extra)")
 
@@ -205,3 +209,22 @@ def test_wilson_interval():
     assert 0.23 < lo < 0.24 and 0.76 < hi < 0.77
     assert ruler.wilson(1.0, 5)[1] == 1.0 and ruler.wilson(0.0, 0) == (0.0, 1.0)
     assert torch.isclose(torch.tensor(sum(ruler.wilson(0.3, 50))), torch.tensor(2 * 0.3), atol=0.05)
+
+
+def test_the_ruler_script_plays_its_stages_into_one_table(model_dir, tmp_path):
+    """bench/run_ruler.sh's own stages (its four pace-bench invocations into one folder, each --resume),
+    scaled down to the tiny model: the table covers every stage."""
+    out, results = tmp_path / "run", tmp_path / "results"
+    env = dict(os.environ, MODEL=model_dir, NIAH="niah_single_1", OTHER="vt", LONGEST_TASKS="niah_single_1",
+               SHORT="2048", LONG="2560", LONGEST="3072", ARMS="full,pace_retrieval", BOUNDED_ARMS="pace_retrieval",
+               NEEDLES="2", EXTRA=" ".join(SMALL + ["--no-ranks"]), OUT=str(out), RESULTS=str(results),
+               PY=sys.executable, NICE="0")
+    done = subprocess.run(["bash", "bench/run_ruler.sh", "--foreground"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("stage: ") == 4 and "done: " in done.stdout
+    table = (results / "table.md").read_text()
+    for row in ("| niah_single_1 | 2,048 |", "| vt | 2,048 |", "| niah_single_1 | 2,560 |", "| niah_single_1 | 3,072 |"):
+        assert row in table, table
+    # niah at 2K: 2 arms x 2 needles; vt at 2K: 2 arms x 1; niah at 2.5K and 3K: 1 arm x 2 needles each
+    assert len((results / "probes.jsonl").read_text().splitlines()) == 4 + 2 + 2 + 2

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The RULER table on Qwen2.5-Coder-0.5B (issue 25), sized to about 8 hours of this 2-core CPU, in the
+# session setting (the context as tool outputs, each question a later turn answered from the saved
+# state), one context per cell carrying NEEDLES needles (so 4 questions per NIAH cell, 1 for vt and fwe):
+#
+#   1. niah_single_1, niah_multikey_2 at 8K and 32K: DynamicCache, SnapKV, SnapKV with bounded positions,
+#      PACE with retrieval (about 2 h);
+#   2. vt, fwe at 8K and 32K, the same arms (about 1.5 h);
+#   3. niah_single_1, niah_multikey_2 at 64K: the bounded arms and SnapKV alone (about 2 h);
+#   4. niah_single_1 at 128K, the same (about 2 h).
+#
+#   bash bench/run_ruler.sh     # starts it in the background (nohup, niced); the log is OUT/run.log
+#   bash bench/run_ruler.sh     # again, after a stop or a kill: every stage resumes (--resume); a
+#                               # context stopped mid-prefill is prefilled again
+#
+# Every stage writes into OUT, so OUT/table.md and the figures cover all that has been answered; at the
+# end they are copied to RESULTS. The variables below scale it down for a test of the same code path
+# (tests/test_ruler.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODEL=${MODEL:-qwen2.5-coder-0.5b}
+NIAH=${NIAH:-niah_single_1,niah_multikey_2}
+OTHER=${OTHER:-vt,fwe}
+LONGEST_TASKS=${LONGEST_TASKS:-niah_single_1}
+SHORT=${SHORT:-8192,32768}
+LONG=${LONG:-65536}
+LONGEST=${LONGEST:-131072}
+ARMS=${ARMS:-full,snapkv,snapkv_bounded,pace_retrieval}
+BOUNDED_ARMS=${BOUNDED_ARMS:-snapkv,snapkv_bounded,pace_retrieval}
+SAMPLES=${SAMPLES:-1}
+NEEDLES=${NEEDLES:-4}
+OUT=${OUT:-runs/ruler}
+RESULTS=${RESULTS:-bench/results/ruler}
+EXTRA=${EXTRA:-}
+export NICE=${NICE:-19}
+PY=${PY:-.venv/bin/python}
+
+# shellcheck source=bench/background.sh
+source bench/background.sh
+run_once_in_background "$OUT" "$0" "${1:-}"
+
+stage() {
+    echo "run_ruler.sh: $(date -u +%FT%TZ) stage: $*"
+    # shellcheck disable=SC2086  # EXTRA is a list of arguments
+    "$PY" -m pace_bench --suite ruler --model "$MODEL" --settings session --samples "$SAMPLES" --needles "$NEEDLES" \
+        --dtype float32 --no-progress --resume --out "$OUT" "$@" $EXTRA
+}
+stage --tasks "$NIAH" --lengths "$SHORT" --arms "$ARMS"
+stage --tasks "$OTHER" --lengths "$SHORT" --arms "$ARMS"
+stage --tasks "$NIAH" --lengths "$LONG" --arms "$BOUNDED_ARMS"
+stage --tasks "$LONGEST_TASKS" --lengths "$LONGEST" --arms "$BOUNDED_ARMS"
+mkdir -p "$RESULTS"
+cp "$OUT"/table.md "$OUT"/probes.jsonl "$OUT"/ruler_*.png "$RESULTS"/
+echo "run_ruler.sh: $(date -u +%FT%TZ) done: $RESULTS/table.md"
