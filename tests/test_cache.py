@@ -473,3 +473,24 @@ def test_reset_forgets_every_token():
     again = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache, prefill_chunk_size=16)
     assert torch.equal(again, want)
     assert cache.get_seq_length() == fresh.get_seq_length() and torch.equal(cache.ledger(0)[0], fresh.ledger(0)[0])
+
+
+@pytest.mark.parametrize("drops", [1, 2, 3, 40])  # runs over 3 heads: 3, 6 (slices), 9, many (rows)
+def test_keep_moves_runs_by_slices_or_rows_to_what_compaction_keeps(drops):
+    # few runs of moved tokens go by slices (decode), many by a gather and scatter (a prefill chunk);
+    # both must leave every per-token tensor as plain compaction does, for every head
+    from pace_hf.cache import CompactingLayer, EvictingLayer
+
+    g = torch.Generator().manual_seed(drops)
+    keys, values = torch.randn(1, 3, 200, 8, generator=g), torch.randn(1, 3, 200, 8, generator=g)
+    layers = [cls(True, 200 - drops) for cls in (EvictingLayer, CompactingLayer)]
+    for layer in layers:
+        layer.update(keys, values, logical_start=0, physical_start=0)
+        layer.scores.copy_(torch.rand(3, 200, generator=torch.Generator().manual_seed(7)))
+    index = keep_index(layers[0].scores, 200 - drops, 2, 4)
+    evicted = [layer.keep(index) for layer in layers]
+    for name, t in layers[0].tensors().items():
+        assert torch.equal(t, layers[1].tensors()[name]), name
+    assert all(torch.equal(evicted[0][k], evicted[1][k]) for k in evicted[0])
+    assert layers[0].moved == int(sum((200 - drops) - int((row != torch.arange(200 - drops)).int().argmax())
+                                      for row in index if (row != torch.arange(200 - drops)).any()))
