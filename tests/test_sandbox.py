@@ -966,3 +966,13 @@ def test_no_write_wall_means_no_code_runs(monkeypatch):
     with pytest.raises(S.SandboxUnavailable, match="no OS-level wall"):
         run_calls("x = 1", ["x"])
     assert S.isolation_layers() == ["rlimits"]
+
+
+def test_diagnostics_do_not_name_the_runs_scratch_folder():
+    # an import error and an exception carrying a stdlib path: the random scratch path is <sandbox>
+    failed = run("from email.utils import no_such_name\ndef f():\n    return 1\n", ["f()"])[0]
+    raised = run("import email.utils\ndef f():\n    raise ValueError(email.utils.__file__)\n", ["f()"])[0]
+    assert failed.status == "error" and "no_such_name" in failed.detail
+    assert raised.status == "raised" and raised.exc_type == "ValueError"
+    for text in (failed.detail, raised.exc_args[0]):
+        assert "<sandbox>/lib/" in text and "pace-sandbox-" not in text

@@ -52,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -287,7 +287,8 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
         ended = _child_end(proc, stderr, deadline) if eof and not run.finished() else None
         _kill(proc, uid)
         stderr.drain()
-        return run.results(ended, limits.timeout_s, stderr.last_line()), run.layers, run.refusal
+        results = [_scratch_unnamed(r, base) for r in run.results(ended, limits.timeout_s, stderr.last_line())]
+        return results, run.layers, run.refusal
     finally:
         if proc is not None:
             if proc.returncode is None:
@@ -296,6 +297,16 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
         for fd in fds:
             os.close(fd)
         _remove_base(base, work, lib)
+
+
+def _scratch_unnamed(result: CallResult, base: str) -> CallResult:
+    """``result`` with the run's scratch folder written ``<sandbox>`` in its diagnostics (``detail``, the
+    exception's args): a random temporary path of this machine would otherwise land in every stored
+    record, and two runs of the same program would differ by it. Returned values are left as they are."""
+    def unnamed(x):
+        return x.replace(base, "<sandbox>") if isinstance(x, str) else x
+    args = None if result.exc_args is None else [unnamed(a) for a in result.exc_args]
+    return replace(result, detail=unnamed(result.detail), exc_args=args)
 
 
 def _child_env(work: str) -> dict:
