@@ -110,14 +110,17 @@ def graded(text: str, probe: dict) -> dict:
 
 
 def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, stop_ids, template,
-         max_new_tokens: int | None = None, progress: bool = False) -> list[dict]:
-    """Prefill the session, then answer its probes in order, appending each answer (agent style)."""
+         max_new_tokens: int | None = None, progress: bool = False, tiers: bool = False) -> list[dict]:
+    """Prefill the session, then answer its probes in order, appending each answer (agent style).
+
+    ``tiers``: every evicting arm spills to a host tier, so a PACE arm's planned spans that the budget
+    pushed out (the plans of all steps together can exceed it) are fetched back before their step."""
     from pace_hf.session import Message, generate_reply
 
     spec = REPO_ARMS[arm]
     blueprint = arm_blueprint(row, arm, template, settings.budget)
     store = None
-    if spec.rehydrate:
+    if spec.rehydrate or (tiers and spec.cache != "full"):
         from pace_hf.tiers import HostTier, TieredStore
 
         store = TieredStore([HostTier()])
@@ -253,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk", type=int_at_least(1), default=4096, help="H: prefill chunk size")
     ap.add_argument("--reference-arm", choices=list(REPO_ARMS), default="h2o", help="the arm the table pairs against")
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help="cap each probe's answer length")
+    ap.add_argument("--tiers", action="store_true",
+                    help="every evicting arm spills to a host tier: PACE fetches planned spans the budget pushed out "
+                         "back before their step (pace_rehydrate always has one)")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default="runs/repo", help="folder for probes.jsonl, table.md and run.json")
@@ -330,7 +336,7 @@ def main(argv=None) -> int:
                 skipped.append(f"{arm} {row['session_id']}")
                 continue
             for record in play(model, tokenizer, row, arm, settings, args.chunk, template.stop_ids(), template,
-                               args.max_new_tokens, progress=args.progress):
+                               args.max_new_tokens, progress=args.progress, tiers=args.tiers):
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 records.append(record)
@@ -342,6 +348,7 @@ def main(argv=None) -> int:
     header = (f"model {args.model} ({dtype}), {len(rows)} sessions ({', '.join(sorted({r['package'] for r in rows}))}), "
               f"{sum(len(r['probes']) for r in rows)} probes, lengths {', '.join(f'{t:,}' for t in args.tokens)}, "
               f"B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, listing {args.listing}"
+              + (", evicting arms spill to a host tier" if args.tiers else "")
               + (f"; not played (the session exceeds the model's context): {', '.join(skipped)}" if skipped else "")
               + "\n\n")
     text = table(records, args.reference_arm) if records else "(no records)"

@@ -243,3 +243,25 @@ def test_the_suite_runs_end_to_end_on_a_tiny_model_and_resumes(tmp_path):
     (out / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in forged))
     assert main(argv + ["--resume"]) == 0
     assert [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()] == records
+
+
+def test_with_tiers_planned_spans_the_budget_pushed_out_come_back_before_their_step(tmp_path):
+    # six probes whose plans together exceed B = 384 many times over: without a tier the later probes'
+    # definitions are gone by their step; with one, each step's plan is fetched back before it runs
+    model = _tiny_model_dir(tmp_path / "model")
+    runs = {}
+    for tiers in ([], ["--tiers"]):
+        out = tmp_path / f"run{len(tiers)}"
+        argv = ["--suite", "repo", "--model", model, "--arms", "pace_oracle", "--tokens", "8000", "--probes-per-kind",
+                "3", "--packages", "click", "--budget", "384", "--limit", "1024", "--chunk", "256",
+                "--max-new-tokens", "4", "--no-progress", "--out", str(out), *tiers]
+        assert main(argv) == 0
+        runs[bool(tiers)] = [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()]
+    without, with_tiers = runs[False], runs[True]
+    assert [r["probe"] for r in without] == [r["probe"] for r in with_tiers] and len(without) >= 4
+    assert all("tier" not in r for r in without)
+    assert all(b["residency"] >= a["residency"] for a, b in zip(without, with_tiers))
+    back = [b for a, b in zip(without, with_tiers) if a["residency"] < 1.0 and b["plan_tokens"] <= 384 // 2]
+    assert back and all(b["residency"] == 1.0 for b in back)  # a plan that fits comes back whole
+    assert with_tiers[-1]["tier"]["restored_tokens"] > 0
+    assert "evicting arms spill to a host tier" in (tmp_path / "run1" / "table.md").read_text()
