@@ -152,10 +152,10 @@ def _decode_one_pass(query, key, value, scaling):
 
 
 def _column_sums_one_query(query, key, lse, scaling):
-    """Decode: one query sees every key, so its probabilities are the column sums themselves, one
-    ``[kv_heads, group, kv]`` block: one matmul, then ``exp(logit - lse)`` in place and the group
-    mean. O(kv) per step, nothing of the keys copied in fp32 (they are read as they are when fp32).
-    The same operations, in the same order, as ``_column_sums_masked`` on one row, so the same bits."""
+    """Decode in bf16/fp16 (fp32 takes ``_decode_one_pass``): one query sees every key, so its
+    probabilities are the column sums themselves, one ``[kv_heads, group, kv]`` block: one matmul,
+    then ``exp(logit - lse)`` in place and the group mean. O(kv) per step. The same operations, in the
+    same order, as ``_column_sums_masked`` on one row, so the same bits."""
     b, hq, _, d = query.shape
     hkv = key.shape[1]
     group = hq // hkv
