@@ -140,25 +140,30 @@ def test_valkey_evicting_indexed_spill_entries_refuses_the_resume_naming_one(mod
     spills = [f"pace:{SID}:{e[0]}" for layer in manifest["spill"]["index"] for e in layer]
     hot = [f"pace:{SID}:{k}" for k in [MANIFEST_KEY, *manifest["entries"]]]
     assert len(spills) >= 8
+    # Only the spill entries (and their chunks) carry a TTL, and the policy is volatile-lru: the server then
+    # evicts them, and only them, under memory pressure. allkeys-lru is approximate (it samples keys), so
+    # it could also drop the manifest, and the resume would then rightly find no saved session at all.
+    for key in client.scan_iter(match=f"pace:{SID}:*".encode()):
+        if key.split(b"\0#", 1)[0].decode() in spills:
+            client.expire(key, 3600)
     try:
         used = client.info("memory")["used_memory"]
-        client.config_set("maxmemory-policy", "allkeys-lru")
+        client.config_set("maxmemory-policy", "volatile-lru")
         client.config_set("maxmemory", used + (1 << 20))
         junk = b"x" * (64 << 10)
-        for i in range(400):  # fill: LRU drops the oldest keys, the spill entries, while the others stay hot
+        for i in range(400):  # fill until the server has evicted a spill entry
             client.set(f"junk:{i}", junk)
-            for key in hot:
-                client.get(key)
             if not all(client.exists(k) for k in spills):
                 break
         missing = [k for k in spills if not client.exists(k)]
         assert missing, "the server evicted nothing"
+        assert all(client.exists(k) for k in hot)
         with pytest.raises(IncompleteSave, match="is missing from every tier") as refused:
             PACECache.resume(SID, store=store, model=model)
         named = str(refused.value).split("entry '", 1)[1].split("'", 1)[0]
-        # it names an entry of the save that really is gone: the server's LRU is approximate (it samples
-        # keys), so it may also evict a layer state, and it may evict more while resume reads
-        assert f"pace:{SID}:{named}" in spills + hot and not client.exists(f"pace:{SID}:{named}")
+        # it names a spill entry that really is gone (the resume's own reads may push out a few more)
+        assert f"pace:{SID}:{named}" in spills and not client.exists(f"pace:{SID}:{named}")
+        assert all(client.exists(k) for k in hot)
     finally:
         client.config_set("maxmemory", 0)
         client.config_set("maxmemory-policy", "noeviction")
