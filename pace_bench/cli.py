@@ -47,6 +47,18 @@ def choice_list(choices, what: str):
     return parse
 
 
+def token_counts(text: str) -> list[int]:
+    """An argparse type: comma-separated token counts (session or context lengths), each >= 1, sorted and
+    each once."""
+    try:
+        values = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected token counts >= 1, got {text!r}")
+    return values
+
+
 def model_name(text: str) -> str:
     """A model the project can load without a hub: a packaged name, or a local directory."""
     from pace_bench.models import model_names

@@ -222,18 +222,8 @@ def table(records: list[dict], reference_arm: str) -> str:
 # -- the command --------------------------------------------------------------------------------------------------
 
 
-def _lengths(text: str) -> list[int]:
-    try:
-        values = sorted({int(t) for t in text.split(",") if t.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected token counts >= 1, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import choice_list, int_at_least, model_name
+    from .cli import choice_list, int_at_least, model_name, token_counts
     from .models import DEFAULT_MODEL
 
     ap = argparse.ArgumentParser(prog="pace-bench --suite repo", description=__doc__.split("\n\n")[0],
@@ -243,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", type=model_name, default=DEFAULT_MODEL, help="a packaged model name or a local directory")
     ap.add_argument("--arms", type=choice_list(list(REPO_ARMS), "arm(s)"), default="h2o,pace_oracle,pace_prose",
                     metavar="ARM[,ARM...]", help=f"from {{{', '.join(REPO_ARMS)}}}")
-    ap.add_argument("--tokens", type=_lengths, default="32768", metavar="N[,N...]",
+    ap.add_argument("--tokens", type=token_counts, default="32768", metavar="N[,N...]",
                     help="session lengths: context tokens before the first probe")
     ap.add_argument("--sessions", type=int_at_least(1), default=1, help="sessions per length")
     ap.add_argument("--seed", type=int, default=0)

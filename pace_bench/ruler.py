@@ -569,26 +569,16 @@ def figures(records: list[dict], out_dir: Path) -> list[Path]:
 # -- the command ---------------------------------------------------------------------------------------------
 
 
-def _lengths(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("give at least one length")
-    return sorted(set(values))
-
-
 def build_parser() -> argparse.ArgumentParser:
     from pace_bench.models import DEFAULT_MODEL
-    from pace_bench.cli import choice_list, int_at_least, model_name
+    from pace_bench.cli import choice_list, int_at_least, model_name, token_counts
 
     ap = argparse.ArgumentParser(prog="pace-bench --suite ruler", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", type=model_name, default=DEFAULT_MODEL, help="a packaged model name or a local directory")
     ap.add_argument("--tasks", type=choice_list(list(TASKS), "task(s)"), default="niah_single_1",
                     metavar="TASK[,TASK...]", help=f"from {{{', '.join(TASKS)}}}")
-    ap.add_argument("--lengths", type=_lengths, default="8192", metavar="N[,N...]", help="RULER's max_seq_length(s)")
+    ap.add_argument("--lengths", type=token_counts, default="8192", metavar="N[,N...]", help="RULER's max_seq_length(s)")
     ap.add_argument("--samples", type=int_at_least(1), default=5, help="contexts per task and length")
     ap.add_argument("--needles", type=int_at_least(1), default=4, metavar="K",
                     help=f"session setting: needles per NIAH context, each asked from the saved state (1 to "

@@ -101,7 +101,7 @@ def test_checkpoint_arguments_are_checked():
 # -- play_session: a pair interrupted at any save resumes to the same record ------------------------------
 
 
-def test_a_pair_stopped_at_any_save_resumes_to_the_same_records(tmp_path, monkeypatch):
+def test_a_pair_stopped_at_any_save_resumes_to_the_same_records(tmp_path, monkeypatch, code_eval_allowed):
     """Rehydration on, no plan: saves land in the history prefill of probe 1, in its own prompt, and in
     probe 2's prompt (with probe 1's record in the state). Stopped at each of them and resumed, the pair
     gives exactly the uninterrupted records."""
@@ -117,7 +117,6 @@ def test_a_pair_stopped_at_any_save_resumes_to_the_same_records(tmp_path, monkey
     from pace_hf.chat import ChatTemplate
     from pace_hf.metrics import PACE_CODING
 
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
     monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
     metric = evaluate.load(PACE_CODING)  # the real metric: answers run in its sandbox
     tok = load_tokenizer("smollm2-135m")
@@ -209,9 +208,8 @@ def _bench_args(model_dir, out):
             "--checkpoint-every", "2", "--chunk-log", "--out", str(out)]
 
 
-def test_bench_killed_mid_prefill_resumes_from_its_checkpoint_to_the_same_answers(model_dir, tmp_path, monkeypatch,
-                                                                                   capsys):
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+def test_bench_killed_mid_prefill_resumes_from_its_checkpoint_to_the_same_answers(model_dir, tmp_path, capsys,
+                                                                                   code_eval_allowed):
     base, run = tmp_path / "base", tmp_path / "run"
     assert runner.main(_bench_args(model_dir, base)) == 0
     expected = [json.loads(line) for line in (base / "probes.jsonl").read_text().splitlines()]
@@ -238,10 +236,9 @@ def test_bench_killed_mid_prefill_resumes_from_its_checkpoint_to_the_same_answer
     assert not [p for p in (run / "kv").rglob("*") if p.is_file() and not p.name.startswith(".tmp-")]
 
 
-def test_a_checkpoint_of_other_settings_is_refused_and_kept(model_dir, tmp_path, monkeypatch):
+def test_a_checkpoint_of_other_settings_is_refused_and_kept(model_dir, tmp_path, monkeypatch, code_eval_allowed):
     """A pair cut short (its save left in the store) resumed with another budget: an error naming it,
     and the checkpoint still there for a resume with the right settings."""
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
     out = tmp_path / "run"
     calls = []
 
@@ -273,8 +270,7 @@ def test_a_checkpoint_of_other_settings_is_refused_and_kept(model_dir, tmp_path,
     (["--checkpoint-every", "4", "--store", "disk", "--arms", "pace,full"], "the full arm (DynamicCache) has no save"),
     (["--checkpoint-every", "0", "--store", "disk"], "--checkpoint-every: must be >= 1"),
 ])
-def test_checkpoint_arguments_of_the_command_line(argv, message, capsys, monkeypatch):
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+def test_checkpoint_arguments_of_the_command_line(argv, message, capsys, code_eval_allowed):
     with pytest.raises(SystemExit) as e:
         runner.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -10,9 +10,7 @@ from pace_hf.metrics.pace_coding import pace_coding as M
 from pace_bench.models import load_tokenizer
 
 
-@pytest.fixture(autouse=True)
-def allow_code_eval(monkeypatch):
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+pytestmark = pytest.mark.usefixtures("code_eval_allowed")
 
 
 @pytest.fixture(scope="module")

