@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # The RULER table on Qwen2.5-Coder-0.5B (issue 25), sized to about 8 hours of this 2-core CPU, in the
 # session setting (the context as tool outputs, each question a later turn answered from the saved
-# state), one context per cell carrying NEEDLES needles (so 4 questions per NIAH cell, 1 for vt and fwe):
+# state) first, one context per cell carrying NEEDLES needles (so 4 questions per NIAH cell, 1 for vt and fwe):
 #
 #   1. niah_single_1, niah_multikey_2 at 8K and 32K: DynamicCache, SnapKV, SnapKV with bounded positions,
 #      PACE with retrieval (about 2 h);
 #   2. vt, fwe at 8K and 32K, the same arms (about 1.5 h);
 #   3. niah_single_1, niah_multikey_2 at 64K: the bounded arms and SnapKV alone (about 2 h);
-#   4. niah_single_1 at 128K, the same (about 2 h).
+#   4. niah_single_1 at 128K, the same (about 2 h);
+#   5. the other arms of the issue on the NIAH tasks at 8K and 32K: H2O, StreamingLLM, and PACE given the
+#      question as its plan (about 1 h);
+#   6. the question-last setting (RULER's own one-question prompts) on the NIAH tasks at 8K and 32K:
+#      DynamicCache, SnapKV, SnapKV with bounded positions and PACE with the question as its plan (about
+#      1.5 h).
 #
+# Stages 1-4 are what the issue's expectations compare; 5 and 6 come last, so they only take time left.
 #   bash bench/run_ruler.sh     # starts it in the background (nohup, niced); the log is OUT/run.log
 #   bash bench/run_ruler.sh     # again, after a stop or a kill: every stage resumes (--resume); a
 #                               # context stopped mid-prefill is prefilled again
@@ -28,6 +34,8 @@ LONG=${LONG:-65536}
 LONGEST=${LONGEST:-131072}
 ARMS=${ARMS:-full,snapkv,snapkv_bounded,pace_retrieval}
 BOUNDED_ARMS=${BOUNDED_ARMS:-snapkv,snapkv_bounded,pace_retrieval}
+MORE_ARMS=${MORE_ARMS:-h2o,streaming,pace_plan}
+QUESTION_LAST_ARMS=${QUESTION_LAST_ARMS:-full,snapkv,snapkv_bounded,pace_plan}
 SAMPLES=${SAMPLES:-1}
 NEEDLES=${NEEDLES:-4}
 OUT=${OUT:-runs/ruler}
@@ -40,16 +48,20 @@ PY=${PY:-.venv/bin/python}
 source bench/background.sh
 run_once_in_background "$OUT" "$0" "${1:-}"
 
-stage() {
-    echo "run_ruler.sh: $(date -u +%FT%TZ) stage: $*"
+stage() {  # stage SETTING ARGS...
+    local setting=$1
+    shift
+    echo "run_ruler.sh: $(date -u +%FT%TZ) stage: $setting $*"
     # shellcheck disable=SC2086  # EXTRA is a list of arguments
-    "$PY" -m pace_bench --suite ruler --model "$MODEL" --settings session --samples "$SAMPLES" --needles "$NEEDLES" \
+    "$PY" -m pace_bench --suite ruler --model "$MODEL" --settings "$setting" --samples "$SAMPLES" --needles "$NEEDLES" \
         --dtype float32 --no-progress --resume --out "$OUT" "$@" $EXTRA
 }
-stage --tasks "$NIAH" --lengths "$SHORT" --arms "$ARMS"
-stage --tasks "$OTHER" --lengths "$SHORT" --arms "$ARMS"
-stage --tasks "$NIAH" --lengths "$LONG" --arms "$BOUNDED_ARMS"
-stage --tasks "$LONGEST_TASKS" --lengths "$LONGEST" --arms "$BOUNDED_ARMS"
+stage session --tasks "$NIAH" --lengths "$SHORT" --arms "$ARMS"
+stage session --tasks "$OTHER" --lengths "$SHORT" --arms "$ARMS"
+stage session --tasks "$NIAH" --lengths "$LONG" --arms "$BOUNDED_ARMS"
+stage session --tasks "$LONGEST_TASKS" --lengths "$LONGEST" --arms "$BOUNDED_ARMS"
+stage session --tasks "$NIAH" --lengths "$SHORT" --arms "$MORE_ARMS"
+stage question_last --tasks "$NIAH" --lengths "$SHORT" --arms "$QUESTION_LAST_ARMS"
 mkdir -p "$RESULTS"
 cp "$OUT"/table.md "$OUT"/probes.jsonl "$OUT"/ruler_*.png "$RESULTS"/
 echo "run_ruler.sh: $(date -u +%FT%TZ) done: $RESULTS/table.md"

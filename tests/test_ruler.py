@@ -212,19 +212,24 @@ def test_wilson_interval():
 
 
 def test_the_ruler_script_plays_its_stages_into_one_table(model_dir, tmp_path):
-    """bench/run_ruler.sh's own stages (its four pace-bench invocations into one folder, each --resume),
-    scaled down to the tiny model: the table covers every stage."""
+    """bench/run_ruler.sh's own stages (its six pace-bench invocations into one folder, each --resume),
+    scaled down to the tiny model: the table covers every stage, and each setting has its own table."""
     out, results = tmp_path / "run", tmp_path / "results"
     env = dict(os.environ, MODEL=model_dir, NIAH="niah_single_1", OTHER="vt", LONGEST_TASKS="niah_single_1",
                SHORT="2048", LONG="2560", LONGEST="3072", ARMS="full,pace_retrieval", BOUNDED_ARMS="pace_retrieval",
+               MORE_ARMS="h2o", QUESTION_LAST_ARMS="pace_plan",
                NEEDLES="2", EXTRA=" ".join(SMALL + ["--no-ranks"]), OUT=str(out), RESULTS=str(results),
                PY=sys.executable, NICE="0")
     done = subprocess.run(["bash", "bench/run_ruler.sh", "--foreground"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("stage: ") == 4 and "done: " in done.stdout
-    table = (results / "table.md").read_text()
+    assert done.stdout.count("stage: ") == 6 and "done: " in done.stdout
+    question_last, session = (results / "table.md").read_text().split("**session**")  # question-last's table first
     for row in ("| niah_single_1 | 2,048 |", "| vt | 2,048 |", "| niah_single_1 | 2,560 |", "| niah_single_1 | 3,072 |"):
-        assert row in table, table
-    # niah at 2K: 2 arms x 2 needles; vt at 2K: 2 arms x 1; niah at 2.5K and 3K: 1 arm x 2 needles each
-    assert len((results / "probes.jsonl").read_text().splitlines()) == 4 + 2 + 2 + 2
+        assert row in session, session
+    assert "| niah_single_1 | 2,048 |" in question_last and "pace_plan" in question_last, question_last
+    records = [json.loads(line) for line in (results / "probes.jsonl").read_text().splitlines()]
+    # session: niah at 2K, 3 arms x 2 needles; vt at 2K, 2 arms x 1; niah at 2.5K and 3K, 1 arm x 2 needles
+    # each; question-last: niah at 2K, 1 arm x 1 one-question prompt
+    assert sum(r["setting"] == "session" for r in records) == 6 + 2 + 2 + 2
+    assert sum(r["setting"] == "question_last" for r in records) == 1
