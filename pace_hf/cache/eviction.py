@@ -333,7 +333,8 @@ class EvictionCache(DynamicCache):
     @property
     def tier_stats(self) -> dict:
         """The store's counters (per tier: bytes, hits, misses, integrity failures, errors, seconds)
-        and this cache's restores: count, tokens, seconds, and the stall (seconds a forward waited)."""
+        and this cache's restores: count, tokens, seconds, and the stall (seconds a forward waited, and
+        ``waited_fetches``: fetches not complete when their step came)."""
         out = dict(self.restores.stats)
         if self.spill is not None:
             out["spilled_tokens"] = self.spill.spilled_tokens

@@ -17,7 +17,7 @@ class Restores:
     def __init__(self):
         self.pending: dict[tuple[int, int], tuple[int, tuple]] = {}
         self.stats = {"restores": 0, "restored_tokens": 0, "last_restored": 0, "restore_seconds": 0.0,
-                      "stall_seconds": 0.0, "last_stall_seconds": 0.0}
+                      "stall_seconds": 0.0, "last_stall_seconds": 0.0, "waited_fetches": 0}
 
     def forget_past(self, cut: int) -> None:
         """Drop the pending fetches of spans that reach past token ``cut`` (a rewound session)."""
@@ -53,6 +53,8 @@ class Restores:
         pages: dict = {}  # (layer, page) -> the page read whole: settled once its layer has its tokens back
         for (start, end), fetch in fetches:
             t0 = time.perf_counter()
+            late = not fetch[1].done()  # a fetch started too late (or a slow tier): the forward waits
+            self.stats["waited_fetches"] += late
             fetch[1].result()  # the stall: how long the forward waits for the background fetch
             waited += time.perf_counter() - t0
             tokens, whole = cache.spill.collect(start, end, fetch)
