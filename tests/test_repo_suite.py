@@ -265,3 +265,34 @@ def test_with_tiers_planned_spans_the_budget_pushed_out_come_back_before_their_s
     assert back and all(b["residency"] == 1.0 for b in back)  # a plan that fits comes back whole
     assert with_tiers[-1]["tier"]["restored_tokens"] > 0
     assert "evicting arms spill to a host tier" in (tmp_path / "run1" / "table.md").read_text()
+
+
+def test_the_repo_script_plays_its_stages_and_a_tier_changes_none_of_h2os_answers(tmp_path):
+    """bench/run_repo.sh's own stages, scaled down to the tiny model. Stage 1 copies H2O's records from the
+    run without tiers when there is one (H2O never restores); here there is none yet, so it plays H2O with a
+    tier, and stage 3 plays it without: the answers must be the same, which is what the copy relies on."""
+    import os
+    import subprocess
+
+    repo_root = Path(__file__).resolve().parents[1]
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    small = "--packages click --budget 384 --limit 1024 --chunk 256 --max-new-tokens 4"
+    env = dict(os.environ, MODEL=_tiny_model_dir(tmp_path / "model"), SHORT="4000", LONG="5000", LONGEST="6000",
+               LONG_SESSIONS="1", TIER_ARMS="pace_oracle", SHORT_ARMS="pace_rehydrate", LONG_ARMS="pace_rehydrate",
+               LONGEST_ARMS="pace_oracle", PROBES="1", RUNS=str(runs), RESULTS=str(results), EXTRA=small,
+               PY=sys.executable, NICE="0")
+    done = subprocess.run(["bash", "bench/run_repo.sh", "--foreground"], cwd=repo_root, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("stage: ") == 4 and "done" in done.stdout
+    arms = {}
+    for result in ("repo64k-tiers", "repo32k", "repo64k", "repo128k-tiers"):
+        records = [json.loads(x) for x in (results / result / "probes.jsonl").read_text().splitlines()]
+        arms[result] = {r["arm"] for r in records}
+        assert (results / result / "table.md").exists()
+    assert arms["repo32k"] == {"h2o", "snapkv", "pace_oracle", "pace_prose", "pace_rehydrate"}
+    assert arms["repo64k-tiers"] == {"h2o", "pace_oracle"} and arms["repo128k-tiers"] == {"pace_oracle"}
+    answers = {run: [(r["probe"], r["answer"]) for r in map(json.loads, (results / run / "probes.jsonl").read_text()
+                                                               .splitlines()) if r["arm"] == "h2o"]
+               for run in ("repo64k-tiers", "repo64k")}
+    assert answers["repo64k-tiers"] == answers["repo64k"] and answers["repo64k"]
