@@ -17,7 +17,9 @@ decorators included). Plan styles:
   quarter of the steps, only the first sentence of the docstring;
 * ``indirect``: a method without its class, an inherited member through its subclass
   (``Sub.method`` where a base defines it), a name through its module (``utils.quote``) or an import
-  alias that a session file binds.
+  alias that a session file binds;
+* ``description``: only the first sentence of the docstring (five words or more), as a RepoQA needle
+  describes a function without its name: the lexical ranker alone must find it.
 
 A definition is found when at least 90% of its tokens are planned for the step that needs it.
 Precision is token-level: the share of a step's planned tokens that lie in a definition the step needs.
@@ -44,12 +46,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pace_bench.models import load_tokenizer
 from pace_hf.chat import ChatTemplate
 from pace_hf.planner import SymbolPlanner, read
 from pace_hf.planner.prose import split_name
 from pace_hf.session import Message
 
-STYLES = ("literal", "line-numbered", "prose", "indirect")
+STYLES = ("literal", "line-numbered", "prose", "indirect", "description")
 CORPUS = {  # (packages, standard library modules)
     "dev": (["requests", "click", "jinja2", "rich", "urllib3", "yaml", "packaging"],
             ["json", "email", "http", "argparse", "dataclasses", "textwrap", "csv", "ast", "pathlib"]),
@@ -62,7 +65,8 @@ WORDINGS = {
                     "Explain what {ref} returns on an empty input."],
         "prose": ["Fix how {words} handles empty input.", "Add type hints to the {words}.",
                   "Document the {words} better."],
-        "docstring": ["Find the code that does this and add a test: {doc}"],
+        "docstring": ["Find the code that does this and add a test: {doc}", "Where is the code for this? {doc}",
+                      "Something here should do this: {doc} Check that it does."],
         "indirect": ["Write a test that calls {ref}.", "Explain the edge cases of {ref}."],
     },
     "held-out": {
@@ -237,8 +241,17 @@ def build_session(files, split, style, rng, tokens, template, n_steps) -> dict:
     return {"messages": messages, "steps": steps, "needs": needs, "tokens": ids_len}
 
 
+def _first_sentence(doc: str) -> str:
+    return doc.strip().split("\n\n")[0].replace("\n", " ").split(". ")[0].strip().rstrip(".")
+
+
 def plan_text(style, t: Target, path, wordings, rng, top_count, member_count, files, by_name) -> str | None:
     """The step's words for target ``t`` in ``style`` (None when ``t`` does not suit the style)."""
+    if style == "description":
+        first_sentence = _first_sentence(t.doc)
+        if len(first_sentence.split()) < 5 or t.kind == "constant":
+            return None
+        return rng.choice(wordings["docstring"]).format(doc=first_sentence + ".")
     if style in ("literal", "line-numbered"):
         if t.owner is None and top_count.get(t.name, 0) > 1:
             ref = f"`{Path(path).stem}.{t.name}`"
@@ -248,7 +261,7 @@ def plan_text(style, t: Target, path, wordings, rng, top_count, member_count, fi
     if style == "prose":
         if t.owner is None and top_count.get(t.name, 0) > 1 or (t.owner and member_count.get(t.name, 0) > 1):
             return None
-        first_sentence = t.doc.strip().split("\n\n")[0].replace("\n", " ").split(". ")[0].strip().rstrip(".")
+        first_sentence = _first_sentence(t.doc)
         if rng.random() < 0.25 and len(first_sentence.split()) >= 5:
             return rng.choice(wordings["docstring"]).format(doc=first_sentence + ".")
         words = split_name(t.name)
@@ -320,15 +333,6 @@ def summarize(rows, budget) -> dict:
     }
 
 
-def load_tokenizer(name: str):
-    """A tokenizer through whichever benchmark package this checkout has (or a local path / Hub id)."""
-    try:
-        from pace_bench.models import load_tokenizer as load
-    except ImportError:
-        from pace_bench.models import load_tokenizer as load
-    return load(name)
-
-
 def run_real(args) -> dict:
     tokenizer = load_tokenizer(args.tokenizer)
     template = ChatTemplate(tokenizer)
@@ -364,10 +368,7 @@ def run_real(args) -> dict:
 
 def run_synthetic(args) -> dict:
     """Edge recall/precision against the oracle blueprints of the generated coding sessions."""
-    try:
-        from pace_bench import load_sessions, session_messages
-    except ImportError:
-        from pace_bench import load_sessions, session_messages
+    from pace_bench import load_sessions, session_messages
     tokenizer = load_tokenizer(args.tokenizer)
     template = ChatTemplate(tokenizer)
     rows = load_sessions(tokenizer, n_sessions=args.sessions, total_tokens=args.tokens, seed=args.seed)

@@ -402,3 +402,19 @@ def test_the_live_plan_keeps_the_soonest_readers_and_brings_the_rest_back_later(
     assert covered(planned(early, 2), sess.tokens(2, sources[2])) >= 0.9
     later = planner.blueprint_for(sess.messages, template=template, budget=budget, now=max(dropped) - 1)
     assert covered(planned(later, max(dropped)), sess.tokens(2, sources[max(dropped)])) >= 0.9  # back
+
+
+def test_a_description_that_names_another_definition_still_finds_the_one_it_describes(template):
+    # shlex's join, described by what its docstring says: the step names split, which the session defines
+    # too, so the literal name alone would plan only the function it is the inverse of
+    import shlex
+
+    source = inspect.getsource(shlex)
+    sess = Session(template, ("user", "Task."), *cat("shlex.py", source))
+    step = "The inverse of `split`: it returns a shell-escaped string from a split command. Make it accept a tuple."
+    got = planned(sess.plan({2: step}, depth=0), 2)
+    start = source.index("def join")
+    target = sess.tokens(2, source[start:source.index("\n\n\n", start)].rstrip())
+    assert covered(got, target) >= 0.9, (got, target)
+    file = sess.messages[2]
+    assert size(got) < 0.1 * (file.end - file.start)  # the definitions (join, and the split it names), not the file

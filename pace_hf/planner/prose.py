@@ -131,3 +131,17 @@ class Lexicon:
             return []
         best = scores[order[0]]
         return [self.entries[j] for j in order if scores[j] >= ratio * best]
+
+    def outranking(self, words, before: int, known, ratio: float = 0.5) -> tuple[int, Definition] | None:
+        """The best definition in messages before ``before``, if it is not one of ``known`` (``(message
+        position, Definition)`` pairs) and none of them scores within ``ratio`` of it; else None."""
+        q = self.query(words)
+        if self.bm25 is None or not q:
+            return None
+        scores = np.asarray(self.bm25.get_scores(q), dtype=np.float64)
+        scores[self.where >= before] = 0.0
+        best = int(np.argmax(scores))
+        rival = max((scores[j] for j, entry in enumerate(self.entries) if entry in known), default=0.0)
+        if scores[best] <= 0 or self.entries[best] in known or rival >= ratio * scores[best]:
+            return None
+        return self.entries[best]
