@@ -71,6 +71,9 @@ class Blueprint:
     (an agent learns of new dependencies as it goes); a cache holding the blueprint sees them."""
 
     def __init__(self, spans: Iterable[Span] = ()):
+        if isinstance(spans, Span) or not isinstance(spans, Iterable):
+            raise TypeError(f"Blueprint takes a list of Span objects, e.g. Blueprint([Span(0, 350, [5, 9])]); "
+                            f"got {type(spans).__name__}")
         self.spans: list[Span] = []
         self._warned: set[tuple[int, int]] = set()
         for span in spans:

@@ -61,6 +61,16 @@ class PACESession:
                  session_id: str | None = None, system: str = DEFAULT_SYSTEM, chunk: int | None = None,
                  planner=None, rehydrate: bool = False, cache: PACECache | None = None, retrieval=None,
                  **cache_kwargs):
+        if not isinstance(system, str):
+            raise TypeError(f"system is the system prompt, a str, got {type(system).__name__}")
+        if cache is not None and not isinstance(cache, PACECache):
+            raise TypeError(f"cache must be a PACECache (a session plans spans in its blueprint), "
+                            f"got {type(cache).__name__}")
+        if retrieval not in (None, False, True) and not callable(getattr(retrieval, "rehydrate", None)):
+            raise TypeError(f"retrieval is True, False or a pace_hf.retrieval.PageRetriever, got {retrieval!r}")
+        chunk = as_index(chunk, "chunk") if chunk is not None else None
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk (tokens per prefill forward) must be >= 1, got {chunk}")
         self.model, self.tokenizer = model, tokenizer
         self.template = ChatTemplate(tokenizer, system)
         self.system = system
@@ -109,13 +119,21 @@ class PACESession:
 
     def plan(self, message: Message | int, readers=None, *, reader_steps=None) -> Span:
         """Mark ``message`` (a handle or its index) as read at the given future steps."""
-        if isinstance(message, int) and not isinstance(message, bool):
-            message = self.messages[message]
-        if not isinstance(message, Message) or message not in self.messages:
+        if not isinstance(message, Message):
+            try:
+                index = as_index(message, "message")
+            except TypeError:
+                raise TypeError("plan() takes a message handle returned by add() (or its index)") from None
+            if not 0 <= index < len(self.messages):
+                raise IndexError(f"plan(): no message {index}; the session holds {len(self.messages)}")
+            message = self.messages[index]
+        if message not in self.messages:
             raise TypeError("plan() takes a message handle returned by add() (or its index)")
         steps = as_steps(readers if readers is not None else reader_steps, "readers")
         if not steps:
             raise ValueError("plan() needs at least one reader step")
+        if steps[0] < self.step:  # a step that is over reads nothing: the span would be kept for no one
+            raise ValueError(f"plan(): reader steps must be >= the current step {self.step}, got {list(steps)}")
         return self.cache.blueprint.add(Span(message.start, message.end, steps))
 
     # -- generating -----------------------------------------------------------------------------------
@@ -129,6 +147,8 @@ class PACESession:
         before the assistant header, so each is a whole session (``pace_hf.session.prefill_checkpointed``)."""
         if checkpoint_every is not None and self.cache.store is None:
             raise ValueError("checkpoint_every saves the session: it needs a session with a store")
+        if not self.messages:
+            raise ValueError("generate answers the conversation, and it has no message yet: add() one first")
         if self.planner is not None:
             self.planner.plan(self)
         self.cache.step = self.step
@@ -189,7 +209,7 @@ class PACESession:
         this raises ``ValueError`` and the caller starts a new session from the messages. Planned spans
         that reach past the cut and pending restores there are dropped; a planner that tracks the spans
         it added (``SymbolPlanner``) should be replaced after a rewind."""
-        keep = int(keep)
+        keep = as_index(keep, "keep")
         if not 0 <= keep <= len(self.messages):
             raise ValueError(f"keep must be in [0, {len(self.messages)}], got {keep}")
         if keep == len(self.messages):

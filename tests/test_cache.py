@@ -294,6 +294,85 @@ def test_boundary_inputs_get_specific_errors():
     assert cache.step == 0
 
 
+
+def test_a_blueprint_takes_a_list_of_spans():
+    for bad in (Span(0, 5, [1]), None, 3):
+        with pytest.raises(TypeError, match="list of Span objects"):
+            Blueprint(bad)
+
+
+
+def test_store_must_be_a_tiered_store(tmp_path):
+    from pace_hf.tiers import DiskTier
+
+    model = tiny_model("llama")
+    for bad in (DiskTier(tmp_path / "kv"), str(tmp_path / "kv")):  # a tier passed bare, or a path
+        with pytest.raises(TypeError, match="store must be a pace_hf.tiers.TieredStore"):
+            H2OCache(model, budget=32, recent=8, store=bad, session_id="s")
+    assert not (tmp_path / "kv").exists() and model.config._attn_implementation == "sdpa"  # nothing bound
+
+
+def test_bounded_positions_on_a_model_without_rotary_embeddings_name_the_fix():
+    torch.manual_seed(0)
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256)).eval()
+    with pytest.raises(ValueError, match="no rope_parameters.*with limit=None the cache keeps positions unbounded"):
+        PACECache(Blueprint(), model=gpt2, budget=32, limit=96, recent=8)
+    out = gpt2.generate(prompt(80), max_new_tokens=2, do_sample=False, prefill_chunk_size=32,
+                        cache=PACECache(Blueprint(), model=gpt2, budget=32, limit=None, recent=8))
+    assert out.shape[1] == 82
+
+
+def test_a_filled_cache_refuses_another_model_and_kv_of_another_kind():
+    model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8)
+    with torch.no_grad():
+        model(prompt(40), cache=cache)
+    before = {k: v.clone() for k, v in cache.layers[0].tensors().items()}
+    unchanged = lambda: cache.get_seq_length() == 40 and all(  # noqa: E731
+        torch.equal(v, cache.layers[0].tensors()[k]) for k, v in before.items())
+    cache.unbind()
+    with pytest.raises(ValueError, match="holds 40 tokens of another model's KV.*reset"):
+        cache.bind(other)  # same config, other weights: its KV means nothing to this model
+    assert cache.binding is None and other.config._attn_implementation == "sdpa" and unchanged()
+    cache.bind(model)
+    model.to(torch.bfloat16)  # cast after the cache was filled
+    with pytest.raises(ValueError, match="holds KV as torch.float32 .* now gives torch.bfloat16"), torch.no_grad():
+        model(prompt(8, seed=1), cache=cache)
+    assert unchanged()
+    cache.reset()  # an empty cache takes the new kind
+    with torch.no_grad():
+        model(prompt(8, seed=1), cache=cache)
+    assert cache.layers[0].keys.dtype == torch.bfloat16 and cache.get_seq_length() == 8
+    cache.unbind()
+    cache.reset()
+    cache.bind(other)
+
+
+def test_a_prompt_no_longer_than_what_the_cache_saw_gets_a_clear_error():
+    model = tiny_model("llama")
+    cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8)
+    ids = prompt(64)
+    model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, prefill_chunk_size=32)
+    seen = cache.get_seq_length()
+    with pytest.raises(ValueError, match=f"no new tokens: this cache has seen {seen} tokens.*whole conversation"):
+        model.generate(ids[:, :20], cache=cache, max_new_tokens=3, do_sample=False, prefill_chunk_size=32)
+    assert cache.get_seq_length() == seen and not cache.in_forward
+
+
+def test_reset_then_save_replaces_the_last_save(tmp_path):
+    from pace_hf.tiers import DiskTier, TieredStore
+
+    model = tiny_model("llama")
+    store = TieredStore([DiskTier(tmp_path)])
+    cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8, store=store, session_id="s")
+    with torch.no_grad():
+        model(prompt(80), cache=cache)
+        cache.save()
+        cache.reset()  # the same writer starts over: not a second writer
+        model(prompt(20, seed=1), cache=cache)
+    cache.save()
+    assert PACECache.resume("s", store=TieredStore([DiskTier(tmp_path)]), model=model).get_seq_length() == 20
+
 def test_unbind_leaves_the_model_exactly_as_loaded():
     model, fresh = tiny_model("qwen2"), tiny_model("qwen2")
     ids = prompt(120, seed=7)
@@ -369,6 +448,9 @@ def test_public_readings():
     logical, physical = cache.ledger(0)
     assert cache.rotary_gap(range(10, 20)) == cache.next_position - int(physical[logical == 10].min())
     assert cache.rotary_gap([]) is None and cache.next_position < 96 and cache.renumbers > 0
+    for reading in (cache.residency, cache.rotary_gap):  # 10.5 would be read as position 10
+        with pytest.raises(TypeError, match="positions are ints"):
+            reading([10.5, 11.5])
 
 
 def test_policies_keep_what_they_promise():

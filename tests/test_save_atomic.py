@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from pace_hf import Blueprint, PACECache
+from pace_hf import Blueprint, CumulativeAttention, PACECache
 from pace_hf.cache.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY, SAVE_FORMAT, IncompleteSave, SaveFailed
 from pace_hf.session import PACESession
 from pace_hf.tiers import DiskTier, HostTier, LeaseHeld, TieredStore, ValkeyTier, WriterConflict, encode
@@ -171,6 +171,26 @@ def test_valkey_evicting_indexed_spill_entries_refuses_the_resume_naming_one(mod
         store.close()
 
 
+
+def test_a_tier_that_refuses_the_lease_renewal_fails_the_save_as_save_failed(model, vserver):
+    """A server that refuses scripts (as some hosted ones do): the renewal inside the save fails."""
+    client = vserver.client()
+    client.flushall()
+    client.execute_command("ACL", "SETUSER", "noscripts", "on", ">pw", "~*", "&*", "+@all", "-eval", "-evalsha")
+    try:
+        url = f"valkey://noscripts:pw@{vserver.host}:{vserver.port}/0"
+        cache = _cache(model, TieredStore([ValkeyTier(url)]))
+        _run(model, cache, _ids(100))
+        with pytest.raises(SaveFailed, match="valkey lease renew: .*no permissions.*the previous save is unchanged"):
+            cache.save()
+        with pytest.raises(KeyError, match="no saved session"):  # nothing names the failed save's entries
+            PACECache.resume(SID, store=TieredStore([ValkeyTier(url)]), model=model)
+        cache.unbind()
+        cache.store.close()
+    finally:
+        client.execute_command("ACL", "DELUSER", "noscripts")
+        client.flushall()
+
 @pytest.mark.parametrize("swap", ["older file copied over", "older tensors under the new key", "another spill entry"])
 def test_an_entry_swapped_for_another_valid_one_is_refused(model, tmp_path, swap):
     disk = DiskTier(tmp_path)
@@ -306,6 +326,45 @@ def test_saves_from_before_generations_are_refused_naming_the_format(model, tmp_
     assert not any("state.kv" in p.name for p in tmp_path.iterdir())
     PACECache.resume(SID, store=store, model=model).unbind()
 
+
+
+def test_a_save_resumes_only_as_the_cache_class_that_made_it(model, tmp_path):
+    from pace_hf import EvictionCache, H2OCache
+
+    store = TieredStore([DiskTier(tmp_path)])
+    cache = H2OCache(model, budget=32, recent=8, store=store, session_id=SID, spill_tokens=8)
+    _run(model, cache, _ids(100))
+    cache.save()
+    cache.unbind()
+    with pytest.raises(ValueError, match="saved from H2OCache, not PACECache: resume it with H2OCache.resume"):
+        PACECache.resume(SID, store=store, model=model)  # a "PACECache" without foresight would keep no plan
+    for cls in (H2OCache, EvictionCache):  # the base class continues any of them
+        resumed = cls.resume(SID, store=store, model=model)
+        assert type(resumed) is cls and resumed.get_seq_length() == 100
+        resumed.unbind()
+    pace = _cache(model, store, sid="p")
+    _run(model, pace, _ids(100))
+    pace.save()
+    pace.unbind()
+    with pytest.raises(ValueError, match="saved with a Foresight policy; scoring= replaces it with one of the same kind"):
+        PACECache.resume("p", store=store, model=model, scoring=CumulativeAttention())  # would drop the blueprint
+
+
+def test_resume_says_when_no_tier_answered_rather_than_no_save(model, tmp_path):
+    store = TieredStore([DiskTier(tmp_path / "kv")])
+    cache = _cache(model, store)
+    _run(model, cache, _ids(100))
+    cache.save()
+    cache.unbind()
+    with pytest.raises(TypeError, match="store must be a pace_hf.tiers.TieredStore"):
+        PACECache.resume(SID, store=DiskTier(tmp_path / "kv"), model=model)
+    (tmp_path / "kv").rename(tmp_path / "away")
+    (tmp_path / "kv").write_text("the disk went away")  # every read fails: ENOTDIR
+    with pytest.raises(KeyError, match="cannot be resumed now: no durable tier answered .*disk.*try again"):
+        PACECache.resume(SID, store=TieredStore([DiskTier(tmp_path / "kv")]), model=model)
+    (tmp_path / "kv").unlink()
+    (tmp_path / "away").rename(tmp_path / "kv")  # back: the save is whole
+    PACECache.resume(SID, store=TieredStore([DiskTier(tmp_path / "kv")]), model=model).unbind()
 
 def test_session_conversation_is_part_of_the_same_save(tmp_path):
     from session_worker import TURN1, session_model

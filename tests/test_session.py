@@ -45,6 +45,36 @@ def test_messages_map_to_exact_token_spans(tiny_session_model):
         PACESession(model, tokenizer, budget=48, limit=160, recent=8, chunk=200)
 
 
+
+def test_bad_session_arguments_are_refused_before_anything_changes(tiny_session_model):
+    import numpy as np
+
+    model, tokenizer = tiny_session_model
+    make = lambda **kw: PACESession(model, tokenizer, **{"budget": 48, "limit": 160, "recent": 8, **kw})  # noqa: E731
+    for chunk, error in ((0, ValueError), (-5, ValueError), (16.0, TypeError), ("32", TypeError)):
+        with pytest.raises(error, match="chunk"):
+            make(chunk=chunk)
+    with pytest.raises(TypeError, match="system prompt, a str"):
+        make(system=None)
+    with pytest.raises(TypeError, match="cache must be a PACECache"):
+        PACESession(model, tokenizer, cache="a cache")
+    with pytest.raises(TypeError, match="retrieval is True, False or a pace_hf.retrieval.PageRetriever"):
+        make(retrieval="yes")
+    session = make(chunk=32)
+    with pytest.raises(ValueError, match="no message yet: add"):
+        session.generate(max_new_tokens=2)  # nothing to answer
+    assert session.messages == [] and session.cache.get_seq_length() == 0
+    first = session.add("user", TURN1)
+    assert session.plan(np.int64(0), readers=[2]) == Span(first.start, first.end, (2,))
+    with pytest.raises(IndexError, match="no message 3; the session holds 1"):
+        session.plan(3, readers=[2])
+    with pytest.raises(ValueError, match="reader steps must be >= the current step 1"):
+        session.plan(first, readers=[0])  # step 0 is over: the span would be kept for no one
+    for keep in (0.5, "0", None, True):
+        with pytest.raises(TypeError, match="keep must be an int"):
+            session.rewind(keep)
+    assert session.messages == [first] and len(session.cache.blueprint) == 1
+
 def run_worker(*args):
     done = subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

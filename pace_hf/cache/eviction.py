@@ -83,8 +83,8 @@ class EvictionCache(DynamicCache):
             limit = as_index(limit, "limit")
             if limit <= budget:
                 raise ValueError(f"limit {limit} must exceed budget {budget} plus the chunk size")
-        if store is not None and not (isinstance(session_id, str) and session_id):
-            raise ValueError("a cache with a store needs a session_id (a non-empty str) to name its entries")
+        if store is not None:
+            persist.check_store(store, session_id)
         prefetch_steps, spill_tokens = as_index(prefetch_steps, "prefetch_steps"), as_index(spill_tokens, "spill_tokens")
         if prefetch_steps < 0 or spill_tokens < 1:
             raise ValueError(f"prefetch_steps must be >= 0 and spill_tokens >= 1 (got {prefetch_steps}, {spill_tokens})")
@@ -104,6 +104,7 @@ class EvictionCache(DynamicCache):
         self.rotary: list[RotaryParams] = []
         self.binding: Binding | None = None
         self._release = None
+        self._filled_by = None  # the model whose KV the layers hold (a weak reference)
         self._chunk = None
         self.progress = None  # optional: anything with update(n), told of every prefilled chunk
         # As DynamicCache does, build the layers and hand them to Cache (its own __init__ would build
@@ -143,26 +144,44 @@ class EvictionCache(DynamicCache):
             if self.binding.model_ref() is model:
                 return self
             raise RuntimeError(f"this {type(self).__name__} is already bound to another model; unbind() it first")
+        if self.get_seq_length() and (self._filled_by is None or self._filled_by() is not model):
+            raise ValueError(f"this {type(self).__name__} holds {self.get_seq_length()} tokens of another model's KV, "
+                             "which this model cannot read: reset() it first to reuse it, or create a new cache")
         config = model.config.get_text_config(decoder=True)
         self._check_model(model, config)
         layer_types = _layer_types(config)
         if self.bounded:
             rope = getattr(config, "rope_parameters", None) or {}
             nested = is_nested(rope)
-            self.rotary = [RotaryParams.from_config(config, layer_type=t if nested else None) for t in layer_types]
+            try:
+                self.rotary = [RotaryParams.from_config(config, layer_type=t if nested else None) for t in layer_types]
+            except ValueError as e:
+                raise ValueError(f"{e}. Bounded positions (limit={self.limit}) re-rotate rotary keys exactly; with "
+                                 "limit=None the cache keeps positions unbounded and takes this model") from None
         if not self.layers:
             self.layers = self._new_layers(model)
         elif len(self.layers) != len(layer_types):
             raise ValueError(f"this cache holds {len(self.layers)} layers; the model has {len(layer_types)}")
-        if self.store is not None and self.spill is None:
+        if self.store is not None:
             from ..tiers import model_fingerprint
 
-            self.fingerprint = model_fingerprint(model)
-            self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens,
-                                  self.spill_cap_bytes)
+            fingerprint = model_fingerprint(model)
+            if self.spill is None or fingerprint != self.fingerprint:  # new, or empty and bound to another model
+                self.fingerprint = fingerprint
+                self._new_spill()
         self.binding = Binding.acquire(model)
         self._release = weakref.finalize(self, self.binding.release)
+        self._filled_by = weakref.ref(model)
         return self
+
+    def _new_spill(self) -> None:
+        """An empty spill log that continues this cache's save, if it has one: the next save replaces it
+        (a new log alone would be a new writer, refused as a second one)."""
+        old = self.spill
+        self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens,
+                              self.spill_cap_bytes)
+        if old is not None:
+            self.spill.generation, self.spill.saved_keys = old.generation, old.saved_keys
 
     def _new_layers(self, model) -> list:
         """One empty ``layer_class`` layer per decoder layer of ``model``."""
@@ -222,7 +241,7 @@ class EvictionCache(DynamicCache):
     def reset(self) -> None:
         """Forget every token, as a new cache would, keeping the binding, the policy and the buffers:
         the next forward starts again at logical and rotary position 0. With a store, the spill index
-        starts afresh too (the new tokens' entries overwrite the old ones)."""
+        starts afresh too, and the next save replaces the last one."""
         if self.in_forward:
             raise RuntimeError("reset cannot run inside a forward")
         for layer in self.layers:
@@ -230,8 +249,7 @@ class EvictionCache(DynamicCache):
         self._step = self.renumbers = self.next_physical = 0
         self.restores.pending.clear()
         if self.spill is not None:
-            self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens,
-                                  self.spill_cap_bytes)
+            self._new_spill()
 
     # -- public readings ---------------------------------------------------------------------------
     def ledger(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +271,7 @@ class EvictionCache(DynamicCache):
 
     def residency(self, positions) -> float:
         """Fraction of the given logical positions that are resident, over every layer and KV head."""
-        positions = torch.as_tensor(positions, dtype=torch.long).flatten()
+        positions = _logical(positions)
         if positions.numel() == 0 or not self.layers or self.layers[0].logical is None:
             return 0.0 if positions.numel() else 1.0
         hits = [torch.isin(layer.logical.cpu(), positions).sum(-1) for layer in self.layers if layer.logical is not None]
@@ -262,7 +280,7 @@ class EvictionCache(DynamicCache):
     def rotary_gap(self, positions) -> int | None:
         """The largest rotary distance, over layers and heads, from the next query to a resident token
         of the given logical positions; None when none of them is resident."""
-        positions = torch.as_tensor(positions, dtype=torch.long).flatten()
+        positions = _logical(positions)
         nearest = None
         for layer in self.layers:
             if layer.logical is None:
@@ -280,8 +298,13 @@ class EvictionCache(DynamicCache):
 
     def begin_forward(self, q_len: int) -> int:
         """Prepare for a forward of ``q_len`` new tokens; return the first physical position."""
+        seen = self.get_seq_length()
+        if q_len < 1:  # generate slices off what the cache has seen: the input was no longer than that
+            raise ValueError(f"a forward of no new tokens: this cache has seen {seen} tokens and the input is no "
+                             "longer; pass generate the whole conversation so far (the cache holds its first "
+                             f"{seen} tokens), or reset() the cache to start over")
         self.restores.apply_due(self)
-        seen, n = self.get_seq_length(), self.resident_count()
+        n = self.resident_count()
         if q_len == 1 and self.blueprint is not None:  # decoding: the prompt ends at seen
             self.blueprint.warn_past(seen)
         if self.bounded:
@@ -373,7 +396,8 @@ class EvictionCache(DynamicCache):
     def resume(cls, session_id: str, *, store, model, scoring: ScoringPolicy | None = None) -> "EvictionCache":
         """Continue a session saved with :meth:`save`, possibly in another process, bound to ``model``.
         Every entry is checked against the save's manifest first: a session saved by another model,
-        config or dtype, or with an entry missing or from another save, is refused, naming it."""
+        config or dtype, or with an entry missing or from another save, is refused, naming it, and so is one
+        saved from another cache class. ``scoring`` replaces the saved policy with one of its kind."""
         return persist.resume(cls, session_id, store=store, model=model, scoring=scoring)[0]
 
     @classmethod
@@ -426,6 +450,15 @@ class EvictionCache(DynamicCache):
         elif getattr(self, "retriever", None) is None:
             self.retriever = PageRetriever(tokenizer)
         return self.retriever.rehydrate(self, text, ids)
+
+
+def _logical(positions) -> torch.Tensor:
+    """Logical positions, flat, as ints: a float would be truncated to another position, and the reading
+    would be of tokens the caller did not ask about."""
+    positions = torch.as_tensor(positions)
+    if positions.numel() and (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool):
+        raise TypeError(f"positions are ints (logical token positions), got {positions.dtype}")
+    return positions.to(torch.long).flatten()
 
 
 def _layer_types(config) -> list[str]:

@@ -131,11 +131,27 @@ class EvictingLayer(DynamicLayer):
         self.capacity = capacity
 
     # -- the transformers layer contract -------------------------------------------------------
+    def _accept(self, key_states, value_states) -> None:
+        """Initialize on the first chunk, and refuse KV of another dtype, device or shape than the layer
+        holds (the model was moved or cast after the cache was filled): it would be mixed with the old
+        KV, or fail deep inside a copy. An empty (reset) layer takes the new kind."""
+        if self.is_initialized:
+            held = (self.keys.dtype, self.keys.device, self.keys.shape[1], self.keys.shape[-1], self.values.shape[-1])
+            new = (key_states.dtype, key_states.device, key_states.shape[1], key_states.shape[-1],
+                   value_states.shape[-1])
+            if new == held:
+                return
+            if self.cumulative_length:
+                raise ValueError(f"this cache holds KV as {held[0]} on {held[1]} ({held[2]} KV heads of {held[3]}), "
+                                 f"but the model now gives {new[0]} on {new[1]} ({new[2]} KV heads of {new[3]}): was "
+                                 "it cast or moved after the cache was filled? Use the model as it was, or reset() "
+                                 "the cache (or create a new one) to start over")
+        self.lazy_initialization(key_states, value_states)
+
     def update(self, key_states, value_states, *args, logical_start=None, physical_start=None, **kwargs):
         if logical_start is None:
             raise RuntimeError("EvictingLayer.update needs chunk positions; call it through its cache")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._accept(key_states, value_states)
         q, n = key_states.shape[-2], self.resident_count
         self._reserve(n + q)
         new = torch.arange(q, device=self.device)
@@ -336,8 +352,7 @@ class CompactingLayer(EvictingLayer):
     def update(self, key_states, value_states, *args, logical_start=None, physical_start=None, **kwargs):
         if logical_start is None:
             raise RuntimeError("EvictingLayer.update needs chunk positions; call it through its cache")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._accept(key_states, value_states)
         q, heads = key_states.shape[-2], key_states.shape[1]
         new = torch.arange(q, device=self.device).expand(heads, q)
         parts = {"keys": key_states, "values": value_states, "logical": new + logical_start,

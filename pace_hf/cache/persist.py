@@ -41,13 +41,15 @@ either (its entries are deleted once the new save commits).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from concurrent.futures import Future
 
 from ..scoring import describe
 from ..spill import versions_of
 from ..tiers.entry import digest, digest_algorithm
-from ..tiers.errors import IntegrityError, TierError, WriterConflict
+from ..tiers.errors import IntegrityError, TierError, TierUnavailable, WriterConflict
+from ..tiers.store import TieredStore
 
 SAVE_FORMAT = 3
 # The manifest of a saved session is readable whatever the model: it says which model saved it.
@@ -64,6 +66,16 @@ class IncompleteSave(ValueError):
     """A save's manifest names an entry that is missing or is not the one it wrote: resume refused."""
 
 
+def check_store(store, session_id) -> None:
+    """Refuse what cannot hold a session before anything uses it: a tier passed bare, a path, no session id."""
+    if not isinstance(store, TieredStore):
+        raise TypeError(f"store must be a pace_hf.tiers.TieredStore, e.g. TieredStore([DiskTier(\"runs/kv\")]); "
+                        f"got {type(store).__name__}")
+    if not (isinstance(session_id, str) and session_id):
+        raise ValueError(f"a cache with a store needs a session_id (a non-empty str) to name its entries, "
+                         f"got {session_id!r}")
+
+
 # -- save --------------------------------------------------------------------------------------------
 def save(cache, attachments: dict | None = None) -> str:
     """Write a new generation of ``cache``'s session (see the module docstring); return its id.
@@ -74,14 +86,12 @@ def save(cache, attachments: dict | None = None) -> str:
     if cache.in_forward:
         raise RuntimeError("save cannot run inside a forward")
     store, sid, fp, spill = cache.store, cache.session_id, cache.fingerprint, cache.spill
-    try:
+    with _fails_the_save(sid):
         lease = store.lease(sid)
-    except TierError as e:
-        if isinstance(e, WriterConflict):
-            raise
-        raise SaveFailed(f"save of session {sid!r} failed: {e}; the previous save is unchanged") from e
     with lease:
-        current = _read(store, sid, MANIFEST_KEY)
+        with _fails_the_save(sid):
+            current = _read(store, sid, MANIFEST_KEY)
+            pending = (_read(store, sid, PENDING_KEY) or {}).get("pending", [])
         # a save of an older format cannot be continued: any new cache may replace it
         current_gen = None if current is None or current.get("format") != SAVE_FORMAT else current.get("generation")
         if current_gen != spill.generation:
@@ -94,7 +104,6 @@ def save(cache, attachments: dict | None = None) -> str:
                 f"that save, or delete it first (store.delete_session({sid!r})) to start over")
         serial = int(current.get("serial", 0)) + 1 if current is not None else 1
         gen = f"g{serial}-{secrets.token_hex(3)}"
-        pending = (_read(store, sid, PENDING_KEY) or {}).get("pending", [])
         layers = [i for i, layer in enumerate(cache.layers) if layer.is_initialized]
         attachments = dict(attachments or {})
         keys = [f"L{i}/state@{gen}" for i in layers] + [f"{name}@{gen}" for name in attachments]
@@ -112,7 +121,8 @@ def save(cache, attachments: dict | None = None) -> str:
         store.flush()
         _confirm(store, sid, writes)
         _confirm_spill(store, sid, spill)
-        lease.renew()
+        with _fails_the_save(sid):
+            lease.renew()
 
         manifest = {
             "format": SAVE_FORMAT, "generation": gen, "serial": serial, "class": type(cache).__name__,
@@ -142,6 +152,18 @@ def save(cache, attachments: dict | None = None) -> str:
     return gen
 
 
+@contextlib.contextmanager
+def _fails_the_save(sid: str):
+    """A tier that fails (down, timed out, refusing a command) before the manifest is written fails the
+    save with ``SaveFailed``, the one error a caller handles for it; a second writer stays ``WriterConflict``."""
+    try:
+        yield
+    except (SaveFailed, WriterConflict):
+        raise
+    except TierError as e:
+        raise SaveFailed(f"save of session {sid!r} failed: {e}; the previous save is unchanged") from e
+
+
 def _on_cpu(tensors: dict) -> dict:
     """One host copy that both the digest and the store read (the store copies nothing already there)."""
     return {k: v.detach().to("cpu") for k, v in tensors.items()}
@@ -153,7 +175,9 @@ def _put(store, sid: str, key: str, tensors, meta, *, fingerprint: str = MANIFES
 
 def _read(store, sid: str, key: str) -> dict | None:
     """The meta under ``key`` on the first durable tier that answers: the session's save is the one that
-    tier holds (host memory may hold a stale one, e.g. after another process saved)."""
+    tier holds (host memory may hold a stale one, e.g. after another process saved). Raises
+    ``TierUnavailable`` when none answers: that is not "there is none", which would start the session over."""
+    failed = []
     for tier in store.durable_tiers:
         errors = store.stats[tier]["errors"]
         got = store.get(key, fingerprint=MANIFEST_FINGERPRINT, session_id=sid, tiers=[tier])
@@ -161,7 +185,9 @@ def _read(store, sid: str, key: str) -> dict | None:
             return got[1]
         if store.healthy(tier) and store.stats[tier]["errors"] == errors:
             return None  # it answered: there is none
-    return None
+        failed.append(tier)
+    raise TierUnavailable(f"no durable tier answered a read of {key!r} (failed or backing off: {', '.join(failed)}), "
+                          "so whether the session has it is unknown")
 
 
 def _entry_keys(manifest: dict | None) -> list[str]:
@@ -231,22 +257,42 @@ def resume(cls, session_id: str, *, store, model, scoring=None):
     digests before anything is built (see the module docstring). ``cls._from_manifest`` builds the cache."""
     from ..tiers import model_fingerprint
 
+    check_store(store, session_id)
     fingerprint = model_fingerprint(model)
     for attempt in range(3):
-        manifest = _read(store, session_id, MANIFEST_KEY)
+        try:
+            manifest = _read(store, session_id, MANIFEST_KEY)
+        except TierUnavailable as e:  # a KeyError, as for no save: nothing was loaded, try again later
+            raise KeyError(f"session {session_id!r} cannot be resumed now: {e}; try again once the tier is back") from e
         if manifest is None:
             raise KeyError(f"no saved session {session_id!r} in this store (or its manifest failed verification)")
         check_manifest(manifest, session_id, fingerprint)
+        policy = manifest["scoring"]["type"]
+        if scoring is not None and type(scoring).__name__ != policy:  # the save's own policy would be lost
+            raise ValueError(f"session {session_id!r} was saved with a {policy} policy; scoring= replaces it with "
+                             f"one of the same kind or, left out, the saved one is rebuilt (got {type(scoring).__name__})")
+        saved = manifest.get("class")
+        if saved not in _names(cls):
+            raise ValueError(f"session {session_id!r} was saved from {saved}, not {cls.__name__}: resume it with "
+                             f"{saved}.resume ({cls.__name__} would be a name on another policy)")
         try:
             states, attachments = _verified(store, session_id, manifest, fingerprint)
             break
         except IncompleteSave:
-            again = _read(store, session_id, MANIFEST_KEY)
+            try:
+                again = _read(store, session_id, MANIFEST_KEY)
+            except TierUnavailable:
+                again = None
             if attempt == 2 or again is None or again.get("generation") == manifest.get("generation"):
                 raise
             # a save committed (and dropped the entries we were reading) meanwhile: resume that one
     cache = cls._from_manifest(manifest, states, store=store, session_id=session_id, model=model, scoring=scoring)
     return cache, attachments
+
+
+def _names(cls) -> set[str]:
+    """``cls`` and its subclasses, by name: the saves ``cls.resume`` continues (a base class continues any of them)."""
+    return {cls.__name__}.union(*(_names(sub) for sub in cls.__subclasses__()))
 
 
 def check_manifest(m: dict, session_id: str, fingerprint: str) -> None:

@@ -29,10 +29,22 @@ exception counts as an error of that one request.
 
 from __future__ import annotations
 
+import math
+import numbers
 from abc import ABC, abstractmethod
 from typing import Iterable, Iterator
 
 from .errors import TierUnavailable
+
+
+def check_number(value, what: str, *, minimum: float = 0, above: bool = False) -> float:
+    """``value`` (a size or seconds) as a float, refusing strings, bools, NaN and values below ``minimum``
+    (or at it, with ``above``): a wrong one would not fail where it is given but lose entries or hang later."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    if math.isnan(value) or value < minimum or (above and value == minimum):
+        raise ValueError(f"{what} must be {'>' if above else '>='} {minimum}, got {value!r}")
+    return float(value)
 
 
 class Tier(ABC):

@@ -97,6 +97,10 @@ class DiskTier(Tier):
     supports_lease = True
 
     def __init__(self, root: str | os.PathLike, *, name: str = "disk", fsync: bool = True, read_threads: int = 4):
+        if not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"DiskTier's root is a directory path (str or Path), got {type(root).__name__}")
+        if not os.fspath(root):  # "" would be the working directory
+            raise ValueError("DiskTier's root is empty; name a directory, e.g. DiskTier(\"runs/kv\")")
         self.name = name
         self.root = os.path.abspath(os.fspath(root))
         self.fsync = fsync

@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 from typing import Iterator
 
-from .base import Tier
+from .base import Tier, check_number
 
 
 class HostTier(Tier):
@@ -38,10 +38,8 @@ class HostTier(Tier):
     supports_lease = True  # within this process, which is all that shares it
 
     def __init__(self, max_bytes: int = 4 << 30, *, name: str = "host"):
-        if max_bytes < 0:
-            raise ValueError("max_bytes must be >= 0")
         self.name = name
-        self.max_bytes = int(max_bytes)
+        self.max_bytes = int(check_number(max_bytes, "HostTier max_bytes"))
         self._entries: OrderedDict[str, tuple[bytes | bytearray, bool]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()

@@ -73,7 +73,7 @@ from urllib.parse import quote, unquote
 import torch
 
 from . import entry as _entry
-from .base import Tier
+from .base import Tier, check_number
 from .errors import IntegrityError, LeaseHeld, TierError, TierUnavailable
 
 log = logging.getLogger("pace_hf.tiers")
@@ -88,7 +88,8 @@ _TIER_COUNTERS = ("bytes_written", "bytes_read", "hits", "misses", "integrity_fa
 def full_key(key: str, session_id: str) -> str:
     """The key the tiers see: ``pace:{quote(session_id)}:{key}``."""
     if not isinstance(key, str) or not isinstance(session_id, str):
-        raise TypeError("key and session_id are str")
+        raise TypeError(f"key and session_id are str, got {type(key).__name__} {key!r} and "
+                        f"{type(session_id).__name__} {session_id!r}")
     if "\x00" in key or "\x00" in session_id:
         raise ValueError("keys and session ids must not contain NUL")
     return f"{KEY_PREFIX}:{quote(session_id, safe='')}:{key}"
@@ -126,12 +127,20 @@ class _Write:
 
 
 class Lease:
-    """A session's writer lease on every tier that keeps leases (see ``TieredStore.lease``)."""
+    """A session's writer lease on every tier that keeps leases (see ``TieredStore.lease``).
 
-    def __init__(self, tiers: list, name: str, ttl_s: float):
+    ``unreleased``: ``{(tier name, lease name): token}`` of this store's leases that a tier failed to
+    release (it was down): they are released before the lease is taken again, else the writer that held
+    them would find its own lease held by "another writer" until it expires."""
+
+    def __init__(self, tiers: list, name: str, ttl_s: float, unreleased: dict):
         self.name, self.ttl_s, self.token = name, ttl_s, secrets.token_hex(8)
         self._held: list = []
+        self._unreleased = unreleased
         for tier in tiers:
+            stale = unreleased.pop((tier.name, name), None)
+            if stale is not None:
+                self._release_on(tier, stale)
             try:
                 ok = tier.acquire_lease(name, self.token, ttl_s)
             except BaseException as e:
@@ -155,10 +164,14 @@ class Lease:
     def release(self) -> None:
         held, self._held = self._held, []
         for tier in reversed(held):
-            try:
-                tier.release_lease(self.name, self.token)
-            except Exception:  # noqa: BLE001 - an unreleased Valkey lease expires with its TTL
-                log.warning("pace_hf.tiers: could not release lease %s on tier %s", self.name, tier.name)
+            self._release_on(tier, self.token)
+
+    def _release_on(self, tier, token: str) -> None:
+        try:
+            tier.release_lease(self.name, token)
+        except Exception:  # noqa: BLE001 - released at the next lease, or it expires with its TTL
+            self._unreleased[(tier.name, self.name)] = token
+            log.warning("pace_hf.tiers: could not release lease %s on tier %s", self.name, tier.name)
 
     def __enter__(self) -> "Lease":
         return self
@@ -201,6 +214,9 @@ class TieredStore:
     def __init__(self, tiers: Sequence[Tier], *, timeout_s: float = 2.0, strict: bool = False,
                  queue_size: int = 64, write_policy: str = "through", promote: bool = True,
                  backoff_s: float = 1.0, max_backoff_s: float = 30.0):
+        if isinstance(tiers, (Tier, str)):
+            raise TypeError(f"tiers is a list of Tier objects, e.g. TieredStore([DiskTier(\"runs/kv\")]); got one "
+                            f"{type(tiers).__name__} (a spec string such as 'disk:runs/kv' goes to parse_store)")
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         wrong = [type(t).__name__ for t in tiers if not isinstance(t, Tier)]
@@ -214,8 +230,10 @@ class TieredStore:
             raise ValueError(f"tier names must be unique, got {names} (pass name=...)")
         if set(names) & set(_STORE_KEYS):
             raise ValueError(f"tier names must not be one of {_STORE_KEYS}")
+        check_number(backoff_s, "backoff_s")
+        check_number(max_backoff_s, "max_backoff_s")
         self.tiers = list(tiers)
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = check_number(timeout_s, "timeout_s", above=True)
         self.strict = strict
         self.queue_size = max(1, int(queue_size))
         self.write_policy = write_policy
@@ -227,6 +245,7 @@ class TieredStore:
         self._counts = {"puts": 0, "gets": 0, "failures": 0}
         self._lock = threading.Lock()  # stats, health, log-once set
         self._logged: set[tuple[str, str]] = set()
+        self._unreleased: dict[tuple[str, str], str] = {}  # leases a tier failed to release (see Lease)
         self._cv = threading.Condition()  # queue, pending, demoting, inflight
         self._puts: deque[_Write] = deque()
         self._jobs: deque[tuple] = deque()
@@ -442,7 +461,8 @@ class TieredStore:
     def lease(self, session_id: str, *, ttl_s: float = 60.0) -> Lease:
         """Take ``session_id``'s writer lease on every tier that keeps leases (``acquire_lease``); raises
         ``LeaseHeld`` naming the tier where another writer holds it. Use as a context manager."""
-        return Lease([t for t in self.tiers if t.supports_lease], full_key("lease", session_id), ttl_s)
+        return Lease([t for t in self.tiers if t.supports_lease], full_key("lease", session_id), ttl_s,
+                     self._unreleased)
 
     def scan(self, session_id: str | None = None):
         """``(session_id, tier name, key, stored bytes)`` of every entry the tiers hold, of one session

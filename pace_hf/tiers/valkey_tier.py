@@ -42,7 +42,7 @@ import struct
 import threading
 from typing import Iterable, Iterator
 
-from .base import Tier
+from .base import Tier, check_number
 from .errors import TierError, TierUnavailable
 
 try:
@@ -192,6 +192,10 @@ class ValkeyTier(Tier):
             raise ImportError("ValkeyTier needs valkey-py, which the core install leaves out: pip install pace_hf[valkey]")
         if chunk_bytes < 1024:
             raise ValueError("chunk_bytes must be at least 1024")
+        if ttl_s is not None:  # a ttl of 0 or below is not "never" (that is None): entries would go at once
+            check_number(ttl_s, "ValkeyTier ttl_s (None: never expire)", above=True)
+        if timeout_s is not None:
+            check_number(timeout_s, "ValkeyTier timeout_s", above=True)
         self.name = name
         self.url = url
         self.ttl_s = ttl_s
