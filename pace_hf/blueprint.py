@@ -75,7 +75,7 @@ class Blueprint:
             raise TypeError(f"Blueprint takes a list of Span objects, e.g. Blueprint([Span(0, 350, [5, 9])]); "
                             f"got {type(spans).__name__}")
         self.spans: list[Span] = []
-        self._warned: set[tuple[int, int]] = set()
+        self._warned: set[tuple[str, int, int]] = set()  # (what, start, end): each warning once per span
         for span in spans:
             self.add(span)
 
@@ -145,11 +145,23 @@ class Blueprint:
         generated or added after the prompt, up to the span's end, would get the bonus. The cache calls
         this when decoding starts, where the blueprint meets the prompt."""
         for span in self.past(length):
-            if (span.start, span.end) not in self._warned:
-                self._warned.add((span.start, span.end))
+            if ("past", span.start, span.end) not in self._warned:
+                self._warned.add(("past", span.start, span.end))
                 warnings.warn(f"blueprint span [{span.start}, {span.end}) reaches past the end of the prompt "
                               f"({length} tokens): the tokens that come after the prompt get its bonus; end "
                               f"the span at the prompt's end, or plan new tokens once they exist",
+                              UserWarning, stacklevel=2)
+
+    def warn_larger(self, budget: int) -> None:
+        """Warn (once per span) about spans longer than the cache's ``budget``: no eviction can keep them
+        whole, so only their best-scored tokens stay, and they push other planned spans out. The cache
+        calls this before each prefill chunk, so spans planned later are checked too."""
+        for span in self.spans:
+            if span.end - span.start > budget and ("larger", span.start, span.end) not in self._warned:
+                self._warned.add(("larger", span.start, span.end))
+                warnings.warn(f"blueprint span [{span.start}, {span.end}) holds {span.end - span.start} tokens, more "
+                              f"than the cache's budget of {budget}: only part of it can stay resident, and it pushes "
+                              "out other planned spans; plan only what its readers need, or raise the budget",
                               UserWarning, stacklevel=2)
 
     def due(self, step: int, within: int) -> list[Span]:

@@ -1,6 +1,7 @@
 """Spill on eviction and restore through the tiers, on tiny random models and real backends."""
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -190,15 +191,31 @@ def test_restore_and_save_need_a_store_and_foresight():
 def test_a_span_past_the_end_of_the_prompt_is_warned_about_once():
     import warnings
 
+    # (budget 256: the 100-token spans fit it; a span larger than the budget is warned about too, below)
+
     model = tiny_model("llama")
     ids = random_ids(1000)
     late = Span(900, 50000, [1])
-    cache = PACECache(Blueprint([Span(100, 200, [1]), late]), model=model, budget=64, limit=256, recent=8)
+    cache = PACECache(Blueprint([Span(100, 200, [1]), late]), model=model, budget=256, limit=512, recent=8)
     with pytest.warns(UserWarning, match=r"\[900, 50000\) reaches past the end of the prompt \(1000 tokens\)") as got:
         model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, prefill_chunk_size=128)
     assert sum("reaches past" in str(w.message) for w in got) == 1  # once, not at every decoded token
-    cache = PACECache(Blueprint([Span(100, 200, [1]), Span(900, 1000, [1])]), model=model, budget=64, limit=256,
+    cache = PACECache(Blueprint([Span(100, 200, [1]), Span(900, 1000, [1])]), model=model, budget=256, limit=512,
                       recent=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a span that ends with the prompt is fine
         model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, prefill_chunk_size=128)
+
+
+def test_a_span_larger_than_the_budget_is_warned_about_once_even_if_planned_later():
+    model = tiny_model("llama")
+    blueprint = Blueprint([Span(100, 150, [1])])
+    cache = PACECache(blueprint, model=model, budget=64, limit=256, recent=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a span that fits the budget is fine
+        prefill(model, cache, random_ids(256), 128)
+    blueprint.add(Span(300, 400, [2]))  # planned while the session runs
+    with pytest.warns(UserWarning, match=r"\[300, 400\) holds 100 tokens, more than the cache's budget of 64") as got:
+        prefill(model, cache, random_ids(256, seed=1), 128)
+    assert sum("more than the cache's budget" in str(w.message) for w in got) == 1  # once, not at every chunk
+

@@ -307,6 +307,8 @@ class EvictionCache(DynamicCache):
         n = self.resident_count()
         if q_len == 1 and self.blueprint is not None:  # decoding: the prompt ends at seen
             self.blueprint.warn_past(seen)
+        elif self.blueprint is not None:
+            self.blueprint.warn_larger(self.budget)
         if self.bounded:
             if n + q_len > self.limit:
                 raise ValueError(
