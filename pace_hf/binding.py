@@ -166,6 +166,11 @@ class Binding:
         @functools.wraps(original)
         def generate(*args, **kwargs):
             cache = cache_from_kwargs(kwargs)
+            chunk = kwargs.get("prefill_chunk_size")
+            if _is_pace_cache(cache) and chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                                                or chunk < 1):
+                raise ValueError(f"prefill_chunk_size must be a whole number of tokens >= 1 (or None: one forward "
+                                 f"for the whole prompt), got {chunk!r}")
             model = self.model_ref()
             max_positions = getattr(model.config, "max_position_embeddings", None) if model is not None else None
             bounded = (_is_pace_cache(cache) and cache.limit is not None and max_positions is not None

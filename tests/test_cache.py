@@ -164,6 +164,15 @@ def test_multi_turn_prefills_only_new_tokens():
     assert second.shape[1] == turn2.shape[1] + 10
 
 
+@pytest.mark.parametrize("chunk", [0, -16, 16.0, True])
+def test_a_prefill_chunk_size_that_is_not_a_token_count_is_refused_before_any_forward(chunk):
+    model = tiny_model("llama")
+    cache = PACECache(Blueprint(), model=model, budget=32, limit=80, recent=8)
+    with pytest.raises(ValueError, match="prefill_chunk_size must be a whole number of tokens >= 1"):
+        model.generate(prompt(100), max_new_tokens=2, do_sample=False, cache=cache, prefill_chunk_size=chunk)
+    assert cache.get_seq_length() == 0
+
+
 def test_model_works_normally_after_a_pace_cache():
     model = tiny_model("llama")
     ids = prompt(100)
