@@ -653,11 +653,11 @@ def _leaks(results, secret):
     return [r for r in results if secret in repr(r.to_dict())]
 
 
-def test_an_os_wall_keeps_writes_in_the_scratch_directory():
-    """Defect 1: a write-blocking OS layer must be active here (root in a container, Linux with
-    Landlock); run_calls refuses to run code where neither can be set up."""
+def test_an_os_wall_keeps_reads_and_writes_in_the_scratch_directory():
+    """Defect 1: Landlock must be active here (it walls reads and writes; the read-only root walls
+    writes only); run_calls refuses to run code where it cannot be set up."""
     layers = isolation_layers()
-    assert any(layer.startswith(("landlock", "read-only root")) for layer in layers), layers
+    assert any(layer.startswith("landlock") for layer in layers), layers
     assert "violation counter" in layers
     if os.geteuid() == 0:
         assert "read-only root" in layers
@@ -955,13 +955,14 @@ def test_inputs_are_refused_not_reinterpreted():
 
 
 def test_no_write_wall_means_no_code_runs(monkeypatch):
-    """Defect 1: without Landlock or a read-only root the child runs nothing and run_calls says
+    """Defect 1: without Landlock (a read-only root alone is not enough) the child runs nothing and run_calls says
     why instead of running the code half-confined (isolation_layers still reports)."""
     from pace_hf.metrics.pace_coding import sandbox as S
 
-    run_ = S._Run(["1"], os.getpid(), -1)
-    run_.feed(b'{"setup": ["netns", "rlimits", "seccomp allowlist"]}')
-    assert run_.finished() and "Landlock" in run_.refusal and run_.done == []
+    for layers in (b'["netns", "rlimits", "seccomp allowlist"]', b'["netns", "read-only root", "rlimits"]'):
+        run_ = S._Run(["1"], os.getpid(), -1)  # a read-only root walls writes, not reads of the host
+        run_.feed(b'{"setup": ' + layers + b'}')
+        assert run_.finished() and "Landlock" in run_.refusal and run_.done == []
     monkeypatch.setattr(S, "_run", lambda program, calls, limits: ([], ["rlimits"], "no OS-level wall"))
     with pytest.raises(S.SandboxUnavailable, match="no OS-level wall"):
         run_calls("x = 1", ["x"])

@@ -4,6 +4,8 @@ Each test runs a real attack through :func:`run_calls` and then checks the host:
 object or POSIX message queue, no file written outside the scratch area, no sandbox process left,
 bounded kernel memory, and no false credit (a forged value never passes)."""
 
+import glob
+import importlib.machinery
 import os
 import textwrap
 import threading
@@ -14,6 +16,7 @@ import pytest
 from pace_hf.metrics.pace_coding.sandbox import SandboxLimits, run_calls
 
 from host_objects import mqueue_exists, sysv_objects
+from test_sandbox import _gone
 
 QUICK = SandboxLimits(timeout_s=8.0, memory_mb=256, cpu_s=5)
 QUEUE = b"/pace-sandbox-covert"
@@ -314,3 +317,145 @@ def test_a_directory_flood_meets_the_inode_cap(host):
     made, errno = results[0].value
     assert made <= 8192 and errno == 28, results  # ENOSPC: the inode cap, far below 150,000
     assert peak[0] - base < 64 * 1024, (base, peak)  # KB: the dentries and inodes of a few thousand
+
+
+def test_queued_signals_and_timers_are_capped(host):
+    """Queued signals and POSIX timers (each holds a preallocated signal) are kernel memory that
+    RLIMIT_AS does not count: under the host's RLIMIT_SIGPENDING (about 100,000 here) 96,363 timers
+    pinned 37 MB of unreclaimable slab per run. The child now caps RLIMIT_SIGPENDING; a program
+    queueing signals to itself meets EAGAIN at the cap."""
+    results = run("""
+        import resource, signal
+        def queue():
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+            for n in range(200_000):
+                try:
+                    signal.raise_signal(signal.SIGRTMIN)
+                except OSError as e:
+                    return [n, e.errno]
+            return [n, None]
+        """, ["queue()", "list(resource.getrlimit(resource.RLIMIT_SIGPENDING))"])
+    assert results[0].status == "ok" and results[0].value[0] <= 64 and results[0].value[1] == 11, results
+    assert passes(results[1], [64, 64])
+
+
+def test_the_base_interpreters_site_packages_stay_out_of_reach(host):
+    """``-S`` only left site-packages off ``sys.path``: a program appended the standard library's
+    own ``site-packages`` (pyenv, python.org and conda builds keep it there) and imported the base
+    interpreter's third-party C extensions, e.g. ``_cffi_backend``, which calls C as ctypes does, past
+    the audit hook and its counter. An empty tmpfs now covers it in the run's mount namespace."""
+    results = run("""
+        import os, sys
+        def packages():
+            return {os.path.join(root, name): os.listdir(os.path.join(root, name)) for root in sys.path
+                    for name in ("site-packages", "dist-packages") if os.path.isdir(os.path.join(root, name))}
+        def foreign():
+            sys.path.append(os.path.join(sys.path[0], "site-packages"))
+            import _cffi_backend
+            return repr(_cffi_backend.load_library(None))
+        """, ["packages()", "foreign()"])
+    assert results[0].status == "ok" and not any(results[0].value.values()), results
+    assert results[1].status == "raised" and results[1].exc_type == "ModuleNotFoundError", results
+
+
+def test_a_refusal_in_a_forked_child_fails_the_call(host):
+    """Where processes are allowed, a refusal in a forked child lowered only that child's own
+    counter, which the parent never reads: the call scored as passing. A refusal now lowers the
+    sandbox process's counter, from whichever process of the run it comes."""
+    results = run("""
+        import os
+        def sneaky():
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    open("/etc/passwd").read()
+                except Exception:
+                    pass
+                os._exit(0)
+            os.waitpid(pid, 0)
+            return 42
+        """, ["sneaky()", "1"], SandboxLimits(timeout_s=8.0, memory_mb=256, cpu_s=5, max_processes=1))
+    assert not passes(results[0], 42), results
+    assert results[0].status == "error" and "blocked operation" in results[0].detail
+    assert passes(results[1], 1)
+
+
+def test_processes_that_leave_the_group_do_not_outlive_the_run(host):
+    """Where processes are allowed: a grandchild in its own session (out of the process group the
+    parent kills), ignoring SIGTERM and SIGHUP, dies with the run's pid namespace."""
+    results = run("""
+        import os, signal, time
+        def escape():
+            pid = os.fork()
+            if pid == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+                    time.sleep(60)
+                os._exit(0)
+            os.waitpid(pid, 0)
+            return os.getuid()
+        """, ["escape()"], SandboxLimits(timeout_s=8.0, memory_mb=256, cpu_s=5, max_processes=3))
+    assert results[0].status == "ok", results
+    time.sleep(0.1)
+    assert _gone(results[0].value)
+
+
+def test_garbage_on_the_report_pipe_from_a_thread_fails_the_run(host):
+    """A program thread writing invalid UTF-8, or a line longer than the parent buffers, on the
+    report pipe: not an answer, so the call during which it came and every later one fail."""
+    program = """
+        import fcntl, os, stat
+        def garbage(data):
+            for fd in range(3, 64):
+                try:
+                    if stat.S_ISFIFO(os.fstat(fd).st_mode) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_WRONLY:
+                        if fd != 2:
+                            os.write(fd, data)
+                except OSError:
+                    pass
+            return 42
+        """
+    for data in ("b'\\xff\\xfe{}\\n'", "b'x' * (5 << 20)"):
+        results = run(program, [f"garbage({data})", "42"])
+        assert not any(passes(r, 42) for r in results), results
+        assert all("broke the protocol" in r.detail for r in results), results
+
+
+_LOAD_EXTENSION = """
+import glob, importlib.machinery, shutil, sys, _imp
+def load(name, path):
+    return repr(_imp.create_dynamic(importlib.machinery.ModuleSpec(name, None, origin=path)))
+def stdlib():
+    return load("_bisect", glob.glob(sys.path[0] + "/lib-dynload/_bisect.*")[0])
+def copied():
+    shutil.copy(glob.glob(sys.path[0] + "/lib-dynload/_bisect.*")[0], "mine.so")
+    return load("_bisect", "./mine.so")
+"""
+
+
+def test_bytes_written_to_the_scratch_never_run_as_machine_code(host):
+    """A shared object written to the scratch directory (here a copy of a stdlib one; a program
+    could carry its own bytes) loaded with ``_imp.create_dynamic``: native code past every layer in
+    the interpreter. The scratch tmpfs is now ``noexec``: the kernel refuses to map it."""
+    results = run(_LOAD_EXTENSION, ["copied()", "stdlib()"])
+    assert results[0].status == "raised" and "failed to map segment" in results[0].exc_args[0], results
+    assert results[1].status == "ok" and "_bisect" in results[1].value, results  # the stdlib's own still loads
+
+
+def test_c_extensions_outside_the_standard_library_are_refused(host):
+    """The system's own Python packages (``/usr/lib/python3/dist-packages`` here) are readable
+    under Landlock's system roots: ``_imp.create_dynamic`` loaded ``_cffi_backend`` from there and
+    made foreign calls without a refusal. The audit hook now refuses an extension whose file is
+    outside the standard library and the scratch directory."""
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    found = sorted(glob.glob(f"/usr/lib/python3*/*-packages/*{suffix}")
+                   + glob.glob(f"/usr/local/lib/python3*/*-packages/*{suffix}"))
+    if not found:
+        pytest.skip(f"no C extension module ({suffix}) in the system's Python packages here")
+    path = next((p for p in found if "_cffi_backend" in p), found[0])
+    name = os.path.basename(path)[: -len(suffix)]
+    results = run(_LOAD_EXTENSION, [f"load({name!r}, {path!r})", "stdlib()"])
+    assert results[0].status == "error" and "from outside the standard library" in results[0].detail, results
+    assert results[1].status == "ok", results

@@ -14,8 +14,9 @@ nothing here is trusted after that. The walls that must hold are set up before, 
 * new mount, network, pid, IPC and UTS namespaces (``_enter_namespaces``): no pid counter, System V
   object, POSIX message queue, abstract socket or host name is shared with the host or another run;
 * a read-only root with a fresh ``/proc`` of the new pid namespace (only its processes) and a
-  scratch tmpfs whose ``size=`` and ``nr_inodes=`` cap disk and kernel memory (a mkdir flood meets
-  ENOSPC), Landlock, resource limits, a fresh uid, and a seccomp allowlist (``_install_seccomp``);
+  ``noexec`` scratch tmpfs whose ``size=`` and ``nr_inodes=`` cap disk and kernel memory (a mkdir
+  flood meets ENOSPC), the standard library's ``site-packages`` covered, Landlock, resource limits,
+  a fresh uid, and a seccomp allowlist (``_install_seccomp``);
 * the parent holds the calls and the expected values, sends one call at a time with a fresh nonce
   and accepts exactly one answer for it, and counts refusals through a kernel counter.
 
@@ -126,6 +127,7 @@ MAX_DEPTH = 100
 MAX_NODES = 200_000
 MAX_WRITE_OPENS = 64  # files opened for writing per run: with RLIMIT_FSIZE this bounds disk use
 MAX_VIOLATION_NAMES = 64  # refusals named in one answer (the kernel counter counts them all)
+MAX_PENDING_SIGNALS = 64  # RLIMIT_SIGPENDING: the kernel's own signals (SIGXCPU, SIGCHLD) are not counted
 
 # Events that are always refused. Process creation is refused unless the limits allow processes.
 _DENIED_EVENTS = frozenset({
@@ -181,8 +183,8 @@ def main():
         send(_plain_json({"setup": [], "failed": "%s: %s" % (type(e).__name__, str(e)[:300])}))
         os._exit(0)
     send(encode({"setup": layers}))
-    if not any(layer.startswith(("landlock", "read-only root")) for layer in layers):
-        os._exit(0)  # no OS-level wall against writes: the parent refuses to run code here
+    if not any(layer.startswith("landlock") for layer in layers):
+        os._exit(0)  # no OS-level wall against reads and writes: the parent refuses to run code here
     _serve(job["program"], _make_request_reader(call_fd), send, encode, to_plain, describe_exception,
            type_name, violations)
 
@@ -547,6 +549,7 @@ def _confine(job, pipes):
         _mount_proc(libc, layers)
         _mount_scratch(libc, work, uid, limits, layers)
         mounted_stdlib = _mount_stdlib(libc, lib, uid, stdlib, layers, read_roots)
+        _hide_site_packages(libc, layers)
     else:
         raise OSError("cannot make the new mount namespace private")
     if libc.sethostname(b"pace-sandbox", 12) == 0:
@@ -700,9 +703,11 @@ def _mount_proc(libc, layers):
 
 def _mount_scratch(libc, work, uid, limits, layers):
     """The scratch tmpfs over ``work``: ``size=`` caps its blocks and ``nr_inodes=`` its files,
-    directories and links, so that neither disk nor kernel memory grows past them."""
+    directories and links, so that neither disk nor kernel memory grows past them; ``noexec``, so
+    that bytes the program writes there never run as machine code (a shared object it wrote loaded
+    with ``_imp.create_dynamic``, an executable where processes are allowed)."""
     owner = "" if uid is None else ",uid=%d,gid=%d" % (uid, uid)
-    _mount(libc, "pace-sandbox", work, "tmpfs", _MS_NOSUID | _MS_NODEV,
+    _mount(libc, "pace-sandbox", work, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
            "size=%dm,nr_inodes=%d,mode=0700%s" % (limits["max_disk_mb"], limits["max_inodes"], owner))
     layers.append("tmpfs %d MB, %d inodes" % (limits["max_disk_mb"], limits["max_inodes"]))
 
@@ -745,6 +750,23 @@ def _mount_stdlib(libc, lib, uid, stdlib, layers, read_roots):
     read_roots[:0] = list(moved.values())
     layers.append("stdlib bind mounts")
     return True
+
+
+def _hide_site_packages(libc, layers):
+    """An empty read-only tmpfs over each ``site-packages`` and ``dist-packages`` inside the standard
+    library's directories: ``-S`` only leaves them off ``sys.path``, and the program could put them
+    back and import the base interpreter's third-party C extensions (``_cffi_backend`` calls C as
+    ctypes does). Hidden from the mount namespace, they are gone for native code too."""
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY
+    hidden = 0
+    for root in list(sys.path):
+        for name in ("site-packages", "dist-packages"):
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and not os.path.ismount(path):
+                _mount(libc, "pace-sandbox-nopackages", path, "tmpfs", flags, "size=4k,nr_inodes=2")
+                hidden += 1
+    if hidden:
+        layers.append("no site-packages")
 
 
 def _landlock_ruleset(libc, work, read_roots):
@@ -892,6 +914,9 @@ def _set_rlimits(limits, own_uid):
     cap(resource.RLIMIT_CORE, 0)
     cap(resource.RLIMIT_NOFILE, 64)
     cap(resource.RLIMIT_MEMLOCK, 0)
+    # queued signals and POSIX timers (each holds one) are kernel memory outside RLIMIT_AS: under the
+    # host's default (about 100,000; it grows with RAM) timers pinned 37 MB of unreclaimable slab per run
+    cap(resource.RLIMIT_SIGPENDING, MAX_PENDING_SIGNALS)
     cap(RLIMIT_LOCKS, VIOLATION_BUDGET)  # the violation counter (see _install_audit_hook)
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
     if own_uid:  # counts threads too, and only for this fresh uid
@@ -917,9 +942,11 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
     list).
 
     Reads are allowed inside ``work`` and the standard library only. Each refusal raises
-    PermissionError in the program, and first lowers the hard RLIMIT_LOCKS by one: the parent reads
-    that counter between calls and scores the call during which it dropped as an error, even if the
-    program caught the exception. A hard limit cannot be raised again, so the program can make the
+    PermissionError in the program, and first lowers the hard RLIMIT_LOCKS of the sandbox process
+    (pid 2, whichever process of the run refused: a forked child's own limit is not the one the
+    parent reads; seccomp lets prlimit reach pid 2 from each of them): the parent reads that counter
+    between calls and scores the call during which it dropped as an error, even if the program
+    caught the exception. A hard limit cannot be raised again, so the program can make the
     count go down (only against itself) but never back up. The refusal is also named in the call's
     answer. Every argument's type is checked before it is compared (``==``, ``in``), so no object
     of the program runs code inside the hook."""
@@ -927,6 +954,7 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
     _PermissionError, _Exception, _getattr = PermissionError, Exception, getattr
     getcwd, readlink, collapse = os.getcwd, os.readlink, _collapse
     getrlimit, setrlimit, exit_, get_ident = resource.getrlimit, resource.setrlimit, os._exit, _thread.get_ident
+    prlimit = resource.prlimit
     harness_globals, always_denied = globals(), _ALWAYS_DENIED_ATTRS
     getframe, code_new, flag_setter = sys._getframe, _CODE_NEW, _types.coroutine.__code__
     marshal_loads, pyc_loader = _MARSHAL_LOADS, sys.modules["_frozen_importlib_external"]._compile_bytecode.__code__
@@ -946,8 +974,8 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
 
     def deny(event):
         try:
-            hard = getrlimit(RLIMIT_LOCKS)[1]
-            setrlimit(RLIMIT_LOCKS, (hard - 1, hard - 1))
+            hard = prlimit(SANDBOX_PID, RLIMIT_LOCKS)[1]
+            prlimit(SANDBOX_PID, RLIMIT_LOCKS, (hard - 1, hard - 1))
         except _Exception:  # noqa: BLE001 - the counter is spent or gone: stop the run here
             exit_(3)
         if _len(violations) < MAX_VIOLATION_NAMES:  # the counter counts them all
@@ -1065,6 +1093,12 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
             if not (_type(new) is _tuple and _len(new) == 2 and _type(new[1]) is _int
                     and new[1] < getrlimit(RLIMIT_LOCKS)[1]):
                 deny(event + " raising the violation counter")
+        elif event == "resource.prlimit" and _len(args) == 3 and _type(args[1]) is _int \
+                and args[1] == RLIMIT_LOCKS:
+            new = args[2]  # None: a read
+            if not (new is None or _type(new) is _tuple and _len(new) == 2 and _type(new[1]) is _int
+                    and new[1] < prlimit(SANDBOX_PID, RLIMIT_LOCKS)[1]):
+                deny(event + " raising the violation counter")
         elif event == "open":
             check_open(event, args[0], args[1], args[2])
         elif event == "import":
@@ -1072,6 +1106,9 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
             top = name.partition(".")[0] if _type(name) is _str else ""
             if top in blocked_imports or top.startswith(blocked_import_prefixes):
                 deny("import " + top)
+            origin = args[1] if _len(args) > 1 else None  # a C extension's file (_imp.create_dynamic)
+            if origin is not None and not under(origin, read_roots):
+                deny("import %s from outside the standard library" % top)
         elif event in ("os.listdir", "os.scandir"):
             if args[0] is not None and _type(args[0]) is not _int and not under(args[0], read_roots):
                 deny(event + " outside the working directory and the standard library")

@@ -18,9 +18,9 @@ from the moment it loads, so is the child's whole interpreter: the program may r
   tmpfs capped by ``size=`` and ``nr_inodes=``, Landlock, resource limits, a fresh uid and a
   seccomp allowlist (deny by default: no System V IPC, ``mq_*``, ``memfd_create``, ``userfaultfd``,
   ``io_uring``, ``ptrace``, sockets but AF_UNIX pairs, or new processes unless allowed). Where the
-  namespaces or a wall against writes cannot be set up, :func:`run_calls` refuses with
-  :class:`SandboxUnavailable`; it never runs the code half-confined. A wall-clock deadline kills
-  the child's process group.
+  namespaces or Landlock (the wall against reading the host's files, and writing) cannot be set up,
+  :func:`run_calls` refuses with :class:`SandboxUnavailable`; it never runs the code half-confined.
+  A wall-clock deadline kills the child's process group.
 * **Layers inside the child** make honest failures clear and attacks harder, but are not relied
   on: the harness reads and writes the pipes with ``os.read``/``os.write`` and encodes with
   functions captured before the program loads, gives each call fresh builtins, and an audit hook
@@ -76,7 +76,10 @@ _MAX_DETAIL = 500
 MAX_DEPTH = 100  # nesting of a returned value (the child refuses deeper ones too)
 MAX_NODES = 200_000  # elements of a returned value
 _RLIMIT_LOCKS = 10  # the child's violation counter (see _sandbox_child._install_audit_hook)
-_WALLS = ("landlock", "read-only root")  # layers that keep writes inside the scratch directory
+# The layer that keeps reads (of the host's files, the benchmark's own sources among them) and writes
+# inside what the program may touch. The read-only root walls writes too, but not reads: without Landlock,
+# native code can read any file of the host, so the code does not run.
+_WALL = "landlock"
 
 
 class CodeExecutionNotAllowed(RuntimeError):
@@ -85,8 +88,8 @@ class CodeExecutionNotAllowed(RuntimeError):
 
 class SandboxUnavailable(RuntimeError):
     """Raised when the child could not confine itself on this machine (no new pid, IPC, UTS,
-    network and mount namespaces, neither as root nor in a user namespace; or no Landlock and no
-    read-only mount namespace), or its setup failed: no code is run then."""
+    network and mount namespaces, neither as root nor in a user namespace; or no Landlock, without
+    which native code could read any file of the host), or its setup failed: no code is run then."""
 
 
 def opted_in() -> bool:
@@ -233,11 +236,10 @@ def run_calls(program: str, calls: list[str], limits: SandboxLimits = SandboxLim
 def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
     """Which OS-level layers the child sets up on this machine (for logs and tests; runs no
     generated code): e.g. ``["netns", "mountns", "pidns", "ipcns", "utsns", "read-only root",
-    "fresh /proc", "tmpfs 16 MB, 4096 inodes", "stdlib bind mounts", "utsns hostname", "rlimits",
-    "uid 1234", "landlock v7", "seccomp allowlist", "violation counter"]`` (``"userns"`` first where
-    they were made without root). :func:`run_calls` refuses unless the namespaces are there and
-    "read-only root" or a "landlock" layer is present. The audit hook is not listed: it is always
-    installed."""
+    "fresh /proc", "tmpfs 16 MB, 4096 inodes", "stdlib bind mounts", "no site-packages",
+    "utsns hostname", "rlimits", "uid 1234", "landlock v7", "seccomp allowlist",
+    "violation counter"]`` (``"userns"`` first where they were made without root).
+    :func:`run_calls` refuses unless the namespaces are there and a "landlock" layer is present. The audit hook is not listed: it is always installed."""
     return _run("", [], limits)[1]
 
 
@@ -400,10 +402,10 @@ class _Run:
         self.layers = [str(x)[:100] for x in layers[:20]] if type(layers) is list else []
         if msg.get("failed"):
             self.refusal = f"sandbox setup failed: {str(msg['failed'])[:300]}"
-        elif not any(layer.startswith(_WALLS) for layer in self.layers):
-            self.refusal = ("no OS-level wall keeps the generated code from writing outside its "
-                            "scratch directory here: it needs Landlock (Linux >= 5.13) or root for a "
-                            f"read-only mount namespace; layers set up: {self.layers}")
+        elif not any(layer.startswith(_WALL) for layer in self.layers):
+            self.refusal = ("no OS-level wall keeps the generated code from reading the host's files or writing "
+                            "outside its scratch directory here: it needs Landlock (Linux >= 5.13, enabled in the "
+                            f"kernel's lsm= list); layers set up: {self.layers}")
         self.sandbox_pid = _sandbox_process(self.child_pid)
         self.counter = _violation_counter(self.sandbox_pid) if self.sandbox_pid else None
         if self.counter is not None:
