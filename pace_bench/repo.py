@@ -34,7 +34,6 @@ A row has the coding suite's fields that a runner reads (``context_ids``, ``turn
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pace_hf.chat import ChatTemplate
+from pace_hf.planner.extract import parse_python
 
 from .repo_probes import KINDS, probe_for, targets_in
 from .repo_rename import Renaming
@@ -102,11 +102,7 @@ def package_identity(package: str) -> dict:
 
 
 def _parses(text: str) -> bool:
-    try:
-        ast.parse(text)
-        return True
-    except (SyntaxError, ValueError):
-        return False
+    return parse_python(text) is not None
 
 
 def listing(text: str, style: str) -> tuple[str, list[int]]:

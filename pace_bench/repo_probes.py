@@ -26,6 +26,8 @@ import textwrap
 import tokenize
 from dataclasses import dataclass
 
+from pace_hf.planner.extract import parse_python
+
 KINDS = ("needle", "signature", "constant")
 REPOQA_THRESHOLD = 0.8  # RepoQA's default similarity threshold for a needle to count as found
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
@@ -55,10 +57,7 @@ def code_of(text: str) -> str:
 
 
 def _parse(code: str):
-    try:
-        return ast.parse(textwrap.dedent(code))
-    except (SyntaxError, ValueError):
-        return None
+    return parse_python(textwrap.dedent(code))
 
 
 def _without_docstrings(node: ast.AST) -> ast.AST:

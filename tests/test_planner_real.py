@@ -385,6 +385,10 @@ def test_any_text_is_read_never_a_crash():
         mentions(text)
         for d in read(text).definitions:
             assert all(0 <= s <= e <= len(text) for s, e in d.parts), (text, d)
+    # texts CPython's own parser refuses beyond a SyntaxError: 3,000 bare words (MemoryError), deep nesting
+    for text in ("word " * 3000, "(" * 5000, "[" * 300 + "]" * 300, "\0def f(): pass"):
+        mentions(text)
+        read(text)
 
 
 def test_the_live_plan_keeps_the_soonest_readers_and_brings_the_rest_back_later(template):

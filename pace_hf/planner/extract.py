@@ -181,12 +181,21 @@ def _lines(text: str, start: int = 0, end: int | None = None) -> list[tuple[int,
     return out
 
 
+def parse_python(text: str) -> ast.Module | None:
+    """``ast.parse`` of text from anywhere (tool output, a model's answer), or None when it is not Python.
+    Every way the parser refuses text counts: a syntax error, a NUL, nesting past the recursion limit,
+    and ``MemoryError``, which CPython's parser raises on about 3,000 bare words of prose."""
+    try:
+        return ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
 def _parses_whole(text: str) -> bool:
     if not text.strip():
         return False
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError, RecursionError):
+    tree = parse_python(text)
+    if tree is None:
         return False
     # A lone expression ("Noted", "fee_for") is as likely prose as code: read it as prose.
     return not all(isinstance(node, ast.Expr) for node in tree.body)
@@ -393,9 +402,8 @@ def _fragment_coverage(code: str) -> float:
         return 0.0
     good = 0
     for start, block in _blocks(code):
-        try:
-            tree = ast.parse(textwrap.dedent(block))
-        except (SyntaxError, ValueError, RecursionError):
+        tree = parse_python(textwrap.dedent(block))
+        if tree is None:
             continue
         if tree.body and not all(isinstance(n, ast.Expr) for n in tree.body):
             good += sum(1 for line in block.split("\n") if line.strip())
@@ -558,16 +566,14 @@ def region_definitions(region: Region) -> tuple[list[Definition], list[tuple[str
     """Definitions and aliases of one code region: ``ast`` on the whole, else block by block (an
     indented block, cut from inside a class, is read dedented: its methods are members of an unknown
     class), else a regex for ``def``/``class``/``NAME =`` lines."""
-    try:
-        return _module(ast.parse(region.code), region, 0)
-    except (SyntaxError, ValueError, RecursionError):
-        pass
+    tree = parse_python(region.code)
+    if tree is not None:
+        return _module(tree, region, 0)
     defs, imports = [], []
     for first, block in _blocks(region.code):
         indented = block[:1] in (" ", "\t")
-        try:
-            tree = ast.parse(textwrap.dedent(block) if indented else block)
-        except (SyntaxError, ValueError, RecursionError):
+        tree = parse_python(textwrap.dedent(block) if indented else block)
+        if tree is None:
             n_lines = block.count("\n") + 1
             for m in _REGEX_DEF.finditer(block):
                 line = first + block.count("\n", 0, m.start())

@@ -21,9 +21,9 @@ definition wins.
   lexically (BM25 over names, signatures and docstrings) and gets its best match. A step that names
   definitions but also describes one (four content words or more: "the inverse of `split`: it returns
   a shell-escaped string ...") also gets its best lexical match, if that match scores over twice every
-  definition it named. On the real-code dev sessions of ``bench/planner_recall.py`` this took steps
-  that are a docstring's first sentence from recall 0.73 to 0.86; literal plans of long sentences kept
-  their precision (0.955 against 0.954).
+  definition it named. On agent-like sessions over real source files (the README's planner table) this
+  took steps that are a docstring's first sentence from recall 0.73 to 0.86; literal plans of long
+  sentences kept their precision (0.955 against 0.954).
 * Closure (``depth``, default 1): a needed function also needs the class of a field it uses on a
   parameter, when only one class declares that field in its body (``record.status`` of a dataclass), as
   its own message saw it. Nothing else is followed (free names, constants, any attribute name): in
