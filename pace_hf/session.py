@@ -238,13 +238,18 @@ class PACESession:
         self.step = self.messages[-1].step if self.messages else 0
         cache.step = self.step
 
+    def kept(self, messages) -> int:
+        """How many of the session's messages ``messages`` (``(role, content)`` pairs) begins with: what
+        :meth:`sync` would keep."""
+        held = [(m.role, m.content) for m in self.messages]
+        return next((i for i, (a, b) in enumerate(zip(held, messages)) if a != tuple(b)), min(len(held), len(messages)))
+
     def sync(self, messages) -> int:
         """Make the session's messages equal ``messages`` (``(role, content)`` pairs after the system
         prompt): rewind to the first difference (see ``rewind``, which may raise ``ValueError``), then
         add the rest, unprefilled. Returns how many of the session's messages were kept."""
         messages = [(role, content) for role, content in messages]
-        held = [(m.role, m.content) for m in self.messages]
-        keep = next((i for i, (a, b) in enumerate(zip(held, messages)) if a != b), min(len(held), len(messages)))
+        keep = self.kept(messages)
         self.rewind(keep)
         for role, content in messages[keep:]:
             self.add(role, content)

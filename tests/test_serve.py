@@ -7,6 +7,7 @@ reply can be compared with the same conversation prefilled from scratch in a new
 
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -109,7 +110,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     srv = Server(tiny_dir[0], tmp_path_factory.mktemp("serve") / "store", "--max-context", "1024",
-                 "--queue-size", "1", "--max-resident", "2")
+                 "--queue-size", "1", "--max-resident", "2", "--max-body-mb", "1", "--body-timeout", "2")
     yield srv
     srv.stop()
 
@@ -267,6 +268,120 @@ def test_bad_input_gets_openai_errors_and_the_server_lives(server, reference):
     assert json.loads(http("GET", server.url + "/v1/models")[2])["data"][0]["id"] == m
 
 
+def raw_request(port, head: bytes, pieces=(), gap: float = 0.0, timeout=30) -> bytes:
+    """The response to a hand-written request over a socket: its head, then its body's ``pieces`` one per
+    ``gap`` seconds until the server answers."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head)
+        for piece in pieces:
+            if select.select([s], [], [], 0)[0]:
+                break
+            s.sendall(piece)
+            time.sleep(gap)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_wrong_types_are_refused_not_coerced(server):
+    """Lax coercion let ``"stream": "yes"`` stream and ``"max_tokens": "4"`` or ``true`` through; a lone
+    surrogate (valid JSON) reached the worker and came back a 500; a wrong content type was reported as
+    "Input should be a valid string" at ``content.str``; invalid JSON named character 1 as the field."""
+    m, user = server.name, [{"role": "user", "content": "hi"}]
+    post = lambda body=None, raw=None: http("POST", server.url + "/v1/chat/completions", body, raw)  # noqa: E731
+    for field, value in (("stream", "yes"), ("stream", 1), ("max_tokens", "4"), ("max_tokens", True),
+                         ("max_tokens", 3.0), ("n", "1")):
+        status, _, text = post({"model": m, "messages": user, field: value})
+        assert status == 400 and json.loads(text)["error"]["param"] == field, (field, value, text)
+    status, _, text = post(raw=json.dumps({"model": m, "messages": user}).replace('"hi"', '"\\ud800"').encode())
+    assert status == 400 and json.loads(text)["error"]["param"] == "messages.0.content.text", text
+    status, _, text = post({"model": m, "messages": user, "stop": ["a", "\ud800"]})
+    assert status == 400 and json.loads(text)["error"]["param"] == "stop.list.1", text
+    status, _, text = post({"model": m, "messages": [{"role": "user", "content": 5}]})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "messages.0.content" and "a list of" in error["message"], text
+    status, _, text = post(raw=b"{not json")
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] is None and "invalid JSON at character 1" in error["message"], text
+    assert post({"model": m, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                 "max_tokens": 2, "temperature": 1})[0] == 200  # an int where a float goes is still fine
+
+
+def test_huge_and_slow_bodies_are_cut_off(server):
+    """A 50 MB body was read, hashed and tokenized on the one worker (77 s, +500 MB RSS, every other
+    client waiting), and a body sent a byte a second held its connection open for good: ``--max-body-mb``
+    refuses the first (413, declared or chunked), ``--body-timeout`` the second (408)."""
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+    out = raw_request(server.port, head + b"Content-Length: %d\r\n\r\n" % (50 << 20))  # answered unread
+    assert out.startswith(b"HTTP/1.1 413") and b'"code":"request_too_large"' in out, out[:300]
+    chunk = b"x" * (256 << 10)
+    out = raw_request(server.port, head + b"Transfer-Encoding: chunked\r\n\r\n",
+                      [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * 200, gap=0.02)
+    assert out.startswith(b"HTTP/1.1 413"), out[:300]
+    t = time.time()
+    out = raw_request(server.port, head + b"Content-Length: 100\r\n\r\n", [b" "] * 100, gap=0.5)
+    assert out.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in out, out[:300]
+    assert time.time() - t < 10
+    assert ask(server.client(), server.name, [{"role": "user", "content": "still here?"}], max_tokens=2)[0]
+
+
+def test_a_refused_request_leaves_the_session_as_it_was(server):
+    """The context check ran after the session was synced: an edited request over the context rewound
+    the session to the edit (its later turns lost, to be prefilled again) and first ran the planner over
+    the huge message; a prompt that filled the context without max_tokens went on with a negative
+    reply length. Now it is counted first and refused before anything changes."""
+    c, m = server.client(), server.name
+    msgs = [{"role": "user", "content": "Keep this."}]
+    a1, _ = ask(c, m, msgs, session="intact")
+    msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": "And this."}]
+    a2, u2 = ask(c, m, msgs, session="intact")
+    edited = msgs[:2] + [{"role": "user", "content": "word " * 1100}]
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(c, m, edited, session="intact")
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+    status, _, text = http("POST", server.url + "/v1/chat/completions",
+                           {"model": m, "messages": [{"role": "user", "content": "word " * 1010}]})
+    assert status == 400 and "no room for a reply" in json.loads(text)["error"]["message"], text
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(c, m, msgs, session="intact", max_tokens=5000)
+    assert e.value.body["param"] == "max_tokens"
+    msgs += [{"role": "assistant", "content": a2}, {"role": "user", "content": "Still whole?"}]
+    _, u3 = ask(c, m, msgs, session="intact")
+    assert u3.prompt_tokens_details.cached_tokens == u2.prompt_tokens + u2.completion_tokens - 1
+
+
+def test_session_names_are_bounded_and_kept_apart_from_the_index(server):
+    """A 10 KB ``X-Session-Id`` got its reply but every save failed (file name too long), so the
+    session was silently lost when parked; ``pace-serve-index`` shared the store namespace of the index
+    that finds every session. Names with "/" and ".." stay inside the store and continue."""
+    c, m = server.client(), server.name
+    for name in ("s" * (10 << 10), "pace-serve-index"):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(c, m, [{"role": "user", "content": "hi"}], session=name)
+        assert e.value.body["param"] == "X-Session-Id" and e.value.body["code"] == "invalid_session_id"
+    msgs = [{"role": "user", "content": "Who am I?"}]
+    a1, u1 = ask(c, m, msgs, session="../../etc/x")
+    msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": "Again."}]
+    _, u2 = ask(c, m, msgs, session="../../etc/x")
+    assert u2.prompt_tokens_details.cached_tokens == u1.prompt_tokens + u1.completion_tokens - 1
+    store = Path(server.args[server.args.index("--store") + 1][5:])
+    assert not (store.parent.parent / "etc").exists() and not (store.parent / "etc").exists()
+
+
+def test_methods_other_endpoints_and_head(server):
+    """A 405 dropped the ``Allow`` header its exception carried; HEAD (what monitors send) got a 405."""
+    status, headers, text = http("DELETE", server.url + "/metrics")
+    assert status == 405 and set(headers["allow"].split(", ")) == {"GET", "HEAD"} and json.loads(text)["error"]
+    status, headers, _ = http("GET", server.url + "/v1/chat/completions")
+    assert status == 405 and headers["allow"] == "POST"
+    for path in ("/metrics", "/health", "/v1/models"):
+        status, _, text = http("HEAD", server.url + path)
+        assert status == 200 and text == "", path
+    status, _, text = http("OPTIONS", server.url + "/v1/models")
+    assert status == 405 and json.loads(text)["error"]["type"] == "invalid_request_error"
+
+
 def test_kill_and_restart_resumes_sessions_from_disk(server, tiny_dir, reference):
     """The last test of the module: it kills the module's server (kill -9) and starts it again."""
     srv = server
@@ -309,5 +424,24 @@ def test_a_session_spills_under_the_servers_cap(tiny_dir, tmp_path, capsys):
         session.generate(max_new_tokens=2)
         spill = session.cache.spill
         assert session.cache.get_seq_length() > 1500 and spill.held_bytes <= cap < 4 * spill.held_bytes
+    finally:
+        store.close()
+
+
+def test_a_budget_the_cache_cannot_take_fails_at_startup(tiny_dir, tmp_path):
+    """``--budget 96`` (under the cache's protected sinks + recent) or a chunk over the room ``--limit``
+    leaves started a server that answered every turn with a 500; the engine now refuses them."""
+    import transformers as tf
+
+    from pace_hf.serve.engine import Engine
+    from pace_hf.tiers import DiskTier, TieredStore
+
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_dir[0]).eval()
+    store = TieredStore([DiskTier(tmp_path / "kv")])
+    try:
+        with pytest.raises(ValueError, match="cannot hold the protected sinks"):
+            Engine(model, tiny_dir[1], store, "tiny", budget=96)
+        with pytest.raises(ValueError, match="does not fit under limit"):
+            Engine(model, tiny_dir[1], store, "tiny", budget=200, limit=1024, chunk=2000)
     finally:
         store.close()

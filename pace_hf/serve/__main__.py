@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     p.add_argument("--max-resident", type=int, default=4, help="sessions kept in memory (LRU); the others are parked")
     p.add_argument("--idle-ttl", type=float, default=600.0, help="seconds before an idle session is parked")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; more get a 429")
+    p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body (more: 413)")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive (more: 408; a slow client holds no connection)")
     p.add_argument("--spill-cap-mb", type=float, default=512.0,
                    help="spilled KV a session may keep in the store (least recently used pages go first; 0: none)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     args = p.parse_args(argv)
     if args.spill_cap_mb < 0:
         p.error(f"--spill-cap-mb must be >= 0, got {args.spill_cap_mb}")
+    if args.max_body_mb <= 0 or args.body_timeout <= 0:
+        p.error("--max-body-mb and --body-timeout must be > 0")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
 
     import uvicorn
@@ -72,11 +77,15 @@ def main(argv: list[str] | None = None, loader=None) -> None:
         raise SystemExit(f"pace-serve: --store: {e}") from None
     model, tokenizer = load(args.model, args.dtype, loader)
     names = args.served_name or [args.model]
-    engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit or None, chunk=args.chunk,
-                    max_context=args.max_context, max_tokens=args.max_tokens, max_resident=args.max_resident,
-                    idle_ttl_s=args.idle_ttl, queue_size=args.queue_size,
-                    spill_cap_bytes=int(args.spill_cap_mb * 2**20))
-    uvicorn.run(create_app(engine, names), host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit or None,
+                        chunk=args.chunk, max_context=args.max_context, max_tokens=args.max_tokens,
+                        max_resident=args.max_resident, idle_ttl_s=args.idle_ttl, queue_size=args.queue_size,
+                        spill_cap_bytes=int(args.spill_cap_mb * 2**20))
+    except ValueError as e:
+        raise SystemExit(f"pace-serve: --budget/--limit/--chunk: {e}") from None
+    app = create_app(engine, names, max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,65 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def create_app(engine: Engine, served_names: list[str]) -> FastAPI:
+class BodyLimit:
+    """Reads each request's body before the app does: over ``max_bytes`` is a 413 and a body not all
+    there within ``timeout_s`` a 408, so neither a huge body (tokenized on the one worker) nor a slow
+    one (a slowloris holding a connection open) ties the server up. The rest of a body too large is read
+    and dropped (until the deadline) before the 413: a server that closes on unread data resets the
+    connection, and the client sees that instead of the error."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float, metrics):
+        self.app, self.max_bytes, self.timeout_s, self.metrics = app, max_bytes, timeout_s, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        chunks, size, over = [], 0, declared.isdigit() and int(declared) > self.max_bytes
+
+        async def read() -> bool:
+            nonlocal size, over
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return False
+                size += len(message.get("body", b""))
+                over = over or size > self.max_bytes
+                if not over:
+                    chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    return True
+
+        try:
+            if not await asyncio.wait_for(read(), self.timeout_s):
+                return
+        except asyncio.TimeoutError:
+            if not over:
+                return await self._refuse(APIError(408, f"the request body did not arrive within "
+                                                        f"{self.timeout_s:g} s", code="request_timeout"),
+                                          scope, receive, send)
+        if over:
+            return await self._refuse(APIError(413, f"the request body exceeds {self.max_bytes} bytes",
+                                               code="request_too_large"), scope, receive, send)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # then the disconnect sse-starlette waits for
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, e: APIError, scope, receive, send):
+        self.metrics.requests.labels(str(e.status)).inc()
+        e.headers["Connection"] = "close"
+        await _error(e)(scope, receive, send)
+
+
+def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int = 16 << 20,
+               body_timeout_s: float = 60.0) -> FastAPI:
     """The app around a (not yet started) engine; the app's lifespan starts and closes it."""
 
     @asynccontextmanager
@@ -33,6 +91,7 @@ def create_app(engine: Engine, served_names: list[str]) -> FastAPI:
         await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="pace-serve", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s, metrics=engine.metrics)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -42,29 +101,35 @@ def create_app(engine: Engine, served_names: list[str]) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def malformed(request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        msg = f"malformed request: {first.get('msg', 'invalid body')}" + (f" at {where}" if where else "")
+        if first.get("type") == "json_invalid":  # its loc is a character offset, no field
+            where = None
+            why = first.get("ctx", {}).get("error", "")
+            msg = f"malformed request: invalid JSON at character {first['loc'][-1]}: {why}"
+        else:
+            where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+            msg = f"malformed request: {first.get('msg', 'invalid body')}" + (f" at {where}" if where else "")
         engine.metrics.requests.labels("400").inc()
         return _error(APIError(400, msg, param=where, code="invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
-        return _error(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
+        return _error(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None,
+                               headers=e.headers))  # a 405's Allow
 
     @app.exception_handler(Exception)
     async def internal(request, e: Exception):
         return _error(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "pace_hf"}
                                            for name in served_names]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "queue": engine.queue.qsize(), "resident": len(engine.resident)}
 
@@ -85,7 +150,7 @@ def create_app(engine: Engine, served_names: list[str]) -> FastAPI:
         if body.temperature:  # None or 0: greedy
             sampling.update(do_sample=True, temperature=body.temperature, top_p=body.top_p or 1.0)
         turn = Turn(system=system, messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
-                    stops=body.stops(), sampling=sampling, session_name=request.headers.get("x-session-id"),
+                    stops=body.stops(), sampling=sampling, session_name=request.headers.get("x-session-id") or None,
                     loop=asyncio.get_running_loop())
         engine.submit(turn)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -43,6 +43,7 @@ from .protocol import APIError
 log = logging.getLogger("pace_hf.serve")
 
 INDEX_SESSION, INDEX_FINGERPRINT = "pace-serve-index", "pace-serve-chain"
+MAX_SESSION_NAME = 128
 
 
 def chain(model_name: str, system: str, messages) -> list[str]:
@@ -114,6 +115,8 @@ class Engine:
         self.model, self.tokenizer, self.store, self.model_name = model, tokenizer, store, model_name
         # the spill cap: without one, a long conversation keeps every evicted token (GBs per session)
         self.session_kwargs = dict(budget=budget, limit=limit, chunk=chunk, spill_cap_bytes=spill_cap_bytes)
+        # a budget, limit or chunk the cache cannot take fails here, at startup, not as a 500 on every turn
+        PACESession(model, tokenizer, planner=SymbolPlanner(), **self.session_kwargs).cache.unbind()
         self.max_context, self.max_tokens = max_context, max_tokens
         self.max_resident, self.idle_ttl_s = max_resident, idle_ttl_s
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -141,6 +144,12 @@ class Engine:
 
     # -- the queue ----------------------------------------------------------------------------------
     def submit(self, turn: Turn) -> None:
+        name = turn.session_name
+        if name is not None and not (0 < len(name) <= MAX_SESSION_NAME and name != INDEX_SESSION):
+            # a longer name outgrows the disk tier's file names (its saves would all fail); the index's
+            # name would share, and on a restart delete, the entries that find every session
+            raise APIError(400, f"X-Session-Id takes 1 to {MAX_SESSION_NAME} characters other than "
+                                f"{INDEX_SESSION!r}, got {len(name)}", param="X-Session-Id", code="invalid_session_id")
         try:
             self.queue.put_nowait(turn)
         except queue.Full:
@@ -244,6 +253,7 @@ class Engine:
             self._drop(sid)
             self.store.delete_session(sid)
             session = self._session(sid, system)
+        max_tokens, header = self._fit(session, turn)
         held = len(session.messages)
         try:
             keep = session.sync(turn.messages)
@@ -257,15 +267,7 @@ class Engine:
             if keep < held:
                 session.planner = SymbolPlanner()  # the old one tracks spans the rewind dropped
                 self.metrics.rewinds.inc()
-        header = len(session.template.encode(session.template.gen_header))
         prompt = len(session.ids) + header
-        room = self.max_context - prompt
-        max_tokens = turn.max_tokens if turn.max_tokens is not None else min(self.max_tokens, room)
-        if prompt + max_tokens > self.max_context:
-            session.rewind(keep)  # drop the messages just added (never prefilled): the session is as it was
-            raise APIError(400, f"this model's maximum context length is {self.max_context} tokens; the "
-                                f"messages take {prompt} and max_tokens asks for {max_tokens}",
-                           code="context_length_exceeded", param="messages")
         reused = session.cache.get_seq_length()
         before = dict(session.cache.tier_stats)
         turn.send("started", {"session": sid, "prompt_tokens": prompt})
@@ -309,6 +311,25 @@ class Engine:
         held.last_used = time.monotonic()
         held.saving = self.saver.submit(self._save, sid, session, full)
         self._park_idle(keep=sid)
+
+    def _fit(self, session: PACESession, turn: Turn) -> tuple[int, int]:
+        """``(max_tokens, generation header length)``, or a 400 if the prompt and the reply exceed
+        ``max_context``. Counted before the session is synced, so a refused request leaves it as it was
+        and never runs the planner over messages that cannot fit."""
+        t = session.template
+        keep = session.kept(turn.messages)
+        start = session.messages[keep].start if keep < len(session.messages) else len(session.ids)
+        header = len(t.encode(t.gen_header))
+        prompt = start + header + sum(len(t.encode(t.block(role, content))) for role, content in turn.messages[keep:])
+        room = self.max_context - prompt
+        max_tokens = turn.max_tokens if turn.max_tokens is not None else min(self.max_tokens, room)
+        if not 1 <= max_tokens <= room:  # a prompt that fills the context leaves no room for a default either
+            over = "max_tokens" if turn.max_tokens is not None and room >= 1 else "messages"
+            asks = f"max_tokens asks for {max_tokens}" if turn.max_tokens is not None else "leave no room for a reply"
+            raise APIError(400, f"this model's maximum context length is {self.max_context} tokens; the messages "
+                                f"take {prompt} and {asks}",
+                           code="context_length_exceeded", param=over)
+        return max_tokens, header
 
     def _save(self, sid: str, session: PACESession, full: str) -> None:
         """Behind the reply: the turn, then the index entry that finds it after a restart."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic_core import PydanticCustomError
 
 
 class APIError(Exception):
@@ -20,16 +21,39 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _utf8(s: str) -> str:
+    """A lone surrogate (``"\\ud800"`` is valid JSON) cannot be encoded: it would fail deep in the worker."""
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        raise PydanticCustomError("string_unicode", "Input should be valid unicode (a lone surrogate is not)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+# strict: "stream": "yes", "max_tokens": "4" or true are refused, not coerced; extra fields are ignored
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["text"]
-    text: str
+    text: Text
+
+
+def _str_or_list(item, what: str):
+    """``str | list[item]``, the branch chosen by the value's type: a bad list gets its own error (not
+    "Input should be a valid string" first), any other type one error that names both shapes."""
+    return Annotated[Annotated[Text, Tag("text")] | Annotated[list[item], Tag("list")],
+                     Discriminator(lambda v: "text" if isinstance(v, str) else "list" if isinstance(v, list) else None,
+                                   custom_error_type="str_or_list",
+                                   custom_error_message=f"Input should be a string or a list of {what}")]
 
 
 class MessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: _str_or_list(TextPart, '{"type": "text", "text": ...} parts') | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -38,15 +62,15 @@ class MessageIn(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str = Field(min_length=1)
+    model_config = STRICT
+    model: Text = Field(min_length=1)
     messages: list[MessageIn] = Field(min_length=1)
     stream: bool = False
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: _str_or_list(Text, "strings") | None = None
     n: int | None = Field(None, ge=1, le=1)
     seed: int | None = None
 
