@@ -351,6 +351,21 @@ def test_a_refused_request_leaves_the_session_as_it_was(server):
     assert u3.prompt_tokens_details.cached_tokens == u2.prompt_tokens + u2.completion_tokens - 1
 
 
+def test_a_refused_request_with_another_system_prompt_deletes_nothing(server):
+    """A named session asked with another system prompt starts over, and its save is deleted first: a
+    request that was then refused (over the context) had already deleted the session's save."""
+    c, m = server.client(), server.name
+    msgs = [{"role": "user", "content": "Keep me."}]
+    a1, u1 = ask(c, m, msgs, session="system-swap")
+    other = [{"role": "system", "content": "Another prompt."}, {"role": "user", "content": "word " * 1100}]
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(c, m, other, session="system-swap")
+    assert e.value.body["code"] == "context_length_exceeded"
+    msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": "Still here?"}]
+    _, u2 = ask(c, m, msgs, session="system-swap")
+    assert u2.prompt_tokens_details.cached_tokens == u1.prompt_tokens + u1.completion_tokens - 1
+
+
 def test_session_names_are_bounded_and_kept_apart_from_the_index(server):
     """A 10 KB ``X-Session-Id`` got its reply but every save failed (file name too long), so the
     session was silently lost when parked; ``pace-serve-index`` shared the store namespace of the index

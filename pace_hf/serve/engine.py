@@ -250,6 +250,11 @@ class Engine:
         sid = self._find(turn, hashes)
         session = self._session(sid, system)
         if session.system != system:  # a named session with another system prompt: start it over
+            fresh = self._new(system, sid)
+            try:
+                self._fit(fresh, turn)  # a request that cannot fit deletes nothing
+            finally:
+                fresh.cache.unbind()
             self._drop(sid)
             self.store.delete_session(sid)
             session = self._session(sid, system)
