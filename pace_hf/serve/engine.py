@@ -216,7 +216,11 @@ class Engine:
                 self.metrics.resume_failures.inc()
                 self.store.delete_session(session_id)
             session = self._new(system, session_id)
-        while len(self.resident) >= self.max_resident:  # make room first: the cap holds at every moment
+        return self._admit(session_id, session)
+
+    def _admit(self, session_id: str, session: PACESession) -> PACESession:
+        """Make ``session`` resident, parking the least recently used first: the cap holds at every moment."""
+        while len(self.resident) >= self.max_resident:
             self._park(next(iter(self.resident)))
         self.parked.discard(session_id)
         self.resident[session_id] = Resident(session, time.monotonic())
@@ -252,13 +256,15 @@ class Engine:
         if session.system != system:  # a named session with another system prompt: start it over
             fresh = self._new(system, sid)
             try:
-                self._fit(fresh, turn)  # a request that cannot fit deletes nothing
-            finally:
+                max_tokens, header = self._fit(fresh, turn)  # a request that cannot fit deletes nothing
+            except BaseException:
                 fresh.cache.unbind()
+                raise
             self._drop(sid)
             self.store.delete_session(sid)
-            session = self._session(sid, system)
-        max_tokens, header = self._fit(session, turn)
+            session = self._admit(sid, fresh)
+        else:
+            max_tokens, header = self._fit(session, turn)
         held = len(session.messages)
         try:
             keep = session.sync(turn.messages)
