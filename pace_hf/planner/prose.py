@@ -118,14 +118,22 @@ class Lexicon:
     def query(words) -> list[str]:
         return list(dict.fromkeys(_stem(w) for word in words for w in split_name(word) if w not in STOPWORDS))
 
+    def _scores(self, words, before: int) -> np.ndarray | None:
+        """BM25 scores of every definition for ``words``, 0 for those in messages from ``before`` on; None
+        when there is nothing to rank."""
+        q = self.query(words)
+        if self.bm25 is None or not q:
+            return None
+        scores = np.asarray(self.bm25.get_scores(q), dtype=np.float64)
+        scores[self.where >= before] = 0.0
+        return scores
+
     def rank(self, words, before: int, k: int = 1, ratio: float = 0.75) -> list[tuple[int, Definition]]:
         """The best definitions in messages before ``before``: the top one and any within ``ratio`` of its
         score, at most ``k``."""
-        q = self.query(words)
-        if self.bm25 is None or not q:
+        scores = self._scores(words, before)
+        if scores is None:
             return []
-        scores = np.asarray(self.bm25.get_scores(q), dtype=np.float64)
-        scores[self.where >= before] = 0.0
         order = np.argsort(-scores, kind="stable")[:k]
         if not len(order) or scores[order[0]] <= 0:
             return []
@@ -135,11 +143,9 @@ class Lexicon:
     def outranking(self, words, before: int, known, ratio: float = 0.5) -> tuple[int, Definition] | None:
         """The best definition in messages before ``before``, if it is not one of ``known`` (``(message
         position, Definition)`` pairs) and none of them scores within ``ratio`` of it; else None."""
-        q = self.query(words)
-        if self.bm25 is None or not q:
+        scores = self._scores(words, before)
+        if scores is None:
             return None
-        scores = np.asarray(self.bm25.get_scores(q), dtype=np.float64)
-        scores[self.where >= before] = 0.0
         best = int(np.argmax(scores))
         rival = max((scores[j] for j, entry in enumerate(self.entries) if entry in known), default=0.0)
         if scores[best] <= 0 or self.entries[best] in known or rival >= ratio * scores[best]:
