@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from pace_hf.cache import cache_nbytes, persist
+from pace_hf.tiers import TierUnavailable
 
 from .records import pair_key
 
@@ -66,6 +67,8 @@ class PairCheckpoint:
             cache, attachments = persist.resume(cls, self.session_id, store=self.store, model=model)
         except KeyError:
             return None
+        except TierUnavailable as e:  # starting the pair over would delete a save that may be whole
+            raise SystemExit(f"pace-bench: --resume: {e}") from e
         if STATE_KEY not in attachments:
             cache.unbind()
             raise SystemExit(f"pace-bench: --resume: the store's save of {self.session_id!r} holds no runner state "

@@ -334,3 +334,33 @@ def test_a_checkpoint_that_cannot_be_saved_warns_and_the_run_goes_on(tmp_path):
         assert checkpoint.failed_saves == 1 and checkpoint.saves == 0
     finally:
         store.close()
+
+
+def test_a_resume_the_store_cannot_answer_stops_and_deletes_nothing(tmp_path):
+    """``--resume`` when no durable tier answers: an error that says so, not "no checkpoint" (which would
+    start the pair over, and so delete a checkpoint that may be whole behind a tier that is briefly down)."""
+    from pace_bench.checkpoint import PairCheckpoint
+
+    kv = tmp_path / "kv"
+    store = TieredStore([DiskTier(kv)])
+    try:
+        model = tiny_model("qwen2")
+        cache = PACECache(None, model=model, budget=32, limit=96, recent=8, store=store, session_id="s")
+        with torch.no_grad():
+            model(torch.arange(3, 80)[None], cache=cache)
+        checkpoint = PairCheckpoint(store, "s", every=1, expected={"budget": 32})
+        checkpoint.saver(cache, lambda: {"ids": list(range(3, 80))})()
+        cache.unbind()
+        saved = sorted(p for p in kv.rglob("*") if p.is_file())
+        kv.rename(tmp_path / "away")
+        kv.write_text("the disk went away")
+        with pytest.raises(SystemExit, match="--resume: session 's' cannot be resumed now"):
+            checkpoint.resume(PACECache, model)
+        kv.unlink()
+        (tmp_path / "away").rename(kv)
+        assert sorted(p for p in kv.rglob("*") if p.is_file()) == saved
+        resumed, state = checkpoint.resume(PACECache, model)
+        assert state["ids"] == list(range(3, 80)) and resumed.get_seq_length() == 77
+        resumed.unbind()
+    finally:
+        store.close()

@@ -16,7 +16,7 @@ from tiny_models import tiny_model
 from pace_hf import Blueprint, CumulativeAttention, PACECache
 from pace_hf.cache.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY, SAVE_FORMAT, IncompleteSave, SaveFailed
 from pace_hf.session import PACESession
-from pace_hf.tiers import DiskTier, HostTier, LeaseHeld, TieredStore, ValkeyTier, WriterConflict, encode
+from pace_hf.tiers import DiskTier, HostTier, LeaseHeld, TieredStore, TierUnavailable, ValkeyTier, WriterConflict, encode
 
 WORKER = Path(__file__).parent / "save_worker.py"
 SID = "s"
@@ -360,7 +360,7 @@ def test_resume_says_when_no_tier_answered_rather_than_no_save(model, tmp_path):
         PACECache.resume(SID, store=DiskTier(tmp_path / "kv"), model=model)
     (tmp_path / "kv").rename(tmp_path / "away")
     (tmp_path / "kv").write_text("the disk went away")  # every read fails: ENOTDIR
-    with pytest.raises(KeyError, match="cannot be resumed now: no durable tier answered .*disk.*try again"):
+    with pytest.raises(TierUnavailable, match="cannot be resumed now: no durable tier answered .*disk.*try again"):
         PACECache.resume(SID, store=TieredStore([DiskTier(tmp_path / "kv")]), model=model)
     (tmp_path / "kv").unlink()
     (tmp_path / "away").rename(tmp_path / "kv")  # back: the save is whole

@@ -443,6 +443,41 @@ def test_a_session_spills_under_the_servers_cap(tiny_dir, tmp_path, capsys):
         store.close()
 
 
+def test_a_store_that_is_down_at_resume_keeps_the_save(tiny_dir, tmp_path):
+    """A resume the store cannot answer raises ``TierUnavailable``, not the ``KeyError`` of "no save": the
+    engine serves the turn from a fresh session and leaves the save (which may be whole) where it is."""
+    import transformers as tf
+
+    from pace_hf.serve.engine import Engine
+    from pace_hf.session import PACESession
+    from pace_hf.tiers import DiskTier, TieredStore, TierUnavailable
+
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_dir[0]).eval()
+    kv = tmp_path / "kv"
+    store = TieredStore([DiskTier(kv)])
+    engine = Engine(model, tiny_dir[1], store, "tiny", budget=160, limit=640, chunk=128)
+    try:
+        session = engine._new("You are terse.", "kept")
+        session.add("user", DEFS)
+        reply = session.generate(max_new_tokens=3)
+        session.save()
+        engine._drop("kept")
+        kv.rename(tmp_path / "away")
+        kv.write_text("the disk went away")  # every read fails (ENOTDIR)
+        with pytest.raises(TierUnavailable, match="cannot be resumed now.*its save may exist"):
+            PACESession.resume("kept", model, tiny_dir[1], store=store)
+        fresh = engine._session("kept", "You are terse.")
+        assert fresh.messages == [] and engine.metrics.registry.get_sample_value("pace_session_resume_failures_total") == 1
+        engine._drop("kept")
+        kv.unlink()
+        (tmp_path / "away").rename(kv)  # back: the save is still there, whole
+        resumed = PACESession.resume("kept", model, tiny_dir[1], store=store)
+        assert [m.content for m in resumed.messages] == [DEFS, reply]
+        resumed.cache.unbind()
+    finally:
+        store.close()
+
+
 def test_a_budget_the_cache_cannot_take_fails_at_startup(tiny_dir, tmp_path):
     """``--budget 96`` (under the cache's protected sinks + recent) or a chunk over the room ``--limit``
     leaves started a server that answered every turn with a 500; the engine now refuses them."""

@@ -262,8 +262,9 @@ def resume(cls, session_id: str, *, store, model, scoring=None):
     for attempt in range(3):
         try:
             manifest = _read(store, session_id, MANIFEST_KEY)
-        except TierUnavailable as e:  # a KeyError, as for no save: nothing was loaded, try again later
-            raise KeyError(f"session {session_id!r} cannot be resumed now: {e}; try again once the tier is back") from e
+        except TierUnavailable as e:  # not a KeyError: a caller that starts afresh on "no save" would overwrite it
+            raise TierUnavailable(f"session {session_id!r} cannot be resumed now: {e}; its save may exist, "
+                                  "try again once the tier is back") from e
         if manifest is None:
             raise KeyError(f"no saved session {session_id!r} in this store (or its manifest failed verification)")
         check_manifest(manifest, session_id, fingerprint)

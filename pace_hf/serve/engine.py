@@ -37,6 +37,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from ..chat import DEFAULT_SYSTEM
 from ..planner import SymbolPlanner
 from ..session import PACESession
+from ..tiers import TierUnavailable
 from .metrics import Metrics
 from .protocol import APIError
 
@@ -210,11 +211,12 @@ class Engine:
             session = PACESession.resume(session_id, self.model, self.tokenizer, store=self.store,
                                          planner=SymbolPlanner(), rehydrate=True)
             self.metrics.resumes.inc()
-        except Exception as e:  # noqa: BLE001 - missing, corrupt or foreign: start afresh from the messages
+        except Exception as e:  # noqa: BLE001 - missing, corrupt, foreign or unreachable: start afresh from the messages
             if not isinstance(e, KeyError):
                 log.warning("pace-serve: session %s could not be resumed (%s); starting it afresh", session_id, e)
                 self.metrics.resume_failures.inc()
-                self.store.delete_session(session_id)
+                if not isinstance(e, TierUnavailable):  # a save behind a tier that is down may be whole: keep it
+                    self.store.delete_session(session_id)
             session = self._new(system, session_id)
         return self._admit(session_id, session)
 

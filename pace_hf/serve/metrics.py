@@ -17,7 +17,7 @@ class Metrics:
         self.requests = Counter("pace_requests", "Chat requests answered, by status", ["status"], registry=r)
         self.resumes = Counter("pace_session_resumes", "Sessions resumed from the store", registry=r)
         self.resume_failures = Counter("pace_session_resume_failures",
-                                       "Resumes that failed (missing or corrupt save): a fresh session was started",
+                                       "Resumes that failed (a corrupt or foreign save, or a store that did not answer): a fresh session was started",
                                        registry=r)
         self.rewinds = Counter("pace_session_rewinds", "Sessions cropped to an edited history", registry=r)
         self.rebuilds = Counter("pace_session_rebuilds",
