@@ -43,8 +43,10 @@ class PACESession:
 
     Args:
         model, tokenizer: a causal LM and its tokenizer (with a chat template).
-        budget, limit: the cache's token budget and rotary limit.
+        budget, limit: the cache's token budget (default 2048) and rotary limit.
         store, session_id: a ``pace_hf.tiers.TieredStore`` for spills, restores and ``save``.
+        cache: a ``PACECache`` built by the caller, instead of one from ``budget``, ``limit``, ``store``,
+            ``session_id`` and ``cache_kwargs`` (giving both is refused).
         system: the system prompt.
         chunk: ``prefill_chunk_size`` for generate (default: the room ``limit`` leaves above
             ``budget``, at most 4096).
@@ -57,7 +59,7 @@ class PACESession:
         cache_kwargs: passed to ``PACECache`` (sinks, recent, phi, prefetch_steps, ...).
     """
 
-    def __init__(self, model, tokenizer, *, budget: int = 2048, limit: int | None = 8192, store=None,
+    def __init__(self, model, tokenizer, *, budget: int | None = None, limit: int | None = 8192, store=None,
                  session_id: str | None = None, system: str = DEFAULT_SYSTEM, chunk: int | None = None,
                  planner=None, rehydrate: bool = False, cache: PACECache | None = None, retrieval=None,
                  **cache_kwargs):
@@ -66,6 +68,15 @@ class PACESession:
         if cache is not None and not isinstance(cache, PACECache):
             raise TypeError(f"cache must be a PACECache (a session plans spans in its blueprint), "
                             f"got {type(cache).__name__}")
+        if cache is not None:  # its settings are its own: another value here would be silently ignored
+            mine = {"budget": cache.budget, "store": cache.store, "session_id": cache.session_id, "limit": cache.limit}
+            given = {k: v for k, v in (("budget", budget), ("store", store), ("session_id", session_id)) if v is not None}
+            given.update({"limit": limit} if limit != 8192 else {})  # None (no limit) is a value too
+            differ = [k for k, v in given.items() if v is not mine[k] and v != mine[k]]
+            if differ or cache_kwargs:
+                raise TypeError(f"cache= is a built PACECache; {', '.join(differ + sorted(cache_kwargs))} belong to it, "
+                                "not to the session: give them to PACECache(...) instead")
+        budget = 2048 if budget is None else budget
         if retrieval not in (None, False, True) and not callable(getattr(retrieval, "rehydrate", None)):
             raise TypeError(f"retrieval is True, False or a pace_hf.retrieval.PageRetriever, got {retrieval!r}")
         chunk = as_index(chunk, "chunk") if chunk is not None else None

@@ -9,7 +9,7 @@ import pytest
 import torch
 from session_worker import TURN1, session_model
 
-from pace_hf import Span
+from pace_hf import PACECache, Span
 from pace_hf.session import PACESession
 from pace_hf.tiers import DiskTier, HostTier, TieredStore
 
@@ -58,6 +58,13 @@ def test_bad_session_arguments_are_refused_before_anything_changes(tiny_session_
         make(system=None)
     with pytest.raises(TypeError, match="cache must be a PACECache"):
         PACESession(model, tokenizer, cache="a cache")
+    built = PACECache(None, model=model, budget=48, limit=160, recent=8)
+    for wrong, named in (({"budget": 4096}, "budget"), ({"limit": None}, "limit"), ({"sinks": 2}, "sinks"),
+                         ({"budget": 64, "session_id": "x"}, "budget, session_id")):
+        with pytest.raises(TypeError, match=f"built PACECache; {named} belong to it"):
+            PACESession(model, tokenizer, cache=built, **wrong)  # was silently ignored
+    assert PACESession(model, tokenizer, cache=built, budget=48, limit=160).cache is built  # the same values: fine
+    built.unbind()
     with pytest.raises(TypeError, match="retrieval is True, False or a pace_hf.retrieval.PageRetriever"):
         make(retrieval="yes")
     session = make(chunk=32)
