@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import operator
 import weakref
 from typing import Protocol, runtime_checkable
 
@@ -167,10 +168,15 @@ class Binding:
         def generate(*args, **kwargs):
             cache = cache_from_kwargs(kwargs)
             chunk = kwargs.get("prefill_chunk_size")
-            if _is_pace_cache(cache) and chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
-                                                                or chunk < 1):
-                raise ValueError(f"prefill_chunk_size must be a whole number of tokens >= 1 (or None: one forward "
-                                 f"for the whole prompt), got {chunk!r}")
+            if _is_pace_cache(cache) and chunk is not None:
+                try:  # an int, or an integer type that says it is one (numpy's), never a float or a bool
+                    chunk = None if isinstance(chunk, bool) else operator.index(chunk)
+                except TypeError:
+                    chunk = None
+                if chunk is None or chunk < 1:
+                    raise ValueError(f"prefill_chunk_size must be a whole number of tokens >= 1 (or None: one "
+                                     f"forward for the whole prompt), got {kwargs['prefill_chunk_size']!r}")
+                kwargs["prefill_chunk_size"] = chunk
             model = self.model_ref()
             max_positions = getattr(model.config, "max_position_embeddings", None) if model is not None else None
             bounded = (_is_pace_cache(cache) and cache.limit is not None and max_positions is not None

@@ -173,6 +173,23 @@ def test_a_prefill_chunk_size_that_is_not_a_token_count_is_refused_before_any_fo
     assert cache.get_seq_length() == 0
 
 
+def test_a_numpy_prefill_chunk_size_is_a_token_count():
+    """``np.int64(32)`` (from a config array, a sweep) is an integer: the same forwards as ``32``."""
+    import numpy as np
+
+    model = tiny_model("llama")
+    outs = []
+    for chunk in (32, np.int64(32)):
+        counted = []
+        handle = model.model.embed_tokens.register_forward_hook(lambda m, args, out: counted.append(args[0].shape[1]))
+        cache = PACECache(Blueprint(), model=model, budget=32, limit=80, recent=8)
+        outs.append(model.generate(prompt(100), max_new_tokens=2, do_sample=False, cache=cache, prefill_chunk_size=chunk))
+        handle.remove()
+        assert counted == [32, 32, 32, 4, 1]
+        cache.unbind()
+    assert torch.equal(*outs)
+
+
 def test_model_works_normally_after_a_pace_cache():
     model = tiny_model("llama")
     ids = prompt(100)
