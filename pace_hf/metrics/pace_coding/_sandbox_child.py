@@ -13,7 +13,9 @@ nothing here is trusted after that. The walls that must hold are set up before, 
   program; when init ends the kernel kills everything left in the namespace;
 * new mount, network, pid, IPC and UTS namespaces (``_enter_namespaces``): no pid counter, System V
   object, POSIX message queue, abstract socket or host name is shared with the host or another run;
-* a read-only root with a fresh ``/proc`` of the new pid namespace (only its processes) and a
+* a minimal read-only root (only the standard library, the system's shared libraries and the
+  mount points below: no other host path exists, even for ``stat``) with a fresh ``/proc`` of the
+  new pid namespace (only its processes) and a
   ``noexec`` scratch tmpfs whose ``size=`` and ``nr_inodes=`` cap disk and kernel memory (a mkdir
   flood meets ENOSPC), the standard library's ``site-packages`` covered, Landlock, resource limits,
   a fresh uid, and a seccomp allowlist (``_install_seccomp``);
@@ -64,6 +66,7 @@ RLIMIT_LOCKS = 10  # ignored by Linux since 2.4.25: free to serve as the violati
 VIOLATION_BUDGET = 1_000_000  # RLIMIT_LOCKS hard limit at start; each refusal lowers it by one
 SANDBOX_PID = 2  # the sandbox process's pid in its namespace (init is 1)
 _SYS_CAPSET = {"x86_64": 126, "aarch64": 91}  # per architecture
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 
 # seccomp allowlist (x86_64 only: syscall numbers differ per architecture). Every other system
 # call fails with EPERM: among them System V IPC, mq_*, memfd_create, userfaultfd, io_uring, bpf,
@@ -545,8 +548,9 @@ def _confine(job, pipes):
     layers = _enter_namespaces(libc, job["parent_pid"], pipes)
     if "userns" in layers:
         uid = None  # no uid of the host to drop to from a user namespace
-    if _private_read_only_root(libc, layers):
-        _mount_proc(libc, layers)
+    if _private_read_only_root(libc, work, lib, read_roots, layers):
+        if "minimal root" not in layers:  # else it has its /proc already
+            _mount_proc(libc, "/proc", layers)
         _mount_scratch(libc, work, uid, limits, layers)
         mounted_stdlib = _mount_stdlib(libc, lib, uid, stdlib, layers, read_roots)
         _hide_site_packages(libc, layers)
@@ -668,18 +672,93 @@ def _wait_and_pass_on(pid):
     os._exit(code)
 
 
-def _private_read_only_root(libc, layers):
-    """In the new mount namespace: stop propagation to the host (nothing is mounted otherwise),
-    then make every mount read-only, recursively (mount_setattr, Linux >= 5.12). Mounts made
-    after this (the working directory's tmpfs) stay writable."""
+def _private_read_only_root(libc, work, lib, read_roots, layers):
+    """In the new mount namespace: stop propagation to the host, move to a minimal root
+    (``_pivot_to_minimal_root``), then make every mount read-only, recursively (mount_setattr,
+    Linux >= 5.12). Mounts made after this (the working directory's tmpfs) stay writable."""
     import ctypes
     if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
         return False
+    try:
+        _pivot_to_minimal_root(libc, work, lib, read_roots, layers)
+    except OSError:
+        pass  # the host's root, read-only and walled by Landlock; the layer is missing from the list
     attr = struct.pack("=QQQQ", 1 | 2, 0, 0, 0)  # MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID
     if libc.syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(-100), b"/", ctypes.c_uint(0x8000),  # AT_FDCWD,
                     attr, ctypes.c_size_t(len(attr))) == 0:                                # AT_RECURSIVE
         layers.append("read-only root")
     return True
+
+
+def _pivot_to_minimal_root(libc, work, lib, read_roots, layers):
+    """A root of the sandbox's own: a tmpfs holding bind mounts of only what the interpreter and C
+    code may read (``read_roots``, the system's shared libraries, /dev/null), at their own paths, and
+    the empty directories later mounts need (``work``, ``lib``) and a fresh /proc (mounted before the
+    host's is gone: in a user namespace the kernel only allows a procfs where one is visible). The host's root
+    is then detached. Landlock walls reads but not ``stat``: on the host's root the program could
+    still learn which paths exist, with their sizes, owners and times. Raises where it cannot be
+    built (the half-built root is then detached again)."""
+    import ctypes
+    pivot_root = _SYS_PIVOT_ROOT.get(os.uname().machine)
+    if pivot_root is None:
+        raise OSError("no pivot_root number for %s" % os.uname().machine)
+    new = work  # an existing directory to build on; the scratch tmpfs goes over ``work`` inside it later
+    _mount(libc, "pace-sandbox-root", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=256k,nr_inodes=1024,mode=0755")
+    pivoted = False
+    try:
+        kept = []  # host paths bound into the new root (nothing beneath one is bound again)
+
+        def place(path, depth=0):  # ``path`` (absolute) in the new root, through the same symlinks
+            if depth > 16:
+                raise OSError("too many symlinks under %s" % path)
+            at = ""
+            parts = [p for p in path.split("/") if p]
+            for k, part in enumerate(parts):
+                at += "/" + part
+                if any(at == b or at.startswith(b + "/") for b in kept):
+                    return
+                if os.path.islink(at):
+                    if not os.path.lexists(new + at):
+                        os.symlink(os.readlink(at), new + at)
+                    rest = "/".join(parts[k + 1:])
+                    place(os.path.normpath(os.path.join(os.path.dirname(at), os.readlink(at), rest)), depth + 1)
+                    return
+                if k < len(parts) - 1 and not os.path.isdir(new + at):
+                    os.mkdir(new + at)
+                    os.chmod(new + at, os.stat(at).st_mode & 0o7777)  # who may pass, as on the host
+            if os.path.isdir(at):
+                if not os.path.isdir(new + at):
+                    os.mkdir(new + at, 0o755)
+            else:
+                open(new + at, "wb").close()
+            _mount(libc, at, new + at, None, _MS_BIND | _MS_REC)
+            kept.append(at)
+
+        wanted = {os.path.normpath(p) for p in list(read_roots) + list(_SYSTEM_READ_ROOTS) + ["/dev/null"]}
+        for path in sorted(wanted, key=len):  # a folder before what lies beneath it
+            if os.path.exists(path):
+                place(path)
+        for path in (work, lib, "/proc"):  # mount points only, made on the tmpfs
+            at = ""
+            for part in [p for p in path.split("/") if p]:
+                at += "/" + part
+                if not os.path.isdir(new + at):
+                    os.mkdir(new + at, 0o711)
+        proc = []
+        _mount_proc(libc, new + "/proc", proc)
+        os.chdir(new)
+        if libc.syscall(pivot_root, b".", b".") != 0:
+            raise OSError("pivot_root failed (errno %d)" % ctypes.get_errno())
+        pivoted = True
+        if libc.umount2(b".", 2) != 0:  # MNT_DETACH: the host's root, now stacked over the new one
+            raise OSError("cannot detach the host's root (errno %d)" % ctypes.get_errno())
+    except OSError:
+        os.chdir("/")
+        if not pivoted:
+            libc.umount2(new.encode(), 2)
+        raise
+    os.chdir("/")
+    layers += ["minimal root"] + proc
 
 
 def _mount(libc, src, target, fstype, flags, data=None):
@@ -688,16 +767,16 @@ def _mount(libc, src, target, fstype, flags, data=None):
         raise OSError("mount %s (%s) failed" % (target, fstype))
 
 
-def _mount_proc(libc, layers):
+def _mount_proc(libc, target, layers):
     """A procfs of the new pid namespace over /proc, read-only, with only its process
     directories (``subset=pid``): no host pid, no global counters (/proc/stat, /proc/sys). Where
     the kernel refuses it (a user namespace under a masked /proc), an empty tmpfs hides /proc."""
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY
     try:
-        _mount(libc, "proc", "/proc", "proc", flags, "subset=pid")
+        _mount(libc, "proc", target, "proc", flags, "subset=pid")
         layers.append("fresh /proc")
     except OSError:
-        _mount(libc, "pace-sandbox-noproc", "/proc", "tmpfs", flags, "size=4k,nr_inodes=2")
+        _mount(libc, "pace-sandbox-noproc", target, "tmpfs", flags, "size=4k,nr_inodes=2")
         layers.append("no /proc")
 
 

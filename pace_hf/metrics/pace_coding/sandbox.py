@@ -14,7 +14,7 @@ from the moment it loads, so is the child's whole interpreter: the program may r
 * **The kernel confines.** The child (``pace_hf/metrics/pace_coding/_sandbox_child.py``) runs the
   program as pid 2 of new pid, IPC, UTS, network and mount namespaces (no pid counter, System V
   object, POSIX queue, abstract socket or host name shared with the host or another run; whatever
-  is left dies with the namespace), under a read-only root with a fresh ``/proc`` and a scratch
+  is left dies with the namespace), under a minimal read-only root with a fresh ``/proc`` and a scratch
   tmpfs capped by ``size=`` and ``nr_inodes=``, Landlock, resource limits, a fresh uid and a
   seccomp allowlist (deny by default: no System V IPC, ``mq_*``, ``memfd_create``, ``userfaultfd``,
   ``io_uring``, ``ptrace``, sockets but AF_UNIX pairs, or new processes unless allowed). Where the
@@ -235,8 +235,8 @@ def run_calls(program: str, calls: list[str], limits: SandboxLimits = SandboxLim
 
 def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
     """Which OS-level layers the child sets up on this machine (for logs and tests; runs no
-    generated code): e.g. ``["netns", "mountns", "pidns", "ipcns", "utsns", "read-only root",
-    "fresh /proc", "tmpfs 16 MB, 4096 inodes", "stdlib bind mounts", "no site-packages",
+    generated code): e.g. ``["netns", "mountns", "pidns", "ipcns", "utsns", "minimal root",
+    "fresh /proc", "read-only root", "tmpfs 16 MB, 4096 inodes", "stdlib bind mounts", "no site-packages",
     "utsns hostname", "rlimits", "uid 1234", "landlock v7", "seccomp allowlist",
     "violation counter"]`` (``"userns"`` first where they were made without root).
     :func:`run_calls` refuses unless the namespaces are there and a "landlock" layer is present. The audit hook is not listed: it is always installed."""
