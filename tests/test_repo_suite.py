@@ -268,9 +268,9 @@ def test_with_tiers_planned_spans_the_budget_pushed_out_come_back_before_their_s
 
 
 def test_the_repo_script_plays_its_stages_and_a_tier_changes_none_of_h2os_answers(tmp_path):
-    """bench/run_repo.sh's own stages, scaled down to the tiny model. Stage 1 copies H2O's records from the
-    run without tiers when there is one (H2O never restores); here there is none yet, so it plays H2O with a
-    tier, and stage 3 plays it without: the answers must be the same, which is what the copy relies on."""
+    """bench/run_repo.sh's own stages, scaled down to the tiny model. Stage 3 copies H2O's records from the
+    64K run without tiers (H2O never restores); here ``COPY_H2O=0`` plays H2O again with a tier, and the
+    answers must be those of stage 2, without one, which is what the copy relies on."""
     import os
     import subprocess
 
@@ -280,7 +280,7 @@ def test_the_repo_script_plays_its_stages_and_a_tier_changes_none_of_h2os_answer
     env = dict(os.environ, MODEL=_tiny_model_dir(tmp_path / "model"), SHORT="4000", LONG="5000", LONGEST="6000",
                LONG_SESSIONS="1", TIER_ARMS="pace_oracle", SHORT_ARMS="pace_rehydrate", LONG_ARMS="pace_rehydrate",
                LONGEST_ARMS="pace_oracle", PROBES="1", RUNS=str(runs), RESULTS=str(results), EXTRA=small,
-               PY=sys.executable, NICE="0")
+               PY=sys.executable, NICE="0", COPY_H2O="0")
     done = subprocess.run(["bash", "bench/run_repo.sh", "--foreground"], cwd=repo_root, env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
