@@ -10,7 +10,9 @@ its targets: per-chunk tokens/s over the first 48K tokens against the last 48K (
 and the peak cache over the whole run against the peak over its first 48K (target <= 1.05x). The run
 shares a 2-core CPU with whatever else runs, so the same ratio is also given in tokens per CPU-second
 of the run's own process, which other load barely moves (chunks logged before that field existed are
-left out of it).
+left out of it), and as the median chunk of each window (a chunk that spanned a stop, or a foreground
+test, moves a sum but not a median). It runs across working sessions, on whichever machine each one
+gets, so a table of every 128K tokens shows whether the speed trends with the length or only varies.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pace_bench.checkpoint import read_chunk_log
 from pace_bench.records import read_jsonl
 
 WINDOW = 48 * 1024  # the issue's "first 48K" and "last 48K"
+STRETCH = 128 * 1024  # the rows of the table over the whole run
 
 
 def _mib(n: float) -> str:
@@ -44,11 +47,39 @@ def flatness(chunks: list[dict]) -> dict:
     cpu = {"first_tok_cpu_s": rate(cpu_first, "cpu_seconds"), "last_tok_cpu_s": rate(cpu_last, "cpu_seconds"),
            "tok_cpu_s_ratio": rate(cpu_last, "cpu_seconds") / rate(cpu_first, "cpu_seconds")} if timed else {}
     early_peak = max(c["cache_bytes"] for c in chunks if c["seen"] <= max(WINDOW, first[-1]["seen"]))
-    return {"first_tok_s": rate(first), "last_tok_s": rate(last), "tok_s_ratio": rate(last) / rate(first),
+    median = {"first_median_tok_s": _median(first, "tokens_per_s"), "last_median_tok_s": _median(last, "tokens_per_s")}
+    median["median_ratio"] = median["last_median_tok_s"] / median["first_median_tok_s"]
+    return {"first_tok_s": rate(first), "last_tok_s": rate(last), "tok_s_ratio": rate(last) / rate(first), **median,
             "early_peak": early_peak, "peak": max(c["cache_bytes"] for c in chunks),
             "peak_ratio": max(c["cache_bytes"] for c in chunks) / early_peak,
             "full_at_end": max(c["full_cache_bytes"] for c in chunks), "seen": max(c["seen"] for c in chunks),
             "prefill_hours": sum(c["seconds"] for c in chunks) / 3600, **cpu}
+
+
+def _median(chunks: list[dict], key: str) -> float:
+    values = sorted(c[key] for c in chunks)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def stretches(chunks: list[dict]) -> list[str]:
+    """Table rows, one per ``STRETCH`` tokens of the context's chunks: median tokens/s per chunk, median
+    tokens per CPU-second, the mean load average and the peak cache."""
+    full = [c for c in chunks if c["tokens"] == max(c["tokens"] for c in chunks)]
+    rows = []
+    for lo in range(0, max(c["seen"] for c in full), STRETCH):
+        part = [c for c in full if lo < c["seen"] <= lo + STRETCH]
+        if not part:
+            continue
+        timed = [dict(c, per_cpu=c["tokens"] / c["cpu_seconds"]) for c in part if c.get("cpu_seconds")]
+        cpu = f"{_median(timed, 'per_cpu'):.1f}" if timed else "n/a"
+        load = [c["load1"] for c in part if c.get("load1") is not None]
+        rows.append(f"| {lo // 1024:,}K-{part[-1]['seen'] // 1024:,}K | {len(part)} | {_median(part, 'tokens_per_s'):.1f} "
+                    f"| {cpu} | {sum(load) / len(load):.2f} | {_mib(max(c['cache_bytes'] for c in part))} |"
+                    if load else
+                    f"| {lo // 1024:,}K-{part[-1]['seen'] // 1024:,}K | {len(part)} | {_median(part, 'tokens_per_s'):.1f} "
+                    f"| {cpu} | n/a | {_mib(max(c['cache_bytes'] for c in part))} |")
+    return rows
 
 
 def figure(chunks: list[dict], path: Path, title: str) -> None:
@@ -95,13 +126,17 @@ def report(run: Path, out: Path) -> Path:
     checks = sum(r["checks_passed"] for r in records), sum(r["checks_total"] for r in records)
     lines += ["", f"Checks {checks[0]}/{checks[1]}. Prefill {f['prefill_hours']:.2f} h over {len(chunks)} chunks.", "",
               f"- Per-chunk tokens/s: {f['first_tok_s']:.1f} over the first 48K tokens, {f['last_tok_s']:.1f} over "
-              f"the last 48K: {f['tok_s_ratio']:.3f}x (target within 0.85-1.15x).",
+              f"the last 48K: {f['tok_s_ratio']:.3f}x (target within 0.85-1.15x); the median chunk: "
+              f"{f['first_median_tok_s']:.1f} and {f['last_median_tok_s']:.1f}, {f['median_ratio']:.3f}x.",
               *([f"- Per CPU-second of the run's process (other load barely moves it): {f['first_tok_cpu_s']:.1f} "
                  f"tokens over the first 48K, {f['last_tok_cpu_s']:.1f} over the last 48K: {f['tok_cpu_s_ratio']:.3f}x."]
                 if "tok_cpu_s_ratio" in f else []),
               f"- Peak cache: {_mib(f['peak'])} over the run, {_mib(f['early_peak'])} over the first 48K: "
               f"{f['peak_ratio']:.3f}x (target <= 1.05x); the full cache would hold {_mib(f['full_at_end'])} "
-              f"({f['peak'] / f['full_at_end']:.4f}x).", "", "![tokens/s and cache memory per chunk](fig_chunks.png)", ""]
+              f"({f['peak'] / f['full_at_end']:.4f}x).", "",
+              "| tokens | chunks | tokens/s (median chunk) | tokens per CPU-second (median) | load average | peak cache |",
+              "|---|---|---|---|---|---|", *stretches(chunks), "",
+              "![tokens/s and cache memory per chunk](fig_chunks.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     if out.resolve() != run.resolve():
         for name in ("probes.jsonl", "run.json", "table.md", "chunks.jsonl"):

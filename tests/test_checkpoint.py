@@ -294,7 +294,8 @@ def test_the_1m_script_runs_in_the_background_and_reports(model_dir, tmp_path):
         time.sleep(0.5)
     report = (results / "report.md").read_text()
     assert "B=256, H=64, L=1,024" in report and "| fee_for |" in report and "Per-chunk tokens/s" in report
-    assert "Per CPU-second of the run's process" in report
+    assert "Per CPU-second of the run's process" in report and "the median chunk:" in report
+    assert "| 0K-1K | " in report  # the table of stretches: one row here (1.2K tokens)
     chunks = [json.loads(line) for line in (out / "chunks.jsonl").read_text().splitlines()]
     assert all(0 < c["cpu_seconds"] for c in chunks)
     assert (results / "fig_chunks.png").stat().st_size > 0 and (results / "probes.jsonl").exists()
