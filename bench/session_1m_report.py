@@ -74,11 +74,9 @@ def stretches(chunks: list[dict]) -> list[str]:
         timed = [dict(c, per_cpu=c["tokens"] / c["cpu_seconds"]) for c in part if c.get("cpu_seconds")]
         cpu = f"{_median(timed, 'per_cpu'):.1f}" if timed else "n/a"
         load = [c["load1"] for c in part if c.get("load1") is not None]
+        load_text = f"{sum(load) / len(load):.2f}" if load else "n/a"
         rows.append(f"| {lo // 1024:,}K-{part[-1]['seen'] // 1024:,}K | {len(part)} | {_median(part, 'tokens_per_s'):.1f} "
-                    f"| {cpu} | {sum(load) / len(load):.2f} | {_mib(max(c['cache_bytes'] for c in part))} |"
-                    if load else
-                    f"| {lo // 1024:,}K-{part[-1]['seen'] // 1024:,}K | {len(part)} | {_median(part, 'tokens_per_s'):.1f} "
-                    f"| {cpu} | n/a | {_mib(max(c['cache_bytes'] for c in part))} |")
+                    f"| {cpu} | {load_text} | {_mib(max(c['cache_bytes'] for c in part))} |")
     return rows
 
 

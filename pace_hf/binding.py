@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import operator
 import weakref
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from . import attention
+from .blueprint import as_index
 
 _ATTR = "_pace_hf_binding"
 # True while a generate call that uses a bounded pace_hf cache (limit <= max positions) runs.
@@ -170,7 +170,7 @@ class Binding:
             chunk = kwargs.get("prefill_chunk_size")
             if _is_pace_cache(cache) and chunk is not None:
                 try:  # an int, or an integer type that says it is one (numpy's), never a float or a bool
-                    chunk = None if isinstance(chunk, bool) else operator.index(chunk)
+                    chunk = as_index(chunk, "prefill_chunk_size")
                 except TypeError:
                     chunk = None
                 if chunk is None or chunk < 1:
