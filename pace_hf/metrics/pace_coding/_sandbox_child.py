@@ -708,6 +708,11 @@ def _pivot_to_minimal_root(libc, work, lib, read_roots, layers):
     try:
         kept = []  # host paths bound into the new root (nothing beneath one is bound again)
 
+        def folder(at, mode):  # the directory ``at`` in the new root, made with ``mode`` if absent
+            if not os.path.isdir(new + at):
+                os.mkdir(new + at)
+                os.chmod(new + at, mode)
+
         def place(path, depth=0):  # ``path`` (absolute) in the new root, through the same symlinks
             if depth > 16:
                 raise OSError("too many symlinks under %s" % path)
@@ -723,12 +728,10 @@ def _pivot_to_minimal_root(libc, work, lib, read_roots, layers):
                     rest = "/".join(parts[k + 1:])
                     place(os.path.normpath(os.path.join(os.path.dirname(at), os.readlink(at), rest)), depth + 1)
                     return
-                if k < len(parts) - 1 and not os.path.isdir(new + at):
-                    os.mkdir(new + at)
-                    os.chmod(new + at, os.stat(at).st_mode & 0o7777)  # who may pass, as on the host
+                if k < len(parts) - 1:
+                    folder(at, os.stat(at).st_mode & 0o7777)  # who may pass, as on the host
             if os.path.isdir(at):
-                if not os.path.isdir(new + at):
-                    os.mkdir(new + at, 0o755)
+                folder(at, 0o755)
             else:
                 open(new + at, "wb").close()
             _mount(libc, at, new + at, None, _MS_BIND | _MS_REC)
@@ -738,12 +741,11 @@ def _pivot_to_minimal_root(libc, work, lib, read_roots, layers):
         for path in sorted(wanted, key=len):  # a folder before what lies beneath it
             if os.path.exists(path):
                 place(path)
-        for path in (work, lib, "/proc"):  # mount points only, made on the tmpfs
+        for path in (work, lib, "/proc"):  # mount points, and folders the fresh uid must pass to reach them
             at = ""
             for part in [p for p in path.split("/") if p]:
                 at += "/" + part
-                if not os.path.isdir(new + at):
-                    os.mkdir(new + at, 0o711)
+                folder(at, 0o711)
         proc = []
         _mount_proc(libc, new + "/proc", proc)
         os.chdir(new)
