@@ -16,9 +16,10 @@
 #   bash bench/run_repo.sh     # starts it in the background (nohup, niced); the log is RUNS/repo.log
 #   bash bench/run_repo.sh     # again, after a stop or a kill: every stage resumes
 #
-# Stages 1 and 2 add arms to the earlier runs' folders (their records are kept), so each table pairs every
-# arm on the same sessions. Each stage's table, records and settings are copied to RESULTS when it ends. The
-# variables below scale it down for a test of the same code path (tests/test_repo_suite.py).
+# Stages 1 and 2 add arms to the earlier runs' folders (their records are kept, from RESULTS where RUNS is
+# gone), so each table pairs every arm on the same sessions. Each stage's table, records and settings are
+# copied to RESULTS when it ends. The variables below scale it down for a test of the same code path
+# (tests/test_repo_suite.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,6 +43,16 @@ PY=${PY:-.venv/bin/python}
 # shellcheck source=bench/background.sh
 source bench/background.sh
 run_once_in_background "$RUNS/repo" "$0" "${1:-}"
+
+# A checkout whose RUNS is gone (a new machine) starts each stage from the records that RESULTS holds, so
+# that nothing that landed is played again (--resume keeps every complete pair of the log).
+for pair in repo32k-v2:repo32k repo64k:repo64k repo64k-tiers:repo64k-tiers repo128k-tiers:repo128k-tiers; do
+    run=${pair%%:*} result=${pair##*:}
+    if [ ! -s "$RUNS/$run/probes.jsonl" ] && [ -s "$RESULTS/$result/probes.jsonl" ]; then
+        mkdir -p "$RUNS/$run"
+        cp "$RESULTS/$result/probes.jsonl" "$RUNS/$run/"
+    fi
+done
 
 stage() {  # stage RUN RESULT ARGS...: one pace-bench --suite repo run into RUNS/RUN, its table to RESULTS/RESULT
     local run=$1 result=$2

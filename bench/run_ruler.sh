@@ -19,8 +19,8 @@
 #   bash bench/run_ruler.sh     # again, after a stop or a kill: every stage resumes (--resume); a
 #                               # context stopped mid-prefill is prefilled again
 #
-# Every stage writes into OUT, so OUT/table.md and the figures cover all that has been answered; at the
-# end they are copied to RESULTS. The variables below scale it down for a test of the same code path
+# Every stage writes into OUT, so OUT/table.md and the figures cover all that has been answered; each
+# stage's end copies them to RESULTS. The variables below scale it down for a test of the same code path
 # (tests/test_ruler.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,13 +55,18 @@ stage() {  # stage SETTING ARGS...
     # shellcheck disable=SC2086  # EXTRA is a list of arguments
     "$PY" -m pace_bench --suite ruler --model "$MODEL" --settings "$setting" --samples "$SAMPLES" --needles "$NEEDLES" \
         --dtype float32 --no-progress --resume --out "$OUT" "$@" $EXTRA
+    mkdir -p "$RESULTS"
+    cp "$OUT"/table.md "$OUT"/probes.jsonl "$OUT"/ruler_*.png "$RESULTS"/
 }
+# A checkout whose OUT is gone (a new machine) starts from the records that RESULTS holds: --resume keeps
+# them, so nothing that landed is answered again.
+if [ ! -s "$OUT/probes.jsonl" ] && [ -s "$RESULTS/probes.jsonl" ]; then
+    cp "$RESULTS/probes.jsonl" "$OUT/"
+fi
 stage session --tasks "$NIAH" --lengths "$SHORT" --arms "$ARMS"
 stage session --tasks "$OTHER" --lengths "$SHORT" --arms "$ARMS"
 stage session --tasks "$NIAH" --lengths "$LONG" --arms "$BOUNDED_ARMS"
 stage session --tasks "$LONGEST_TASKS" --lengths "$LONGEST" --arms "$BOUNDED_ARMS"
 stage session --tasks "$NIAH" --lengths "$SHORT" --arms "$MORE_ARMS"
 stage question_last --tasks "$NIAH" --lengths "$SHORT" --arms "$QUESTION_LAST_ARMS"
-mkdir -p "$RESULTS"
-cp "$OUT"/table.md "$OUT"/probes.jsonl "$OUT"/ruler_*.png "$RESULTS"/
 echo "run_ruler.sh: $(date -u +%FT%TZ) done: $RESULTS/table.md"

@@ -2,6 +2,8 @@
 to end on a tiny random model."""
 
 import json
+import re
+import shutil
 import sys
 import tokenize
 import io
@@ -296,3 +298,11 @@ def test_the_repo_script_plays_its_stages_and_a_tier_changes_none_of_h2os_answer
                                                                .splitlines()) if r["arm"] == "h2o"]
                for run in ("repo64k-tiers", "repo64k")}
     assert answers["repo64k-tiers"] == answers["repo64k"] and answers["repo64k"]
+    # A new checkout, with RUNS gone: every stage resumes from what RESULTS holds and plays nothing again.
+    kept = {result: (results / result / "probes.jsonl").read_text() for result in arms}
+    shutil.rmtree(runs)
+    again = subprocess.run(["bash", "bench/run_repo.sh", "--foreground"], cwd=repo_root, env=env, capture_output=True,
+                           text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not re.search(r"recall \d+/\d+ residency", again.stdout + again.stderr), again.stdout[-3000:]
+    assert {result: (results / result / "probes.jsonl").read_text() for result in arms} == kept

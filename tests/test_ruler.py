@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -233,3 +234,11 @@ def test_the_ruler_script_plays_its_stages_into_one_table(model_dir, tmp_path):
     # each; question-last: niah at 2K, 1 arm x 1 one-question prompt
     assert sum(r["setting"] == "session" for r in records) == 6 + 2 + 2 + 2
     assert sum(r["setting"] == "question_last" for r in records) == 1
+    # A new checkout, with OUT gone: the script resumes from what RESULTS holds and answers nothing again.
+    kept = (results / "probes.jsonl").read_text()
+    shutil.rmtree(out)
+    again = subprocess.run(["bash", "bench/run_ruler.sh", "--foreground"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not re.search(r" score \d\.\d\d residency ", again.stdout + again.stderr), again.stdout[-3000:]
+    assert (results / "probes.jsonl").read_text() == kept
