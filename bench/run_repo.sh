@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The rest of the repo suite on Qwen2.5-Coder-0.5B (issue 24), one stage after the other, about 6-7 hours
-# of this 2-core CPU in all, each stage resumable (--resume). The two the issue's acceptance needs come first:
+# The rest of the repo suite on Qwen2.5-Coder-0.5B (issue 24), one stage after the other, about 8 hours
+# of this 2-core CPU in all, each stage resumable (--resume). The three the issue's acceptance needs come first:
 #
 #   1. 32K, the session of bench/results/repo32k (requests), the arms it lacks: DynamicCache (if the
 #      session fits the model's context), PACE on literal plans, on the probes' own prompts, and with no
 #      plan plus rehydration (about 1 h);
 #   2. 64K, the arms the first 64K run lacks: SnapKV and PACE with rehydration (about 2 h);
-#   3. 64K with --tiers, the two sessions of bench/results/repo64k (rich, markdown_it): PACE with the
+#   3. 32K, MORE_SESSIONS sessions (3: the first is stage 1's, whose records are copied), H2O, PACE
+#      with the oracle plan and with prose plans: one session is too few for the sign test to tell PACE
+#      from H2O (about 1.5 h);
+#   4. 64K with --tiers, the two sessions of bench/results/repo64k (rich, markdown_it): PACE with the
 #      oracle plan and with prose plans, whose planned spans the budget pushed out come back from a host
 #      tier before their step (about 1.5 h). H2O never restores (no plan, no rehydration), so a tier
 #      changes none of its tokens: its records are copied from the 64K run without tiers, as the
 #      reference of the sign test (COPY_H2O=0 plays it again, with the tier);
-#   4. 128K, one session with --tiers: H2O, PACE oracle, PACE prose (about 2 h).
+#   5. 128K, one session with --tiers: H2O, PACE oracle, PACE prose (about 2 h).
 #
 #   bash bench/run_repo.sh     # starts it in the background (nohup, niced); the log is RUNS/repo.log
 #   bash bench/run_repo.sh     # again, after a stop or a kill: every stage resumes
@@ -28,6 +31,8 @@ SHORT=${SHORT:-32768}
 LONG=${LONG:-65536}
 LONGEST=${LONGEST:-131072}
 LONG_SESSIONS=${LONG_SESSIONS:-2}
+MORE_SESSIONS=${MORE_SESSIONS:-3}
+MORE_ARMS=${MORE_ARMS:-h2o,pace_oracle,pace_prose}
 TIER_ARMS=${TIER_ARMS:-pace_oracle,pace_prose}
 SHORT_ARMS=${SHORT_ARMS:-full,pace_literal,pace_probe,pace_rehydrate}
 LONG_ARMS=${LONG_ARMS:-snapkv,pace_rehydrate}
@@ -46,7 +51,8 @@ run_once_in_background "$RUNS/repo" "$0" "${1:-}"
 
 # A checkout whose RUNS is gone (a new machine) starts each stage from the records that RESULTS holds, so
 # that nothing that landed is played again (--resume keeps every complete pair of the log).
-for pair in repo32k-v2:repo32k repo64k:repo64k repo64k-tiers:repo64k-tiers repo128k-tiers:repo128k-tiers; do
+for pair in repo32k-v2:repo32k repo32k-more:repo32k-more repo64k:repo64k repo64k-tiers:repo64k-tiers \
+    repo128k-tiers:repo128k-tiers; do
     run=${pair%%:*} result=${pair##*:}
     if [ ! -s "$RUNS/$run/probes.jsonl" ] && [ -s "$RESULTS/$result/probes.jsonl" ]; then
         mkdir -p "$RUNS/$run"
@@ -65,11 +71,21 @@ stage() {  # stage RUN RESULT ARGS...: one pace-bench --suite repo run into RUNS
     cp "$RUNS/$run"/table.md "$RUNS/$run"/probes.jsonl "$RUNS/$run"/run.json "$RESULTS/$result"/
 }
 
+copy_arms() {  # copy_arms FROM TO ARMS: the records of ARMS (comma-separated) from RUNS/FROM, if RUNS/TO has none
+    local from=$RUNS/$1/probes.jsonl to=$RUNS/$2/probes.jsonl pattern
+    mkdir -p "$RUNS/$2"
+    pattern=$(echo "$3" | sed 's/[^,]*/"arm": "&"/g; s/,/\\|/g')
+    if [ ! -s "$to" ] && [ -s "$from" ]; then
+        grep "$pattern" "$from" > "$to" || true
+    fi
+}
+
 stage repo32k-v2 repo32k --tokens "$SHORT" --sessions 1 --arms "h2o,snapkv,pace_oracle,pace_prose,$SHORT_ARMS"
 stage repo64k repo64k --tokens "$LONG" --sessions "$LONG_SESSIONS" --arms "h2o,pace_oracle,pace_prose,$LONG_ARMS"
-mkdir -p "$RUNS/repo64k-tiers"
-if [ "$COPY_H2O" = 1 ] && [ ! -s "$RUNS/repo64k-tiers/probes.jsonl" ] && [ -s "$RUNS/repo64k/probes.jsonl" ]; then
-    grep '"arm": "h2o"' "$RUNS/repo64k/probes.jsonl" > "$RUNS/repo64k-tiers/probes.jsonl" || true
+copy_arms repo32k-v2 repo32k-more "$MORE_ARMS"  # the same session, the same settings: the same tokens
+stage repo32k-more repo32k-more --tokens "$SHORT" --sessions "$MORE_SESSIONS" --arms "$MORE_ARMS"
+if [ "$COPY_H2O" = 1 ]; then
+    copy_arms repo64k repo64k-tiers h2o
 fi
 stage repo64k-tiers repo64k-tiers --tokens "$LONG" --sessions "$LONG_SESSIONS" --arms "h2o,$TIER_ARMS" --tiers
 stage repo128k-tiers repo128k-tiers --tokens "$LONGEST" --sessions 1 --arms "$LONGEST_ARMS" --tiers

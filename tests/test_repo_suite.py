@@ -270,9 +270,10 @@ def test_with_tiers_planned_spans_the_budget_pushed_out_come_back_before_their_s
 
 
 def test_the_repo_script_plays_its_stages_and_a_tier_changes_none_of_h2os_answers(tmp_path):
-    """bench/run_repo.sh's own stages, scaled down to the tiny model. Stage 3 copies H2O's records from the
-    64K run without tiers (H2O never restores); here ``COPY_H2O=0`` plays H2O again with a tier, and the
-    answers must be those of stage 2, without one, which is what the copy relies on."""
+    """bench/run_repo.sh's own stages, scaled down to the tiny model. The tier stage copies H2O's records from
+    the 64K run without tiers (H2O never restores); here ``COPY_H2O=0`` plays H2O again with a tier, and the
+    answers must be those of stage 2, without one, which is what the copy relies on. The more-sessions stage
+    copies stage 1's session and plays the others."""
     import os
     import subprocess
 
@@ -281,14 +282,14 @@ def test_the_repo_script_plays_its_stages_and_a_tier_changes_none_of_h2os_answer
     small = "--packages click --budget 384 --limit 1024 --chunk 256 --max-new-tokens 4"
     env = dict(os.environ, MODEL=_tiny_model_dir(tmp_path / "model"), SHORT="4000", LONG="5000", LONGEST="6000",
                LONG_SESSIONS="1", TIER_ARMS="pace_oracle", SHORT_ARMS="pace_rehydrate", LONG_ARMS="pace_rehydrate",
-               LONGEST_ARMS="pace_oracle", PROBES="1", RUNS=str(runs), RESULTS=str(results), EXTRA=small,
-               PY=sys.executable, NICE="0", COPY_H2O="0")
+               LONGEST_ARMS="pace_oracle", MORE_SESSIONS="2", MORE_ARMS="h2o", PROBES="1", RUNS=str(runs),
+               RESULTS=str(results), EXTRA=small, PY=sys.executable, NICE="0", COPY_H2O="0")
     done = subprocess.run(["bash", "bench/run_repo.sh", "--foreground"], cwd=repo_root, env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("stage: ") == 4 and "done" in done.stdout
+    assert done.stdout.count("stage: ") == 5 and "done" in done.stdout
     arms = {}
-    for result in ("repo64k-tiers", "repo32k", "repo64k", "repo128k-tiers"):
+    for result in ("repo64k-tiers", "repo32k", "repo32k-more", "repo64k", "repo128k-tiers"):
         records = [json.loads(x) for x in (results / result / "probes.jsonl").read_text().splitlines()]
         arms[result] = {r["arm"] for r in records}
         assert (results / result / "table.md").exists()
@@ -298,6 +299,11 @@ def test_the_repo_script_plays_its_stages_and_a_tier_changes_none_of_h2os_answer
                                                                .splitlines()) if r["arm"] == "h2o"]
                for run in ("repo64k-tiers", "repo64k")}
     assert answers["repo64k-tiers"] == answers["repo64k"] and answers["repo64k"]
+    # the more-sessions stage starts from stage 1's session (copied) and plays the second
+    more = [json.loads(x) for x in (results / "repo32k-more" / "probes.jsonl").read_text().splitlines()]
+    first = [json.loads(x) for x in (results / "repo32k" / "probes.jsonl").read_text().splitlines()]
+    assert arms["repo32k-more"] == {"h2o"} and len({r["session_id"] for r in more}) == 2
+    assert [r for r in more if r["session_id"] == first[0]["session_id"]] == [r for r in first if r["arm"] == "h2o"]
     # A new checkout, with RUNS gone: every stage resumes from what RESULTS holds and plays nothing again.
     kept = {result: (results / result / "probes.jsonl").read_text() for result in arms}
     shutil.rmtree(runs)
