@@ -228,24 +228,28 @@ def test_bad_input_gets_openai_errors_and_the_server_lives(server, reference):
         ask(c, m, [{"role": "user", "content": "word " * 1100}])
     assert e.value.body["code"] == "context_length_exceeded"
 
-    # a full queue: one turn runs, one waits, the next is refused with Retry-After
-    codes, retry_after = [], []
-
-    def long_turn(i):
-        status, headers, text = post({"model": m, "messages": [{"role": "user", "content": f"long {i}"}],
-                                      "max_tokens": 80})
-        codes.append(status)
-        if status == 429:
-            retry_after.append(headers.get("retry-after"))
-            assert json.loads(text)["error"]["code"] == "queue_full"
-
-    threads = [threading.Thread(target=long_turn, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-        time.sleep(0.15)
-    for t in threads:
-        t.join()
-    assert 429 in codes and 200 in codes and all(int(v) >= 1 for v in retry_after)
+    # a full queue: one turn runs, one waits, the next is refused with Retry-After. The running turn is a
+    # long stream held open until the other two have been sent, so the queue is full by construction,
+    # not by how fast this machine generates.
+    holder = httpclient.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    holder.request("POST", "/v1/chat/completions", json.dumps({"model": m, "max_tokens": 900, "stream": True,
+                                                               "messages": [{"role": "user", "content": "hold"}]}),
+                   {"Content-Type": "application/json", "X-Session-Id": "holder"})
+    held = holder.getresponse()
+    assert held.status == 200
+    while not held.readline().startswith(b"data:"):  # the first chunk: the worker has taken this turn
+        pass
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(post({"model": m, "max_tokens": 20,
+                                                                 "messages": [{"role": "user", "content": "wait"}]})))
+    waiter.start()
+    server.wait_metric("pace_queue_depth", 1)
+    status, headers, text = post({"model": m, "messages": [{"role": "user", "content": "refused"}], "max_tokens": 20})
+    assert status == 429 and int(headers.get("retry-after")) >= 1, text
+    assert json.loads(text)["error"]["code"] == "queue_full"
+    holder.close()  # the held stream stops; the waiting turn runs
+    waiter.join(timeout=60)
+    assert waited and waited[0][0] == 200, waited
 
     # a client that leaves mid-stream: the generation stops, the session stays consistent
     msgs = [{"role": "user", "content": "Tell a very long story."}]
