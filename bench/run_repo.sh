@@ -51,18 +51,17 @@ run_once_in_background "$RUNS/repo" "$0" "${1:-}"
 
 # A checkout whose RUNS is gone (a new machine) starts each stage from the records that RESULTS holds, so
 # that nothing that landed is played again (--resume keeps every complete pair of the log).
-for pair in repo32k-v2:repo32k repo32k-more:repo32k-more repo64k:repo64k repo64k-tiers:repo64k-tiers \
-    repo128k-tiers:repo128k-tiers; do
-    run=${pair%%:*} result=${pair##*:}
-    if [ ! -s "$RUNS/$run/probes.jsonl" ] && [ -s "$RESULTS/$result/probes.jsonl" ]; then
-        mkdir -p "$RUNS/$run"
-        cp "$RESULTS/$result/probes.jsonl" "$RUNS/$run/"
+seed() {  # seed RUN RESULT: RESULTS/RESULT's records into RUNS/RUN, if RUNS/RUN has none
+    if [ ! -s "$RUNS/$1/probes.jsonl" ] && [ -s "$RESULTS/$2/probes.jsonl" ]; then
+        mkdir -p "$RUNS/$1"
+        cp "$RESULTS/$2/probes.jsonl" "$RUNS/$1/"
     fi
-done
+}
 
 stage() {  # stage RUN RESULT ARGS...: one pace-bench --suite repo run into RUNS/RUN, its table to RESULTS/RESULT
     local run=$1 result=$2
     shift 2
+    seed "$run" "$result"
     echo "run_repo.sh: $(date -u +%FT%TZ) stage: $run $*"
     # shellcheck disable=SC2086  # EXTRA is a list of arguments
     "$PY" -m pace_bench --suite repo --model "$MODEL" --probes-per-kind "$PROBES" --dtype float32 --no-progress \
@@ -73,6 +72,7 @@ stage() {  # stage RUN RESULT ARGS...: one pace-bench --suite repo run into RUNS
 
 copy_arms() {  # copy_arms FROM TO ARMS: the records of ARMS (comma-separated) from RUNS/FROM, if RUNS/TO has none
     local from=$RUNS/$1/probes.jsonl to=$RUNS/$2/probes.jsonl pattern
+    seed "$2" "$2"  # TO banks under its own name: what it banked wins over a fresh copy
     mkdir -p "$RUNS/$2"
     pattern=$(echo "$3" | sed 's/[^,]*/"arm": "&"/g; s/,/\\|/g')
     if [ ! -s "$to" ] && [ -s "$from" ]; then
