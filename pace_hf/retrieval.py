@@ -20,8 +20,10 @@ rebuilt from the same ids.
 
 Signals (``signal=``):
 - ``"lexical"`` (default): BM25 (the ``bm25s`` package) over the lower-cased words of each page's text
-  against the turn's words, English stop words removed. A page that shares no word scores 0 and is
-  never restored.
+  against the turn's words, English stop words removed (:func:`words_of`). A compound identifier is
+  also its parts (``retry_budget``, ``retryBudget``: ``retry``, ``budget``), because a turn about code
+  writes names as words as often as it quotes them. A page that shares no word scores 0 and is never
+  restored.
 - ``"digest"``: Quest-style key digests. For every block of ``digest_tokens`` positions, the
   per-channel min and max of layer 0's keys; a page scores the largest upper bound
   ``sum_d max(q_d * min_d, q_d * max_d)`` of any block, over the turn's layer-0 queries (max over query
@@ -43,24 +45,41 @@ No store, or nothing spilled yet: a no-op. Counters go to ``cache.tier_stats``:
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
+from bm25s.stopwords import STOPWORDS_EN
 
 from .blueprint import Span, as_index
 from .binding import decoder_of
-from .planner.prose import bm25_index
+from .planner.prose import bm25_index, split_name
 
 SIGNALS = ("lexical", "digest", "both")
 STAT_KEYS = ("retrieval_pages_scored", "retrieval_pages_restored", "retrieval_tokens_restored",
              "retrieval_seconds")
 RRF_K = 60  # reciprocal-rank fusion's usual constant
+_WORD = re.compile(r"(?u)\b\w\w+\b")  # bm25s's own token pattern and English stop words
+_STOPWORDS = frozenset(STOPWORDS_EN)
 
 
-def _words(texts: list[str]) -> list[list[str]]:
-    import bm25s
-
-    return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
+def words_of(texts: list[str]) -> list[list[str]]:
+    """Each text's lower-cased words of two or more characters, English stop words removed, and for a
+    compound identifier its parts too: ``RETRY_BUDGET`` and ``retryBudget`` are also ``retry`` and
+    ``budget``, so a turn that writes a name as words ("the retry budget") finds the page defining it.
+    A text with no compound word gives exactly bm25s's own tokens."""
+    out = []
+    for text in texts:
+        doc = []
+        for word in _WORD.findall(text):
+            low = word.lower()
+            if low not in _STOPWORDS:
+                doc.append(low)
+            parts = split_name(word)
+            if len(parts) > 1:
+                doc += [p for p in parts if len(p) > 1 and p not in _STOPWORDS]
+        out.append(doc)
+    return out
 
 
 class _StopAfterProjections(Exception):
@@ -155,8 +174,8 @@ class PageRetriever:
     def lexical_scores(self, ids: list[int], query: str) -> torch.Tensor:
         """BM25 score of every page of ``ids`` against ``query`` (0 where they share no word)."""
         texts = self.texts(ids)
-        words = _words(texts)
-        query_words = _words([query])[0]
+        words = words_of(texts)
+        query_words = words_of([query])[0]
         if not query_words or not any(words):
             return torch.zeros(len(texts))
         return torch.as_tensor(bm25_index(words).get_scores(query_words), dtype=torch.float32)

@@ -70,6 +70,21 @@ def test_a_later_turn_finds_a_spilled_page_by_a_rare_word(tiny):
     assert isinstance(reply, str) and cache.residency(fact) == 1.0
 
 
+CODE_FACT = "COURIER_RETRY_BUDGET = 7"
+
+
+def test_a_turn_that_writes_an_identifier_as_words_finds_the_page_defining_it(tiny):
+    """Agents ask about code in prose ("the courier retry budget"): the identifier's parts are words of
+    its page, and the other pages share none of them."""
+    model, tokenizer = tiny
+    session, (fact,) = read_context(model, tokenizer, TieredStore([HostTier()]), facts=(CODE_FACT,),
+                                    retrieval=retriever(tokenizer))
+    cache = session.cache
+    assert cache.residency(fact) < 0.5
+    session.add("user", "What is the courier retry budget?")
+    assert cache.residency(fact) == 1.0 and cache.tier_stats["retrieval_pages_restored"] >= 1
+
+
 def test_a_restored_page_is_resident_and_exactly_rerotated_before_the_first_forward(tiny):
     model, tokenizer = tiny
     session, (fact,) = read_context(model, tokenizer, TieredStore([HostTier()]), retrieval=retriever(tokenizer))

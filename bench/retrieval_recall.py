@@ -1,0 +1,123 @@
+"""Does page retrieval (``pace_hf.retrieval.PageRetriever``) find an evicted definition on real code?
+
+Why: the RULER recall table (README) is measured on RULER's own generators, whose needles are prose
+sentences with rare numbers. An agent's evicted context is mostly code that nobody here wrote, and
+its questions name a definition by its identifier, by its name written as words, or by what it does.
+This measures, on the repo suite's sessions (the installed packages' source, every identifier
+renamed; ``pace_bench.repo``), whether the pages a turn's text ranks first hold the definition the
+turn needs, with no plan and no identifier matching.
+
+Per probe, and per query wording (the probe's own prompt; the ``prose`` and ``literal`` plans of
+``pace_bench.repo._plans``):
+- ``rank``: the rank (0 = first) of the page holding most of the target's tokens, among all pages
+  of the reading;
+- ``covered``: the share of the target's tokens inside the pages a turn restores within the default
+  share (``budget // 4`` = 512 tokens at B = 2,048), every page taken as evicted: the top
+  ``512 // (page_tokens + overlap)`` pages.
+
+Signals: ``lexical`` (the retriever's default) and ``digest`` (Quest-style layer-0 key bounds, which
+needs the model). Split: ``dev`` packages (those the repo runs and RULER work looked at) and
+``held-out`` packages (never looked at while building the retriever); both are reported.
+
+    python bench/retrieval_recall.py [--split dev,held-out] [--sessions 4] [--tokens 32768] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pace_bench.models import load_tokenizer  # noqa: E402
+from pace_bench.repo import build_repo_session  # noqa: E402
+from pace_hf.retrieval import PageRetriever  # noqa: E402
+
+SPLITS = {"dev": ("requests", "tqdm", "typer", "rich", "markdown_it"),
+          "held-out": ("click", "jinja2", "packaging", "starlette", "yaml", "urllib3", "attr")}
+WORDINGS = ("probe", "prose", "literal")
+SHARE = 512
+
+
+def target_tokens(row, step: int) -> set[int]:
+    return {i for s in row["blueprint"] if step in s["readers"] for i in range(s["start"], s["end"])}
+
+
+def measure(retriever: PageRetriever, row, model=None) -> list[dict]:
+    ids = list(row["context_ids"][:row["context_len"]])
+    spans = retriever.pages(len(ids))
+    top = max(1, SHARE // (retriever.page_tokens + retriever.overlap))
+    out = []
+    for probe in row["probes"]:
+        need = target_tokens(row, probe["step"])
+        inside = [len(need & set(range(s, e))) for s, e in spans]
+        main = max(range(len(spans)), key=inside.__getitem__)
+        for wording in WORDINGS:
+            order, _ = retriever.rank(ids, probe["plans"][wording], model)
+            taken = set().union(*(range(*spans[p]) for p in order[:top])) if order else set()
+            out.append({"package": row["package"], "probe": probe["name"], "kind": probe["kind"], "wording": wording,
+                        "rank": order.index(main) if main in order else None,
+                        "covered": len(need & taken) / max(1, len(need)), "pages": len(spans)})
+    return out
+
+
+def summary(records: list[dict]) -> dict:
+    n = len(records)
+    ranks = [r["rank"] for r in records]
+    return {"n": n, "top1": sum(r == 0 for r in ranks), "top3": sum(r is not None and r < 3 for r in ranks),
+            "found": sum(r is not None for r in ranks),
+            "median_rank": statistics.median(r if r is not None else records[0]["pages"] for r in ranks),
+            "covered": round(sum(r["covered"] for r in records) / max(1, n), 3)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--split", default="dev,held-out")
+    ap.add_argument("--sessions", type=int, default=4, help="sessions per split")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--signals", default="lexical", help="comma-separated: lexical, digest, both (the last two load the model)")
+    ap.add_argument("--json", help="write every record and the summary here")
+    args = ap.parse_args(argv)
+    signals = args.signals.split(",")
+    model, tokenizer = None, load_tokenizer(args.model)
+    if any(s != "lexical" for s in signals):  # layer 0's keys and queries
+        import torch
+
+        from pace_bench.models import load_model
+
+        model, tokenizer = load_model(args.model, dtype=torch.float32)
+    records = []
+    for split in args.split.split(","):
+        rows, index = [], 0
+        while len(rows) < args.sessions and index < 4 * args.sessions:
+            try:  # a drawn package too small for --tokens is skipped, and said
+                rows.append(build_repo_session(tokenizer, seed=0, session_index=index, total_tokens=args.tokens,
+                                               packages=SPLITS[split], per_kind=3))
+            except ValueError as e:
+                print(f"skipped session {index} of {split}: {e}", file=sys.stderr)
+            index += 1
+        for row in rows:
+            for signal in signals:
+                for r in measure(PageRetriever(tokenizer, signal=signal), row, model):
+                    records.append({"split": split, "signal": signal, **r})
+    table = {}
+    for key in sorted({(r["split"], r["signal"], r["kind"], r["wording"]) for r in records}):
+        table["/".join(key)] = summary([r for r in records if (r["split"], r["signal"], r["kind"], r["wording"]) == key])
+    for key in sorted({(r["split"], r["signal"], r["wording"]) for r in records}):
+        table["/".join((*key[:2], "all", key[2]))] = summary(
+            [r for r in records if (r["split"], r["signal"], r["wording"]) == key])
+    print(f"| split / signal / kind / wording | n | top-1 | top-3 | found | median rank | covered within {SHARE} |")
+    print("|---|---|---|---|---|---|---|")
+    for key, s in table.items():
+        print(f"| {key} | {s['n']} | {s['top1']} | {s['top3']} | {s['found']} | {s['median_rank']} | {s['covered']:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "summary": table, "records": records}, indent=1))
+    return table
+
+
+if __name__ == "__main__":
+    main()
