@@ -6,7 +6,7 @@ import transformers as tf
 from session_worker import session_model
 
 from pace_hf import H2OCache
-from pace_hf.retrieval import PageRetriever, layer0_projections
+from pace_hf.retrieval import PageRetriever, layer0_projections, words_of
 from pace_hf.rope import RotaryParams, rerotate
 from pace_hf.session import PACESession
 from pace_hf.tiers import HostTier, TieredStore
@@ -83,6 +83,15 @@ def test_a_turn_that_writes_an_identifier_as_words_finds_the_page_defining_it(ti
     assert cache.residency(fact) < 0.5
     session.add("user", "What is the courier retry budget?")
     assert cache.residency(fact) == 1.0 and cache.tier_stats["retrieval_pages_restored"] >= 1
+
+
+def test_words_are_bm25s_tokens_plus_the_parts_of_compound_identifiers():
+    import bm25s
+
+    plain = FILLER + FACT + " It is 1234567, said I: no-one else. A B c."
+    assert words_of([plain]) == bm25s.tokenize([plain], stopwords="en", return_ids=False, show_progress=False)
+    assert words_of(["parse_version(HTTPAdapter, retryBudget, x2)"]) == [
+        ["parse_version", "parse", "version", "httpadapter", "http", "adapter", "retrybudget", "retry", "budget", "x2"]]
 
 
 def test_a_restored_page_is_resident_and_exactly_rerotated_before_the_first_forward(tiny):
