@@ -144,25 +144,30 @@ def generate(task: str, length: int, n: int, tokenizer, seed: int, needles: int 
     if needles != needles_of(task, needles) or not 1 <= needles <= MAX_NEEDLES:
         allowed = f"1 to {MAX_NEEDLES} needles" if spec["kind"] == "niah" else "one needle"
         raise ValueError(f"{task} carries {allowed} per context, not {needles}")
+    # The generator's modules first: importing them draws from the global random state (wonderwords, nltk),
+    # so seeding before would give another sample on a process's first call than on its later ones.
+    generator = {"niah": ("niah_utils", "prepare_niah"), "vt": ("vt_utils",), "fwe": ("fwe_utils",),
+                 "cwe": ("cwe_utils",)}[spec["kind"]]
+    modules = [_ruler(name) for name in generator]
     random.seed(f"{seed}:{task}:{length}")
     np.random.seed(zlib.crc32(f"{seed}:{task}:{length}".encode()))
     quiet = contextlib.redirect_stdout(io.StringIO())  # vt prints every size it tries
     with quiet:
         if spec["kind"] == "niah":
-            niah, prepare = _ruler("niah_utils"), _ruler("prepare_niah")
+            niah, prepare = modules
             out = prepare.generate_samples(
                 prepare.get_haystack(type_haystack=spec["haystack"]), max_seq_length=length, template=niah.TEMPLATE,
                 type_haystack=spec["haystack"], type_needle_k=spec["needle_k"], type_needle_v=spec["needle_v"],
                 num_samples=n, TOKENIZER=tokenizer, num_needle_k=needles, num_needle_q=needles)
         elif spec["kind"] == "vt":
-            vt = _ruler("vt_utils")
+            vt = modules[0]
             icl = vt.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=1, max_seq_length=500, incremental=5)[0]
             out = vt.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=n, max_seq_length=length,
                                                  icl_example=icl)
         elif spec["kind"] == "fwe":
-            out = _ruler("fwe_utils").sys_kwext(tokenizer=tokenizer, max_seq_length=length, num_samples=n)
+            out = modules[0].sys_kwext(tokenizer=tokenizer, max_seq_length=length, num_samples=n)
         else:
-            out = _ruler("cwe_utils").sys_word_pair_random(num_samples=n, max_seq_length=length, tokenizer=tokenizer)
+            out = modules[0].sys_word_pair_random(num_samples=n, max_seq_length=length, tokenizer=tokenizer)
     return [dict(x, task=task, needles=needles) for x in out]
 
 
@@ -529,8 +534,37 @@ def table(records: list[dict]) -> str:
                 got = acc.get((setting, task, length, arm))
                 cells.append("-" if got is None else f"{100 * got[0]:.0f} [{100 * got[2]:.0f}, {100 * got[3]:.0f}] (n={got[1]})")
             out.append(f"| {task} | {length:,} | " + " | ".join(cells) + " |")
+        out += ["", f"Needle when the answer's first query runs ({setting}): mean residency / mean rotary gap",
+                "", "| task | length | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
+        for task, length in rows:
+            cells = []
+            for arm in arms:
+                got = [r for r in records if (r["setting"], r["task"], r["length"], r["arm"]) == (setting, task, length, arm)]
+                gaps = [r["rotary_gap"] for r in got if r.get("rotary_gap") is not None]
+                cells.append("-" if not got else f"{sum(r['residency'] for r in got) / len(got):.2f} / "
+                             + (f"{sum(gaps) / len(gaps):,.0f}" if gaps else "-"))
+            out.append(f"| {task} | {length:,} | " + " | ".join(cells) + " |")
         out.append("")
+    out += recall_table(records)
     return "\n".join(out)
+
+
+def recall_table(records: list[dict]) -> list[str]:
+    """Markdown lines: per (setting, task, length), how often each retrieval signal ranks the needle's page
+    first and in its top 3 (``pace_retrieval`` records with ``needle_page_rank``); none if no such record."""
+    ranked = [r for r in records if r.get("needle_page_rank")]
+    if not ranked:
+        return []
+    signals = list(ranked[0]["needle_page_rank"])
+    out = ["Retrieval: the needle's page ranked first / in the top 3, of n questions, per signal", "",
+           "| setting | task | length | n | " + " | ".join(signals) + " |", "|---|---|---|---|" + "---|" * len(signals)]
+    keys = sorted({(r["setting"], r["task"], r["length"]) for r in ranked},
+                  key=lambda k: (SETTINGS.index(k[0]), list(TASKS).index(k[1]), k[2]))
+    for key in keys:
+        got = [r["needle_page_rank"] for r in ranked if (r["setting"], r["task"], r["length"]) == key]
+        cells = [f"{sum(g[s] == 0 for g in got)} / {sum(g[s] is not None and g[s] < 3 for g in got)}" for s in signals]
+        out.append(f"| {key[0]} | {key[1]} | {key[2]:,} | {len(got)} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 def figures(records: list[dict], out_dir: Path) -> list[Path]:

@@ -73,6 +73,25 @@ def test_samples_and_scores_are_lm_evals_own(tok):
     assert asked == [{"question": question, "gen_prefix": sample["gen_prefix"], "outputs": sample["outputs"]}]
 
 
+def test_a_sample_does_not_depend_on_what_the_process_did_before(model_dir):
+    """A process's first call imports lm-eval's generator modules, whose import draws from the global random
+    state; a resumed run's first call must still give the sample the stopped run answered. Run in a fresh
+    process, where nothing has imported them yet."""
+    code = f"""
+import random, sys
+from transformers import AutoTokenizer
+from pace_bench import ruler
+tok = AutoTokenizer.from_pretrained({str(model_dir)!r})
+assert not any(m.startswith("lm_eval.tasks.ruler.") for m in sys.modules)
+for task in ("niah_single_1", "vt"):
+    first = ruler.generate(task, 1024, 1, tok, seed=0)
+    random.random()
+    assert ruler.generate(task, 1024, 1, tok, seed=0) == first, task
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_a_context_carries_k_needles_from_lm_evals_generator_each_asked_and_scored_alone(tok):
     from pace_hf.chat import DEFAULT_SYSTEM, ChatTemplate
 
@@ -163,6 +182,15 @@ def test_the_suite_runs_at_two_lengths_with_two_needles_and_resumes(model_dir, t
     table = (out / "table.md").read_text()
     assert "**question_last**" in table and "**session**" in table and "| niah_single_1 | 2,560 |" in table
     assert table.count("(n=2)") == 2 * 3 and table.count("(n=1)") == 2 * 3  # n counts questions
+    assert table.count("Needle when the answer's first query runs") == 2  # a residency / gap table per setting
+    ledger = table.split("Needle when the answer's first query runs (session)")[1].split("Retrieval: ")[0]
+    cells = re.search(r"\| niah_single_1 \| 2,560 \| (.*) \|", ledger).group(1).split(" | ")
+    for arm, cell in zip(("snapkv_bounded", "pace_retrieval", "pace_plan"), cells):  # the records' own means
+        got = [r for r in records if (r["setting"], r["length"], r["arm"]) == ("session", 2560, arm)]
+        gap = sum(r["rotary_gap"] for r in got) / len(got)
+        assert cell == f"{sum(r['residency'] for r in got) / len(got):.2f} / {gap:,.0f}", (arm, cell)
+    recall = table.split("Retrieval: ")[1]  # pace_retrieval's pages: one row per session length
+    assert "| session | niah_single_1 | 2,048 | 2 |" in recall and "| session | niah_single_1 | 2,560 | 2 |" in recall
     assert (out / "ruler_session.png").stat().st_size > 0 and (out / "ruler_question_last.png").stat().st_size > 0
     # as a stopped two-process run leaves it: rank 0 holds all but the last question, rank 1 nothing yet
     (out / "probes.jsonl").unlink()
