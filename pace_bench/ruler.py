@@ -518,7 +518,9 @@ def accuracy(records: list[dict]) -> dict[tuple, tuple[float, int, float, float]
 
 def table(records: list[dict]) -> str:
     """Markdown, kvpress's leaderboard shape: one table per setting, a row per (task, length), a column
-    per arm, each cell the accuracy in % with its 95% Wilson interval and question count."""
+    per arm, each cell the accuracy in % with its 95% Wilson interval and question count; below each, the
+    same grid of the needle's mean residency and rotary gap (why an arm failed: lost, or too far), and
+    last the retrieval signals' needle-page ranks (:func:`recall_table`)."""
     acc = accuracy(records)
     arms = [a for a in ARMS if any(k[3] == a for k in acc)]
     out = []
