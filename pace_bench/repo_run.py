@@ -7,8 +7,10 @@ Arms (:data:`REPO_ARMS`): each is a cache of the registry :data:`pace_bench.arms
 ``snapkv``, ``pace_oracle`` (PACE with the ``ast`` oracle plan: each probe's true definition),
 ``pace_literal`` / ``pace_prose`` / ``pace_probe`` (PACE with ``SymbolPlanner`` given the agent's plan
 in that style, mapped to definition-level token spans through the chat template and capped at the
-budget) and ``pace_rehydrate`` (PACE with no plan; before each probe the evicted definitions its
-prompt names are restored from a host tier).
+budget), ``pace_rehydrate`` (PACE with no plan; before each probe the evicted definitions its
+prompt names are restored from a host tier) and ``pace_retrieval`` (PACE with no plan; before each
+probe the evicted pages its prompt's words rank first are restored, within ``budget // 4``:
+:mod:`pace_hf.retrieval`, no identifier matching).
 
 Per probe the record holds what the coding suite's does (answer, pass, recall, the needed tokens'
 residency and rotary gap at the probe's first query, peak KV) and the plan's footprint: the tokens
@@ -42,23 +44,26 @@ from .repo_probes import KINDS, score
 @dataclass(frozen=True)
 class RepoArm:
     """A repo-suite arm: the cache (a name in ``pace_bench.arms.ARMS``), its plan (``oracle``, a
-    ``SymbolPlanner`` plan style, or None) and whether evicted definitions are rehydrated."""
+    ``SymbolPlanner`` plan style, or None) and what brings evicted context back before each probe:
+    ``"symbols"`` (the definitions the prompt names, ``SymbolPlanner.rehydrate``), ``"pages"`` (the pages
+    its words rank first, ``cache.rehydrate``) or None."""
 
     cache: str
     plan: str | None
-    rehydrate: bool
+    rehydrate: str | None
     summary: str
 
 
 REPO_ARMS = {
-    "full": RepoArm("full", None, False, "DynamicCache, where the session fits the model's context"),
-    "h2o": RepoArm("h2o", None, False, "H2O"),
-    "snapkv": RepoArm("snapkv", None, False, "SnapKV"),
-    "pace_oracle": RepoArm("pace", "oracle", False, "PACE, the ast oracle plan"),
-    "pace_literal": RepoArm("pace", "literal", False, "PACE, SymbolPlanner on literal plans"),
-    "pace_prose": RepoArm("pace", "prose", False, "PACE, SymbolPlanner on prose plans"),
-    "pace_probe": RepoArm("pace", "probe", False, "PACE, SymbolPlanner on the probes' own prompts"),
-    "pace_rehydrate": RepoArm("pace", None, True, "PACE, no plan, rehydration before each probe"),
+    "full": RepoArm("full", None, None, "DynamicCache, where the session fits the model's context"),
+    "h2o": RepoArm("h2o", None, None, "H2O"),
+    "snapkv": RepoArm("snapkv", None, None, "SnapKV"),
+    "pace_oracle": RepoArm("pace", "oracle", None, "PACE, the ast oracle plan"),
+    "pace_literal": RepoArm("pace", "literal", None, "PACE, SymbolPlanner on literal plans"),
+    "pace_prose": RepoArm("pace", "prose", None, "PACE, SymbolPlanner on prose plans"),
+    "pace_probe": RepoArm("pace", "probe", None, "PACE, SymbolPlanner on the probes' own prompts"),
+    "pace_rehydrate": RepoArm("pace", None, "symbols", "PACE, no plan, the definitions each probe names restored"),
+    "pace_retrieval": RepoArm("pace", None, "pages", "PACE, no plan, the pages each probe's words rank first restored"),
 }
 
 
@@ -135,7 +140,12 @@ def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, sto
                               + sum(len(p["prompt_ids"]) for p in row["probes"]))
         if evicting:
             cache.progress = bar
-    messages = session_messages(row) if spec.rehydrate else None
+    messages = session_messages(row) if spec.rehydrate == "symbols" else None
+    retriever = None
+    if spec.rehydrate == "pages":
+        from pace_hf.retrieval import PageRetriever
+
+        retriever = PageRetriever(tokenizer)
     needed_of = Blueprint.from_dicts(row["blueprint"])
     ids = list(row["context_ids"])
     records = []
@@ -155,13 +165,16 @@ def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, sto
                 if bar is not None:
                     bar.phase(f"prefill history {of}", len(ids) - cache.get_seq_length())
                 _prefill(model, cache, ids, chunk)
-                from pace_hf.planner import SymbolPlanner
-
                 before = cache.tier_stats["restored_tokens"]
-                turn = Message(len(messages), "user", probe["prompt"], len(ids), len(ids) + len(probe["prompt_ids"]),
-                               probe["step"])
-                SymbolPlanner().rehydrate(SimpleNamespace(messages=messages, cache=cache, step=probe["step"],
-                                                          template=template), turn)
+                if retriever is not None:
+                    cache.rehydrate(probe["prompt"], ids, retriever=retriever)
+                else:
+                    from pace_hf.planner import SymbolPlanner
+
+                    turn = Message(len(messages), "user", probe["prompt"], len(ids),
+                                   len(ids) + len(probe["prompt_ids"]), probe["step"])
+                    SymbolPlanner().rehydrate(SimpleNamespace(messages=messages, cache=cache, step=probe["step"],
+                                                              template=template), turn)
                 restored = cache.tier_stats["restored_tokens"] - before
             ids += probe["prompt_ids"]
             needed = torch.tensor(sorted(_positions(needed_of, probe["step"])), dtype=torch.long)
@@ -248,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help="cap each probe's answer length")
     ap.add_argument("--tiers", action="store_true",
                     help="every evicting arm spills to a host tier: PACE fetches planned spans the budget pushed out "
-                         "back before their step (pace_rehydrate always has one)")
+                         "back before their step (pace_rehydrate and pace_retrieval always have one)")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default="runs/repo", help="folder for probes.jsonl, table.md and run.json")

@@ -223,19 +223,21 @@ def test_the_loader_is_a_cached_dataset(tokenizer, tmp_path):
 def test_the_suite_runs_end_to_end_on_a_tiny_model_and_resumes(tmp_path):
     model = _tiny_model_dir(tmp_path / "model")
     out = tmp_path / "run"
-    arms = "full,h2o,snapkv,pace_oracle,pace_literal,pace_prose,pace_probe,pace_rehydrate"
+    arms = "full,h2o,snapkv,pace_oracle,pace_literal,pace_prose,pace_probe,pace_rehydrate,pace_retrieval"
     argv = ["--suite", "repo", "--model", model, "--arms", arms, "--tokens", "3000", "--probes-per-kind", "1",
             "--packages", "click", "--budget", "1024", "--limit", "2048", "--chunk", "512", "--max-new-tokens", "4",
             "--no-progress", "--out", str(out)]
     assert main(argv) == 0
     records = [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()]
     probes = len({r["probe"] for r in records})
-    assert len(records) == 8 * probes and probes >= 1
+    assert len(records) == 9 * probes and probes >= 1
     for r in records:
         assert {"residency", "rotary_gap", "plan_tokens", "plan_recall", "checks_passed", "answer"} <= set(r)
     oracle = [r for r in records if r["arm"] == "pace_oracle"]
     assert all(r["residency"] == 1.0 and r["plan_recall"] == 1.0 for r in oracle)  # the oracle plan is kept
     assert any(r["plan_tokens"] > 0 for r in records if r["arm"] == "pace_literal")  # the planner planned
+    retrieved = [r for r in records if r["arm"] == "pace_retrieval"]  # pages the probes' words matched came back
+    assert any(r["rehydrated_tokens"] > 0 and r["plan_tokens"] > 0 for r in retrieved)  # and are planned for the step
     table = (out / "table.md").read_text()
     assert "plan footprint" in table and "| pace_rehydrate |" in table
     assert main(argv + ["--resume"]) == 0  # nothing left to play: the records are kept as they were
