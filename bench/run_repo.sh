@@ -7,8 +7,9 @@
 #      plan plus rehydration (about 1 h);
 #   2. 64K, the arms the first 64K run lacks: SnapKV and PACE with rehydration (about 2 h);
 #   3. 32K, MORE_SESSIONS sessions (3: the first is stage 1's, whose records are copied), H2O, PACE
-#      with the oracle plan and with prose plans: one session is too few for the sign test to tell PACE
-#      from H2O (about 1.5 h);
+#      with the oracle plan, with prose plans and with no plan but page retrieval (pace_retrieval, added
+#      after the others had played: a resumed run plays only it, about 40 min): one session is too few
+#      for the sign test to tell PACE from H2O (about 1.5 h);
 #   4. 64K with --tiers, the two sessions of bench/results/repo64k (rich, markdown_it): PACE with the
 #      oracle plan and with prose plans, whose planned spans the budget pushed out come back from a host
 #      tier before their step (about 1.5 h). H2O never restores (no plan, no rehydration), so a tier
@@ -32,7 +33,7 @@ LONG=${LONG:-65536}
 LONGEST=${LONGEST:-131072}
 LONG_SESSIONS=${LONG_SESSIONS:-2}
 MORE_SESSIONS=${MORE_SESSIONS:-3}
-MORE_ARMS=${MORE_ARMS:-h2o,pace_oracle,pace_prose}
+MORE_ARMS=${MORE_ARMS:-h2o,pace_oracle,pace_prose,pace_retrieval}
 TIER_ARMS=${TIER_ARMS:-pace_oracle,pace_prose}
 SHORT_ARMS=${SHORT_ARMS:-full,pace_literal,pace_probe,pace_rehydrate}
 LONG_ARMS=${LONG_ARMS:-snapkv,pace_rehydrate}
