@@ -504,15 +504,20 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, center - half), min(1.0, center + half)
 
 
+def by_cell(records: list[dict]) -> dict[tuple, list[dict]]:
+    """The records of each table cell: (setting, task, length, arm) -> records."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["setting"], r["task"], r["length"], r["arm"]), []).append(r)
+    return groups
+
+
 def accuracy(records: list[dict]) -> dict[tuple, tuple[float, int, float, float]]:
     """(setting, task, length, arm) -> (mean score, n, Wilson low, Wilson high)."""
-    groups: dict[tuple, list[float]] = {}
-    for r in records:
-        groups.setdefault((r["setting"], r["task"], r["length"], r["arm"]), []).append(r["score"])
     out = {}
-    for key, scores in groups.items():
-        p = sum(scores) / len(scores)
-        out[key] = (p, len(scores), *wilson(p, len(scores)))
+    for key, got in by_cell(records).items():
+        p = sum(r["score"] for r in got) / len(got)
+        out[key] = (p, len(got), *wilson(p, len(got)))
     return out
 
 
@@ -521,7 +526,7 @@ def table(records: list[dict]) -> str:
     per arm, each cell the accuracy in % with its 95% Wilson interval and question count; below each, the
     same grid of the needle's mean residency and rotary gap (why an arm failed: lost, or too far), and
     last the retrieval signals' needle-page ranks (:func:`recall_table`)."""
-    acc = accuracy(records)
+    acc, grouped = accuracy(records), by_cell(records)
     arms = [a for a in ARMS if any(k[3] == a for k in acc)]
     out = []
     for setting in SETTINGS:
@@ -541,7 +546,7 @@ def table(records: list[dict]) -> str:
         for task, length in rows:
             cells = []
             for arm in arms:
-                got = [r for r in records if (r["setting"], r["task"], r["length"], r["arm"]) == (setting, task, length, arm)]
+                got = grouped.get((setting, task, length, arm), [])
                 gaps = [r["rotary_gap"] for r in got if r.get("rotary_gap") is not None]
                 cells.append("-" if not got else f"{sum(r['residency'] for r in got) / len(got):.2f} / "
                              + (f"{sum(gaps) / len(gaps):,.0f}" if gaps else "-"))

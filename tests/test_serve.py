@@ -211,6 +211,18 @@ def test_streaming_matches_the_plain_reply(server):
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == cut
 
 
+def open_stream(server, messages, session, max_tokens):
+    """A streamed chat completion on a raw connection the caller reads, and closes, at its own pace:
+    ``(connection, response)``, the response's status already checked."""
+    conn = httpclient.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"model": server.name, "messages": messages,
+                                                             "max_tokens": max_tokens, "stream": True}),
+                 {"Content-Type": "application/json", "X-Session-Id": session})
+    response = conn.getresponse()
+    assert response.status == 200
+    return conn, response
+
+
 def test_bad_input_gets_openai_errors_and_the_server_lives(server, reference):
     c, m = server.client(), server.name
     post = lambda body=None, raw=None: http("POST", server.url + "/v1/chat/completions", body, raw)  # noqa: E731
@@ -231,12 +243,7 @@ def test_bad_input_gets_openai_errors_and_the_server_lives(server, reference):
     # a full queue: one turn runs, one waits, the next is refused with Retry-After. The running turn is a
     # long stream held open until the other two have been sent, so the queue is full by construction,
     # not by how fast this machine generates.
-    holder = httpclient.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    holder.request("POST", "/v1/chat/completions", json.dumps({"model": m, "max_tokens": 900, "stream": True,
-                                                               "messages": [{"role": "user", "content": "hold"}]}),
-                   {"Content-Type": "application/json", "X-Session-Id": "holder"})
-    held = holder.getresponse()
-    assert held.status == 200
+    holder, held = open_stream(server, [{"role": "user", "content": "hold"}], "holder", max_tokens=900)
     while not held.readline().startswith(b"data:"):  # the first chunk: the worker has taken this turn
         pass
     waited = []
@@ -254,12 +261,7 @@ def test_bad_input_gets_openai_errors_and_the_server_lives(server, reference):
     # a client that leaves mid-stream: the generation stops, the session stays consistent
     msgs = [{"role": "user", "content": "Tell a very long story."}]
     cancelled = server.metric("pace_cancelled_total")
-    conn = httpclient.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps({"model": m, "messages": msgs, "max_tokens": 400,
-                                                             "stream": True}),
-                 {"Content-Type": "application/json", "X-Session-Id": "leaver"})
-    r = conn.getresponse()
-    assert r.status == 200
+    conn, r = open_stream(server, msgs, "leaver", max_tokens=400)
     for _ in range(6):
         r.readline()
     conn.close()  # mid-stream
