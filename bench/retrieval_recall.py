@@ -11,15 +11,15 @@ Per probe, and per query wording (the probe's own prompt; the ``prose`` and ``li
 ``pace_bench.repo._plans``):
 - ``rank``: the rank (0 = first) of the page holding most of the target's tokens, among all pages
   of the reading;
-- ``covered``: the share of the target's tokens inside the pages a turn restores within the default
-  share (``budget // 4`` = 512 tokens at B = 2,048), every page taken as evicted: the top
-  ``512 // (page_tokens + overlap)`` pages.
+- ``covered``: the share of the target's tokens inside what a turn restores within the default share
+  (``budget // 4`` = 512 tokens at B = 2,048), every position taken as evicted: the spans
+  ``PageRetriever.choose`` yields (the top pages, and with ``--follow on`` the lines they link to).
 
 Signals: ``lexical`` (the retriever's default) and ``digest`` (Quest-style layer-0 key bounds, which
 needs the model). Split: ``dev`` packages (those the repo runs and RULER work looked at) and
 ``held-out`` packages (never looked at while building the retriever); both are reported.
 
-    python bench/retrieval_recall.py [--split dev,held-out] [--sessions 4] [--tokens 32768] [--json out.json]
+    python bench/retrieval_recall.py [--split dev,held-out] [--sessions 4] [--tokens 32768] [--follow off,on] [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,10 +46,17 @@ def target_tokens(row, step: int) -> set[int]:
     return {i for s in row["blueprint"] if step in s["readers"] for i in range(s["start"], s["end"])}
 
 
+def restored(retriever: PageRetriever, ids: list[int], query: str, model=None) -> set[int]:
+    """The positions one turn's retrieval restores within SHARE, every position taken as evicted."""
+    taken: set[int] = set()
+    for a, b in retriever.choose(ids, query, SHARE, lambda a, b: len(set(range(a, b)) - taken), model):
+        taken |= set(range(a, b))
+    return taken
+
+
 def measure(retriever: PageRetriever, row, model=None) -> list[dict]:
     ids = list(row["context_ids"][:row["context_len"]])
     spans = retriever.pages(len(ids))
-    top = max(1, SHARE // (retriever.page_tokens + retriever.overlap))
     out = []
     for probe in row["probes"]:
         need = target_tokens(row, probe["step"])
@@ -57,7 +64,7 @@ def measure(retriever: PageRetriever, row, model=None) -> list[dict]:
         main = max(range(len(spans)), key=inside.__getitem__)
         for wording in WORDINGS:
             order, _ = retriever.rank(ids, probe["plans"][wording], model)
-            taken = set().union(*(range(*spans[p]) for p in order[:top])) if order else set()
+            taken = restored(retriever, ids, probe["plans"][wording], model)
             out.append({"package": row["package"], "probe": probe["name"], "kind": probe["kind"], "wording": wording,
                         "rank": order.index(main) if main in order else None,
                         "covered": len(need & taken) / max(1, len(need)), "pages": len(spans)})
@@ -80,6 +87,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--signals", default="lexical", help="comma-separated: lexical, digest, both (the last two load the model)")
+    ap.add_argument("--follow", default="off", help="comma-separated: off, on (PageRetriever(follow=...))")
     ap.add_argument("--json", help="write every record and the summary here")
     args = ap.parse_args(argv)
     signals = args.signals.split(",")
@@ -102,8 +110,10 @@ def main(argv=None) -> dict:
             index += 1
         for row in rows:
             for signal in signals:
-                for r in measure(PageRetriever(tokenizer, signal=signal), row, model):
-                    records.append({"split": split, "signal": signal, **r})
+                for follow in args.follow.split(","):
+                    retriever = PageRetriever(tokenizer, signal=signal, follow=follow == "on")
+                    for r in measure(retriever, row, model):
+                        records.append({"split": split, "signal": signal if follow == "off" else f"{signal}+follow", **r})
     table = {}
     for key in sorted({(r["split"], r["signal"], r["kind"], r["wording"]) for r in records}):
         table["/".join(key)] = summary([r for r in records if (r["split"], r["signal"], r["kind"], r["wording"]) == key])

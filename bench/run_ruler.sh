@@ -12,9 +12,13 @@
 #      question as its plan (about 1 h);
 #   6. the question-last setting (RULER's own one-question prompts) on the NIAH tasks at 8K and 32K:
 #      DynamicCache, SnapKV, SnapKV with bounded positions and PACE with the question as its plan (about
-#      1.5 h).
+#      1.5 h);
+#   7. PACE with retrieval that follows links (pace_follow) on every task of stages 1-2 at 8K and 32K
+#      (about 45 min);
+#   8. vt with VT_SAMPLES contexts per length, pace_retrieval against pace_follow (one vt context is one
+#      question; about 1 h).
 #
-# Stages 1-4 are what the expectations compare; 5 and 6 come last, so they only take time left.
+# Stages 1-4 are what the expectations compare; 5-8 come last, so they only take time left.
 #   bash bench/run_ruler.sh     # starts it in the background (nohup, niced); the log is OUT/run.log
 #   bash bench/run_ruler.sh     # again, after a stop or a kill: every stage resumes (--resume); a
 #                               # context stopped mid-prefill is prefilled again
@@ -36,6 +40,9 @@ ARMS=${ARMS:-full,snapkv,snapkv_bounded,pace_retrieval}
 BOUNDED_ARMS=${BOUNDED_ARMS:-snapkv,snapkv_bounded,pace_retrieval}
 MORE_ARMS=${MORE_ARMS:-h2o,streaming,pace_plan}
 QUESTION_LAST_ARMS=${QUESTION_LAST_ARMS:-full,snapkv,snapkv_bounded,pace_plan}
+FOLLOW_ARMS=${FOLLOW_ARMS:-pace_follow}
+VT_ARMS=${VT_ARMS:-pace_retrieval,pace_follow}
+VT_SAMPLES=${VT_SAMPLES:-3}
 SAMPLES=${SAMPLES:-1}
 NEEDLES=${NEEDLES:-4}
 OUT=${OUT:-runs/ruler}
@@ -48,7 +55,7 @@ PY=${PY:-.venv/bin/python}
 source bench/background.sh
 run_once_in_background "$OUT" "$0" "${1:-}"
 
-stage() {  # stage SETTING ARGS...
+stage() {  # stage SETTING ARGS... (a --samples among ARGS wins over SAMPLES)
     local setting=$1
     shift
     echo "run_ruler.sh: $(date -u +%FT%TZ) stage: $setting $*"
@@ -69,4 +76,6 @@ stage session --tasks "$NIAH" --lengths "$LONG" --arms "$BOUNDED_ARMS"
 stage session --tasks "$LONGEST_TASKS" --lengths "$LONGEST" --arms "$BOUNDED_ARMS"
 stage session --tasks "$NIAH" --lengths "$SHORT" --arms "$MORE_ARMS"
 stage question_last --tasks "$NIAH" --lengths "$SHORT" --arms "$QUESTION_LAST_ARMS"
+stage session --tasks "$NIAH,$OTHER" --lengths "$SHORT" --arms "$FOLLOW_ARMS"
+stage session --tasks vt --lengths "$SHORT" --arms "$VT_ARMS" --samples "$VT_SAMPLES"
 echo "run_ruler.sh: $(date -u +%FT%TZ) done: $RESULTS/table.md"

@@ -27,7 +27,8 @@ arms the retrieval step comes between the two).
 
 Arms: ``full`` (DynamicCache), ``h2o``, ``snapkv``, ``snapkv_bounded`` (SnapKV with bounded
 positions), ``streaming`` (StreamingLLM), ``pace_retrieval`` (PACE with no plan; each question's turn
-restores the evicted pages it matches, ``pace_hf.retrieval``) and ``pace_plan`` (PACE given the
+restores the evicted pages it matches, ``pace_hf.retrieval``), ``pace_follow`` (the same, also following
+the links of what it restores: ``PageRetriever(follow=True)``) and ``pace_plan`` (PACE given the
 questions as its plan: the context pages they match lexically are planned before the context arrives).
 
 Each record is one question: its context (``session_id``) and its index there (``probe``), the answer,
@@ -80,8 +81,10 @@ TASKS = {
     "cwe": {"kind": "cwe", "max_gen_toks": 120, "min_length": 1024},
 }
 SETTINGS = ("question_last", "session")
-ARMS = ("full", "h2o", "snapkv", "snapkv_bounded", "streaming", "pace_retrieval", "pace_plan")
-BOUNDED = ("snapkv_bounded", "pace_retrieval", "pace_plan")
+ARMS = ("full", "h2o", "snapkv", "snapkv_bounded", "streaming", "pace_retrieval", "pace_follow", "pace_plan")
+RETRIEVAL = ("pace_retrieval", "pace_follow")  # no plan: each question's turn restores what it matches
+PACE = (*RETRIEVAL, "pace_plan")
+BOUNDED = ("snapkv_bounded", *PACE)
 SIGNALS = ("lexical", "digest", "both")
 LONG_LINE = 200  # a needle is its whole line when the line is at most this long (niah, vt), else its words
 # Needles per NIAH context, at most: every other needle of a context is a distractor of the same form
@@ -326,7 +329,7 @@ def make_cache(arm: str, model, s: RulerSettings, store=None, session_id: str | 
     if arm == "full":
         return DynamicCache(config=model.config)
     kw = {"budget": s.budget, "store": store, "session_id": session_id if store is not None else None}
-    if arm in ("pace_retrieval", "pace_plan"):
+    if arm in PACE:
         return PACECache(None, model, limit=s.limit, **kw)
     scoring = {"h2o": CumulativeAttention, "snapkv": ObservationWindow, "snapkv_bounded": ObservationWindow,
                "streaming": Recency}[arm]()
@@ -433,10 +436,10 @@ def play(model, tokenizer, template, sample: dict, setting: str, arm: str, s: Ru
     context, docs = prompt["context"], prompt["docs"]
     todo = [j for j in range(len(docs)) if j not in skip]
     sid = context_id(setting, sample)
-    pace = arm in ("pace_retrieval", "pace_plan")
+    pace = arm in PACE
     use_store = store if (pace or setting == "session") and arm != "full" else None
     cache = make_cache(arm, model, s, use_store, f"ruler-{sid}-{arm}")
-    retriever = PageRetriever(tokenizer)
+    retriever = PageRetriever(tokenizer, follow=arm == "pace_follow")
     rankers = {sig: PageRetriever(tokenizer, signal=sig) for sig in SIGNALS} if ranks and arm == "pace_retrieval" else {}
     if arm == "pace_plan":  # every question, answered or not: the prefill is the one they all share
         plan_questions(cache, retriever, context, [d["question"] for d in docs], step=1)
@@ -461,7 +464,7 @@ def play(model, tokenizer, template, sample: dict, setting: str, arm: str, s: Ru
                 if isinstance(cache, EvictionCache):
                     cache.step = 1
             restored = None
-            if arm == "pace_retrieval":
+            if arm in RETRIEVAL:
                 before = cache.tier_stats.get("retrieval_tokens_restored", 0)
                 cache.rehydrate(doc["question"], context, retriever=retriever)
                 restored = cache.tier_stats.get("retrieval_tokens_restored", 0) - before

@@ -33,6 +33,15 @@ Signals (``signal=``):
   computed from the page's ids (embedding and layer 0's projections, nothing more) and kept.
 - ``"both"``: reciprocal-rank fusion of the two rankings.
 
+Following links (``follow=True``, off by default). A question can name only the first link of a chain:
+RULER's variable tracking asks for every variable assigned a value, and only ``VAR A = 12345`` holds
+that value; ``VAR B = VAR A`` is found through ``A``. With ``follow``, a page taken (or the resident
+pages among the first ones ranked) is read for its *hit lines*, the lines that hold its rarest word of
+the query; their words that occur in at most ``link_pages`` other pages are links, and the pages they
+lead to are taken next, before the next page of the ranking, each searched in turn with the link that
+led to it. A word found on every page (filler, syntax) or on none (a needle's value) leads nowhere, so a
+question with no chain restores what it did without ``follow``.
+
 Budget share. Restores stop at ``share`` tokens per KV head (default ``budget // 4``): a page costs the
 largest count, over layers and heads, of its positions that are not resident, and pages are taken in
 rank order while they fit. A turn can therefore never push more than ``share`` planned tokens into the
@@ -130,10 +139,12 @@ class PageRetriever:
         share: the most tokens per KV head one turn restores (default: the cache's ``budget // 4``).
         signal: ``"lexical"``, ``"digest"`` or ``"both"``.
         digest_tokens: positions per key digest (Quest's page).
+        follow / link_pages: follow links from the pages taken (see the module docstring), to words that
+            occur in at most ``link_pages`` other pages.
     """
 
     def __init__(self, tokenizer, *, page_tokens: int = 128, overlap: int = 16, share: int | None = None,
-                 signal: str = "lexical", digest_tokens: int = 16):
+                 signal: str = "lexical", digest_tokens: int = 16, follow: bool = False, link_pages: int = 2):
         self.page_tokens, self.overlap = as_index(page_tokens, "page_tokens"), as_index(overlap, "overlap")
         self.digest_tokens = as_index(digest_tokens, "digest_tokens")
         if self.page_tokens < 1 or self.overlap < 0 or self.digest_tokens < 1:
@@ -146,7 +157,10 @@ class PageRetriever:
             raise ValueError(f"unknown signal {signal!r}; choose from {', '.join(SIGNALS)}")
         if tokenizer is None:
             raise ValueError("a PageRetriever needs the tokenizer of the model (to read page text)")
-        self.tokenizer, self.signal = tokenizer, signal
+        self.link_pages = as_index(link_pages, "link_pages")
+        if self.link_pages < 1:
+            raise ValueError(f"link_pages must be >= 1, got {link_pages}")
+        self.tokenizer, self.signal, self.follow = tokenizer, signal, bool(follow)
         self._texts: list[str] = []  # page k's text, for the pages complete when it was decoded
         self._ids: list[int] = []  # the ids the texts were decoded from (a different history re-decodes)
         self._digests: list[torch.Tensor] = []  # per block: [2, kv_heads, head_dim] (min, max)
@@ -232,23 +246,116 @@ class PageRetriever:
                 fused[i] += 1.0 / (RRF_K + r + 1)
         return [int(i) for i in fused.argsort(descending=True, stable=True)], fused
 
+    # -- choosing -------------------------------------------------------------------------------------
+    def choose(self, ids: list[int], query: str, share: int, cost, model=None):
+        """The spans to restore for ``query``, in order: yields each ``(start, end)`` whose ``cost(start,
+        end)`` (tokens per KV head not resident, read when the span comes up, so the caller restores each
+        span before the next is costed) fits what is left of ``share``. Ranked pages come in rank order;
+        with ``follow``, the lines linked from each span taken come right after it (module docstring)."""
+        order, _ = self.rank(ids, query, model)
+        pages = self.pages(len(ids))
+        query_words = set(words_of([query])[0])
+        on = [sum(w in core for core in self.core_words(ids)) for w in query_words] if self.follow else []
+        rarest = min((n for n in on if n), default=0)  # a ranked page anchors links only with the question's rarest word
+        queue = [(pages[page], query_words, rank) for rank, page in enumerate(order)]
+        top = max(1, share // (self.page_tokens + self.overlap))  # ranked pages whose links are read even if resident
+        visited, used = set(), 0
+        while queue:
+            span, words, rank = queue.pop(0)
+            if span in visited:
+                continue
+            visited.add(span)
+            c = cost(*span)
+            if c > 0 and used + c > share:
+                continue
+            if c > 0:
+                used += c
+                yield span
+            elif rank is not None and rank >= top:
+                continue  # a resident page far down the ranking: its links are not followed
+            if self.follow and used < share:
+                most = rarest if rank is not None else None
+                queue[0:0] = [(link, via, None) for link, via in self.links(ids, span, words, most) if link not in visited]
+
+    def links(self, ids: list[int], span: tuple[int, int], words: set[str],
+              most: int | None = None) -> list[tuple[tuple[int, int], set[str]]]:
+        """The lines ``span`` links to, with the link words that lead to each, best first: the words of its
+        hit lines (those holding its rarest word of ``words``, if that word is on at most ``most`` and
+        ``link_pages`` pages) found on 1 to ``link_pages`` other pages; each link is the line of that page
+        holding the word."""
+        cores = self.core_words(ids)
+        p = self.page_tokens
+        df: dict[str, int] = {}
+        for core in cores:
+            for w in core:
+                df[w] = df.get(w, 0) + 1
+        lines = [line for line in self.lines(ids, max(0, span[0] - p), min(len(ids), span[1] + p))
+                 if line[0] < span[1] and line[1] > span[0]]  # whole lines, where they cross the span's edges
+        found = [w for w in words if any(w in line for _, _, line in lines)]
+        if not found:
+            return []
+        rarest = min(df.get(w, 0) for w in found)
+        if rarest > min(self.link_pages, most if most is not None else self.link_pages):
+            return []  # the span holds no word rare enough to anchor a link
+        anchors = {w for w in found if df.get(w, 0) == rarest}
+        hits = [(a, b, line) for a, b, line in lines if line & anchors]
+        hit = set().union(*(line for _, _, line in hits)) - words
+        own = {k for a, b in [span, *((a, b) for a, b, _ in hits)] for k in range(a // p, (b - 1) // p + 1)}
+        targets: dict[tuple[int, int], set[str]] = {}
+        for w in hit:
+            holders = [j for j, core in enumerate(cores) if j not in own and w in core]
+            if not 1 <= len(holders) <= self.link_pages:
+                continue
+            for j in holders:
+                at = self.lines(ids, max(0, j * p - p), min(len(ids), (j + 2) * p))
+                for start, end, line in at:
+                    if w in line and start < (j + 1) * p and end > j * p:
+                        if end - start > p + self.overlap:  # a long line: its page instead
+                            start, end = j * p, min(len(ids), (j + 1) * p + self.overlap)
+                        targets.setdefault((start, end), set()).add(w)
+        return sorted(targets.items(), key=lambda item: (-len(item[1]), item[0]))
+
+    def lines(self, ids: list[int], start: int, end: int) -> list[tuple[int, int, set[str]]]:
+        """The lines of positions ``[start, end)``: per line its positions ``(first, end)`` and its words,
+        cut after each token whose text holds a newline."""
+        out, first, text = [], start, []
+        for i in range(start, end):
+            piece = self.tokenizer.decode([ids[i]], skip_special_tokens=True)
+            text.append(piece)
+            if "\n" in piece or i == end - 1:
+                out.append((first, i + 1, "".join(text)))
+                first, text = i + 1, []
+        return [(a, b, set(w)) for (a, b, _), w in zip(out, words_of([t for _, _, t in out]))]
+
+    def core_words(self, ids: list[int]) -> list[set[str]]:
+        """Each page's words over its own positions only (no overlap): where a link word *is*."""
+        key = (len(ids), hash(tuple(ids)))
+        if getattr(self, "_cores_key", None) != key:
+            p = self.page_tokens
+            self._cores = [set(w) for w in words_of([self.tokenizer.decode(ids[s:s + p], skip_special_tokens=True)
+                                                      for s in range(0, len(ids), p)])]
+            self._cores_key = key
+        return self._cores
+
     # -- restoring ------------------------------------------------------------------------------------
-    def not_resident(self, cache, seen: int) -> torch.Tensor:
-        """Per page, the largest count over layers and KV heads of its positions that are not resident."""
-        spans = self.pages(seen)
-        worst = torch.zeros(len(spans), dtype=torch.long)
+    @staticmethod
+    def resident_prefix(cache, seen: int) -> list[torch.Tensor]:
+        """Per layer, ``[kv_heads, seen + 1]`` counts of resident positions before each position: the cost
+        of any span is read off it (:meth:`missing`)."""
+        out = []
         for layer in cache.layers:
             if layer.logical is None:
                 continue
             logical = layer.logical.cpu()
             resident = torch.zeros(logical.shape[0], seen + 1, dtype=torch.long)
             resident.scatter_(1, logical.clamp(max=seen), 1)
-            prefix = torch.nn.functional.pad(resident[:, :seen].cumsum(1), (1, 0))  # [heads, seen + 1]
-            starts = torch.tensor([s for s, _ in spans])
-            ends = torch.tensor([e for _, e in spans])
-            missing = (ends - starts)[None] - (prefix[:, ends] - prefix[:, starts])
-            worst = torch.maximum(worst, missing.amax(0))
-        return worst
+            out.append(torch.nn.functional.pad(resident[:, :seen].cumsum(1), (1, 0)))
+        return out
+
+    @staticmethod
+    def missing(prefix: list[torch.Tensor], start: int, end: int) -> int:
+        """The largest count, over layers and KV heads, of the positions of ``[start, end)`` not resident."""
+        return max((int(((end - start) - (p[:, end] - p[:, start])).max()) for p in prefix), default=0)
 
     def rehydrate(self, cache, text: str, ids) -> list[Span]:
         """Restore the evicted pages that ``text`` (the new turn) asks about, best first, within the share;
@@ -270,23 +377,17 @@ class PageRetriever:
                              "everything the cache has seen (the whole conversation so far)")
         started = time.perf_counter()
         ids = ids[:seen]
-        missing = self.not_resident(cache, seen)
-        candidates = missing > 0
+        prefix = self.resident_prefix(cache, seen)
+        scored = sum(self.missing(prefix, s, e) > 0 for s, e in self.pages(seen))
         model = cache.binding.model_ref() if cache.binding is not None else None
-        order, _ = self.rank(ids, text, model)
         share = self.share if self.share is not None else max(1, cache.budget // 4)
-        spans, used = [], 0
-        for page in order:
-            cost = int(missing[page])
-            if not candidates[page] or cost == 0 or used + cost > share:
-                continue
-            start, end = self.pages(seen)[page]
+        spans = []
+        for start, end in self.choose(ids, text, share, lambda s, e: self.missing(prefix, s, e), model):
             cache.restores.stats["retrieval_tokens_restored"] += cache.restore(start, end)
-            used += cost
-            missing = self.not_resident(cache, seen)  # overlapping pages now cost less
+            prefix = self.resident_prefix(cache, seen)  # overlapping spans now cost less
             spans.append(Span(start, end, [cache.step]))
         stats = cache.restores.stats
-        stats["retrieval_pages_scored"] += int(candidates.sum())
+        stats["retrieval_pages_scored"] += scored
         stats["retrieval_pages_restored"] += len(spans)
         stats["retrieval_seconds"] += time.perf_counter() - started
         return spans

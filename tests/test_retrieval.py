@@ -116,6 +116,44 @@ def test_a_restored_page_is_resident_and_exactly_rerotated_before_the_first_forw
     assert (cache.layers[0].keys[0] - expected).abs().max() <= 1e-5 * own.abs().max()
 
 
+CHAIN = ("\nVAR QUOKKA = 48213\n", "\nVAR WOMBAT = VAR QUOKKA\n")  # RULER's variable tracking, one hop
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_following_links_restores_the_chain_a_question_names_only_the_start_of(tiny, follow):
+    """The question names the value; only the first assignment holds it, the second is found through
+    the first's variable. With ``follow`` both come back (the second as its line); without, only the
+    first."""
+    model, tokenizer = tiny
+    pages = retriever(tokenizer, follow=follow, page_tokens=16, overlap=4, share=40)  # a page and a line
+    session, spans = read_context(model, tokenizer, TieredStore([HostTier()]), facts=CHAIN, retrieval=pages)
+    first, second = (range(s.start + 1, s.stop - 1) for s in spans)  # the lines, less the newlines around them
+    cache = session.cache
+    assert cache.residency(first) < 0.5 and cache.residency(second) < 0.5
+    session.add("user", "Find all variables that are assigned the value 48213.")
+    assert cache.residency(first) == 1.0
+    assert (cache.residency(second) == 1.0) is follow
+    if follow:  # the link came back as its line, not its page
+        link = next(s for s in cache.blueprint if s.start <= second.start and second.stop <= s.end)
+        assert link.end - link.start < 16
+
+
+def test_a_link_is_a_rare_word_of_the_line_holding_the_question_s_rarest_word(tiny):
+    tok = tiny[1]
+    filler = "alpha var beta " * 8 + "\n"  # 'var' is on every page: no link
+    chain = [filler, "VAR QUOKKA = 48213\n", filler, "VAR WOMBAT = VAR QUOKKA\n", filler]
+    ids = tok("".join(chain), add_special_tokens=False)["input_ids"]
+    r = PageRetriever(tok, page_tokens=16, overlap=0, link_pages=1, follow=True)
+    page = next(k for k, w in enumerate(r.core_words(ids)) if "48213" in w)
+    span = (page * 16, page * 16 + 16)
+    (line, via), = r.links(ids, span, {"48213", "variables"})
+    assert via == {"quokka"} and tok.decode(ids[line[0]:line[1]]).strip() == "VAR WOMBAT = VAR QUOKKA"
+    assert r.links(ids, span, {"absent"}) == []  # no word of the question on the page: no links
+    ids = tok("".join(chain + ["QUOKKA once more\n", filler]), add_special_tokens=False)["input_ids"]
+    assert r.links(ids, span, {"48213"}) == []  # QUOKKA is now on two other pages: more than link_pages
+    assert len(PageRetriever(tok, page_tokens=16, overlap=0, link_pages=2).links(ids, span, {"48213"})) == 2
+
+
 @pytest.mark.parametrize("share", [40, None])
 def test_the_budget_share_is_respected(tiny, share):
     model, tokenizer = tiny
