@@ -17,9 +17,13 @@ Per probe, and per query wording (the probe's own prompt; the ``prose`` and ``li
 
 Signals: ``lexical`` (the retriever's default) and ``digest`` (Quest-style layer-0 key bounds, which
 needs the model). Split: ``dev`` packages (those the repo runs and RULER work looked at) and
-``held-out`` packages (never looked at while building the retriever); both are reported.
+``held-out`` packages (never looked at while building the retriever); both are reported. The split
+``ruler`` is RULER's session prompts instead (``pace_bench.ruler``, lm-eval's generators, ``--seeds``
+contexts per task and length): a question's target is its needle (for vt, every line of the chain), so
+what a turn restores is measured without playing the model.
 
-    python bench/retrieval_recall.py [--split dev,held-out] [--sessions 4] [--tokens 32768] [--follow off,on] [--json out.json]
+    python bench/retrieval_recall.py [--split dev,held-out,ruler] [--sessions 4] [--tokens 32768] [--follow off,on]
+        [--ruler-tasks vt,niah_single_1,niah_multikey_2,fwe] [--lengths 8192,32768] [--seeds 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from pace_hf.retrieval import PageRetriever  # noqa: E402
 
 SPLITS = {"dev": ("requests", "tqdm", "typer", "rich", "markdown_it"),
           "held-out": ("click", "jinja2", "packaging", "starlette", "yaml", "urllib3", "attr")}
-WORDINGS = ("probe", "prose", "literal")
 SHARE = 512
 
 
@@ -62,13 +65,34 @@ def measure(retriever: PageRetriever, row, model=None) -> list[dict]:
         need = target_tokens(row, probe["step"])
         inside = [len(need & set(range(s, e))) for s, e in spans]
         main = max(range(len(spans)), key=inside.__getitem__)
-        for wording in WORDINGS:
+        for wording in probe["plans"]:
             order, _ = retriever.rank(ids, probe["plans"][wording], model)
             taken = restored(retriever, ids, probe["plans"][wording], model)
             out.append({"package": row["package"], "probe": probe["name"], "kind": probe["kind"], "wording": wording,
                         "rank": order.index(main) if main in order else None,
                         "covered": len(need & taken) / max(1, len(need)), "pages": len(spans)})
     return out
+
+
+def ruler_rows(tokenizer, tasks: list[str], lengths: list[int], seeds: int) -> list[dict]:
+    """RULER's session prompts as rows of :func:`measure`: the context, and per question its needle's
+    positions as the target and the question as every wording."""
+    from pace_bench import ruler
+    from pace_hf.chat import DEFAULT_SYSTEM, ChatTemplate
+
+    template, rows = ChatTemplate(tokenizer, DEFAULT_SYSTEM), []
+    for task in tasks:
+        for length in lengths:
+            for seed in range(seeds):
+                sample = ruler.generate(task, length, 1, tokenizer, seed=seed, needles=ruler.needles_of(task, 4))[0]
+                prompt = ruler.build_prompt(sample, "session", template, ruler.RulerSettings())
+                probes = [{"name": f"seed{seed}:q{j}", "kind": task, "step": j + 1,
+                           "plans": {"probe": doc["question"]}} for j, doc in enumerate(prompt["docs"])]
+                blueprint = [{"start": p, "end": p + 1, "readers": [j + 1]}
+                             for j, needle in enumerate(prompt["needles"]) for p in needle]
+                rows.append({"package": f"{task}@{length}", "context_ids": prompt["context"],
+                             "context_len": len(prompt["context"]), "probes": probes, "blueprint": blueprint})
+    return rows
 
 
 def summary(records: list[dict]) -> dict:
@@ -88,6 +112,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--signals", default="lexical", help="comma-separated: lexical, digest, both (the last two load the model)")
     ap.add_argument("--follow", default="off", help="comma-separated: off, on (PageRetriever(follow=...))")
+    ap.add_argument("--ruler-tasks", default="vt,niah_single_1,niah_multikey_2,fwe", help="the ruler split's tasks")
+    ap.add_argument("--lengths", default="8192,32768", help="the ruler split's lengths")
+    ap.add_argument("--seeds", type=int, default=5, help="the ruler split's contexts per task and length")
     ap.add_argument("--json", help="write every record and the summary here")
     args = ap.parse_args(argv)
     signals = args.signals.split(",")
@@ -101,7 +128,9 @@ def main(argv=None) -> dict:
     records = []
     for split in args.split.split(","):
         rows, index = [], 0
-        while len(rows) < args.sessions and index < 4 * args.sessions:
+        if split == "ruler":
+            rows = ruler_rows(tokenizer, args.ruler_tasks.split(","), [int(n) for n in args.lengths.split(",")], args.seeds)
+        while split != "ruler" and len(rows) < args.sessions and index < 4 * args.sessions:
             try:  # a drawn package too small for --tokens is skipped, and said
                 rows.append(build_repo_session(tokenizer, seed=0, session_index=index, total_tokens=args.tokens,
                                                packages=SPLITS[split], per_kind=3))

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import NamedTuple
 
 import torch
 from bm25s.stopwords import STOPWORDS_EN
@@ -89,6 +90,15 @@ def words_of(texts: list[str]) -> list[list[str]]:
                 doc += [p for p in parts if len(p) > 1 and p not in _STOPWORDS]
         out.append(doc)
     return out
+
+
+_LINE_NUMBER = re.compile(r"^ *\d+\t")  # `cat -n`'s prefix
+
+
+def _indent(text: str) -> int:
+    """A line's indentation in columns (a tab counts as 4), after a `cat -n` line number if it has one."""
+    text = _LINE_NUMBER.sub("", text, count=1).expandtabs(4)
+    return len(text) - len(text.lstrip(" "))
 
 
 class _StopAfterProjections(Exception):
@@ -130,6 +140,14 @@ def layer0_projections(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return (got["q"].float().reshape(b, n, -1, head_dim).cpu(), got["k"].float().reshape(b, n, -1, head_dim).cpu())
 
 
+class Line(NamedTuple):
+    """One line of the context: its positions ``[start, end)``, its words and its text."""
+    start: int
+    end: int
+    words: set[str]
+    text: str
+
+
 class PageRetriever:
     """The page index of one session (see the module docstring).
 
@@ -139,12 +157,14 @@ class PageRetriever:
         share: the most tokens per KV head one turn restores (default: the cache's ``budget // 4``).
         signal: ``"lexical"``, ``"digest"`` or ``"both"``.
         digest_tokens: positions per key digest (Quest's page).
+        blocks: after a ranked page whose hit line opens an indented block, restore the block's rest.
         follow / link_pages: follow links from the pages taken (see the module docstring), to words that
             occur in at most ``link_pages`` other pages.
     """
 
     def __init__(self, tokenizer, *, page_tokens: int = 128, overlap: int = 16, share: int | None = None,
-                 signal: str = "lexical", digest_tokens: int = 16, follow: bool = False, link_pages: int = 2):
+                 signal: str = "lexical", digest_tokens: int = 16, blocks: bool = True, follow: bool = False,
+                 link_pages: int = 2):
         self.page_tokens, self.overlap = as_index(page_tokens, "page_tokens"), as_index(overlap, "overlap")
         self.digest_tokens = as_index(digest_tokens, "digest_tokens")
         if self.page_tokens < 1 or self.overlap < 0 or self.digest_tokens < 1:
@@ -160,7 +180,7 @@ class PageRetriever:
         self.link_pages = as_index(link_pages, "link_pages")
         if self.link_pages < 1:
             raise ValueError(f"link_pages must be >= 1, got {link_pages}")
-        self.tokenizer, self.signal, self.follow = tokenizer, signal, bool(follow)
+        self.tokenizer, self.signal, self.blocks, self.follow = tokenizer, signal, bool(blocks), bool(follow)
         self._texts: list[str] = []  # page k's text, for the pages complete when it was decoded
         self._ids: list[int] = []  # the ids the texts were decoded from (a different history re-decodes)
         self._digests: list[torch.Tensor] = []  # per block: [2, kv_heads, head_dim] (min, max)
@@ -257,8 +277,8 @@ class PageRetriever:
         query_words = set(words_of([query])[0])
         on = [sum(w in core for core in self.core_words(ids)) for w in query_words] if self.follow else []
         rarest = min((n for n in on if n), default=0)  # a ranked page anchors links only with the question's rarest word
-        queue = [(pages[page], query_words, rank) for rank, page in enumerate(order)]
-        top = max(1, share // (self.page_tokens + self.overlap))  # ranked pages whose links are read even if resident
+        queue = [(pages[page], query_words, rank) for rank, page in enumerate(order)]  # rank: None for a link
+        top = max(1, share // (self.page_tokens + self.overlap))  # ranked pages read on even if resident
         visited, used = set(), 0
         while queue:
             span, words, rank = queue.pop(0)
@@ -272,10 +292,17 @@ class PageRetriever:
                 used += c
                 yield span
             elif rank is not None and rank >= top:
-                continue  # a resident page far down the ranking: its links are not followed
+                continue  # a resident page far down the ranking: its block and links are not read
+            after = []
+            if self.blocks and rank is not None:
+                rest = self.block_rest(ids, span, words, share - used)
+                if rest is not None:  # the rest of a block is taken only as far as it fits
+                    used += cost(*rest)
+                    yield rest
             if self.follow and used < share:
                 most = rarest if rank is not None else None
-                queue[0:0] = [(link, via, None) for link, via in self.links(ids, span, words, most) if link not in visited]
+                after = [(link, via, None) for link, via in self.links(ids, span, words, most) if link not in visited]
+            queue[0:0] = after
 
     def links(self, ids: list[int], span: tuple[int, int], words: set[str],
               most: int | None = None) -> list[tuple[tuple[int, int], set[str]]]:
@@ -285,22 +312,19 @@ class PageRetriever:
         holding the word."""
         cores = self.core_words(ids)
         p = self.page_tokens
-        df: dict[str, int] = {}
-        for core in cores:
-            for w in core:
-                df[w] = df.get(w, 0) + 1
+        df = self.page_counts(ids)
         lines = [line for line in self.lines(ids, max(0, span[0] - p), min(len(ids), span[1] + p))
-                 if line[0] < span[1] and line[1] > span[0]]  # whole lines, where they cross the span's edges
-        found = [w for w in words if any(w in line for _, _, line in lines)]
+                 if line.start < span[1] and line.end > span[0]]  # whole lines, where they cross the span's edges
+        found = [w for w in words if any(w in line.words for line in lines)]
         if not found:
             return []
         rarest = min(df.get(w, 0) for w in found)
         if rarest > min(self.link_pages, most if most is not None else self.link_pages):
             return []  # the span holds no word rare enough to anchor a link
         anchors = {w for w in found if df.get(w, 0) == rarest}
-        hits = [(a, b, line) for a, b, line in lines if line & anchors]
-        hit = set().union(*(line for _, _, line in hits)) - words
-        own = {k for a, b in [span, *((a, b) for a, b, _ in hits)] for k in range(a // p, (b - 1) // p + 1)}
+        hits = [line for line in lines if line.words & anchors]
+        hit = set().union(*(line.words for line in hits)) - words
+        own = {k for a, b in [span, *((line.start, line.end) for line in hits)] for k in range(a // p, (b - 1) // p + 1)}
         targets: dict[tuple[int, int], set[str]] = {}
         for w in hit:
             holders = [j for j, core in enumerate(cores) if j not in own and w in core]
@@ -308,24 +332,28 @@ class PageRetriever:
                 continue
             for j in holders:
                 at = self.lines(ids, max(0, j * p - p), min(len(ids), (j + 2) * p))
-                for start, end, line in at:
+                for start, end, line, _ in at:
                     if w in line and start < (j + 1) * p and end > j * p:
                         if end - start > p + self.overlap:  # a long line: its page instead
                             start, end = j * p, min(len(ids), (j + 1) * p + self.overlap)
                         targets.setdefault((start, end), set()).add(w)
         return sorted(targets.items(), key=lambda item: (-len(item[1]), item[0]))
 
-    def lines(self, ids: list[int], start: int, end: int) -> list[tuple[int, int, set[str]]]:
-        """The lines of positions ``[start, end)``: per line its positions ``(first, end)`` and its words,
-        cut after each token whose text holds a newline."""
+    def lines(self, ids: list[int], start: int, end: int) -> list["Line"]:
+        """The lines of positions ``[start, end)``, cut after each token whose text holds a newline. A
+        line's text starts with what such a token holds after its last newline (its indentation: BPE
+        tokenizers merge a newline with the spaces after it)."""
         out, first, text = [], start, []
         for i in range(start, end):
             piece = self.tokenizer.decode([ids[i]], skip_special_tokens=True)
-            text.append(piece)
-            if "\n" in piece or i == end - 1:
-                out.append((first, i + 1, "".join(text)))
-                first, text = i + 1, []
-        return [(a, b, set(w)) for (a, b, _), w in zip(out, words_of([t for _, _, t in out]))]
+            if "\n" in piece:
+                out.append((first, i + 1, "".join(text) + piece.split("\n", 1)[0]))
+                first, text = i + 1, [piece.rsplit("\n", 1)[1]]
+            else:
+                text.append(piece)
+        if first < end:
+            out.append((first, end, "".join(text)))
+        return [Line(a, b, set(w), t) for (a, b, t), w in zip(out, words_of([t for _, _, t in out]))]
 
     def core_words(self, ids: list[int]) -> list[set[str]]:
         """Each page's words over its own positions only (no overlap): where a link word *is*."""
@@ -334,8 +362,39 @@ class PageRetriever:
             p = self.page_tokens
             self._cores = [set(w) for w in words_of([self.tokenizer.decode(ids[s:s + p], skip_special_tokens=True)
                                                       for s in range(0, len(ids), p)])]
+            self._counts = {}
+            for core in self._cores:
+                for w in core:
+                    self._counts[w] = self._counts.get(w, 0) + 1
             self._cores_key = key
         return self._cores
+
+    def page_counts(self, ids: list[int]) -> dict[str, int]:
+        """On how many pages (their own positions) each word is."""
+        self.core_words(ids)
+        return self._counts
+
+    def block_rest(self, ids: list[int], span: tuple[int, int], words: set[str], most: int) -> tuple[int, int] | None:
+        """Where the indented block that ``span``'s hit line opens runs on past the span: ``(span end,
+        block end)``, at most ``most`` positions, or None. The hit line is the line of the span holding
+        its rarest word of ``words``; its block is the lines after it indented 2 or more columns deeper
+        (blank lines included), as a ``def``, a ``class`` or a config section is."""
+        p = self.page_tokens
+        lines = self.lines(ids, max(0, span[0] - p), min(len(ids), span[1] + most))
+        inside = [i for i, line in enumerate(lines) if line.start < span[1] and line.end > span[0] and line.words & words]
+        if not inside or most < 1:
+            return None
+        counts = self.page_counts(ids)
+        at = min(inside, key=lambda i: (min(counts.get(w, 0) for w in lines[i].words & words), i))
+        base, end = _indent(lines[at].text), None
+        for line in lines[at + 1:]:
+            if line.text.strip():
+                if _indent(line.text) < base + 2:  # a block is indented 2 or more columns deeper
+                    break
+                end = line.end
+        if end is None or end <= span[1]:
+            return None
+        return span[1], min(end, span[1] + most)
 
     # -- restoring ------------------------------------------------------------------------------------
     @staticmethod
