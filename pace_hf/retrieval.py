@@ -23,7 +23,9 @@ Signals (``signal=``):
   against the turn's words, English stop words removed (:func:`words_of`). A compound identifier is
   also its parts (``retry_budget``, ``retryBudget``: ``retry``, ``budget``), because a turn about code
   writes names as words as often as it quotes them. A page that shares no word scores 0 and is never
-  restored.
+  restored. A page holding the line that *defines* a compound name the turn names (``def``, ``class``,
+  ``NAME =`` and the like) scores ``definition_boost`` (1.5) times as much: a name is used on many
+  pages and defined on one, and the definition is what a turn about it needs.
 - ``"digest"``: Quest-style key digests. For every block of ``digest_tokens`` positions, the
   per-channel min and max of layer 0's keys; a page scores the largest upper bound
   ``sum_d max(q_d * min_d, q_d * max_d)`` of any block, over the turn's layer-0 queries (max over query
@@ -93,6 +95,12 @@ def words_of(texts: list[str]) -> list[list[str]]:
 
 
 _LINE_NUMBER = re.compile(r"^ *\d+\t")  # `cat -n`'s prefix
+# A line that defines a name: a keyword of a common language before it, or an assignment to it at the
+# line's start (`cat -n` numbers allowed).
+_DEFINITION = re.compile(
+    r"^(?: *\d+\t)?[ \t]*(?:(?:(?:async|export|pub|public|private|static)\s+)*"
+    r"(?:def|class|function|func|fn|struct|interface|enum|type|const|let|var)\s+(?P<kw>\w+)"
+    r"|(?P<assigned>\w+)\s*(?::[^=\n]*)?=(?!=))", re.MULTILINE)
 
 
 def _indent(text: str) -> int:
@@ -157,6 +165,8 @@ class PageRetriever:
         share: the most tokens per KV head one turn restores (default: the cache's ``budget // 4``).
         signal: ``"lexical"``, ``"digest"`` or ``"both"``.
         digest_tokens: positions per key digest (Quest's page).
+        definition_boost: the factor on the lexical score of a page that defines a name the turn names
+            (:meth:`defining`; 1: off).
         blocks: after a ranked page whose hit line opens an indented block, restore the block's rest.
         follow / link_pages: follow links from the pages taken (see the module docstring), to words that
             occur in at most ``link_pages`` other pages.
@@ -164,7 +174,7 @@ class PageRetriever:
 
     def __init__(self, tokenizer, *, page_tokens: int = 128, overlap: int = 16, share: int | None = None,
                  signal: str = "lexical", digest_tokens: int = 16, blocks: bool = True, follow: bool = False,
-                 link_pages: int = 2):
+                 link_pages: int = 2, definition_boost: float = 1.5):
         self.page_tokens, self.overlap = as_index(page_tokens, "page_tokens"), as_index(overlap, "overlap")
         self.digest_tokens = as_index(digest_tokens, "digest_tokens")
         if self.page_tokens < 1 or self.overlap < 0 or self.digest_tokens < 1:
@@ -181,6 +191,9 @@ class PageRetriever:
         if self.link_pages < 1:
             raise ValueError(f"link_pages must be >= 1, got {link_pages}")
         self.tokenizer, self.signal, self.blocks, self.follow = tokenizer, signal, bool(blocks), bool(follow)
+        self.definition_boost = float(definition_boost)
+        if not self.definition_boost >= 1.0:
+            raise ValueError(f"definition_boost must be >= 1 (1: off), got {definition_boost}")
         self._texts: list[str] = []  # page k's text, for the pages complete when it was decoded
         self._ids: list[int] = []  # the ids the texts were decoded from (a different history re-decodes)
         self._digests: list[torch.Tensor] = []  # per block: [2, kv_heads, head_dim] (min, max)
@@ -204,6 +217,20 @@ class PageRetriever:
                                             for s, e in spans[keep:]]
         self._ids = list(ids)
         return self._texts
+
+    def defining(self, ids: list[int], query: str) -> set[int]:
+        """Pages holding a line that defines a compound name the query names, quoted or as its words
+        (``bevo_kigo``, "the bevo kigo method"): a definition outranks its uses."""
+        words = set(words_of([query])[0])
+        out = set()
+        for k, text in enumerate(self.texts(ids)):
+            for m in _DEFINITION.finditer(text):
+                name = m.group("kw") or m.group("assigned")
+                parts = [p for p in split_name(name) if len(p) > 1]
+                if len(parts) >= 2 and (name.lower() in words or all(p in words for p in parts)):
+                    out.add(k)
+                    break
+        return out
 
     def lexical_scores(self, ids: list[int], query: str) -> torch.Tensor:
         """BM25 score of every page of ``ids`` against ``query`` (0 where they share no word)."""
@@ -251,6 +278,9 @@ class PageRetriever:
         the fused score). Lexically, pages that share no word with ``query`` are left out."""
         if self.signal == "lexical":
             scores = self.lexical_scores(ids, query)
+            if self.definition_boost != 1.0:
+                for k in self.defining(ids, query):
+                    scores[k] *= self.definition_boost
             order = [int(i) for i in scores.argsort(descending=True, stable=True) if scores[i] > 0]
             return order, scores
         if model is None:

@@ -150,6 +150,24 @@ def test_a_page_whose_hit_line_opens_a_block_brings_the_rest_of_the_block(tiny, 
     assert len(_taken(PageRetriever(tok, page_tokens=16, overlap=0), ids, question, 40)) <= 40  # within the share
 
 
+def test_the_page_that_defines_a_name_the_turn_names_outranks_its_uses(tiny):
+    """A name is used on many pages and defined on one; a turn about it needs the definition."""
+    tok = tiny[1]
+    use = "    total = retry_budget(attempts) + retry_budget(attempts - 1)\n"
+    filler = "x = 1\n" * 12
+    code = filler + use * 2 + filler + "def retry_budget(attempts):\n    return 3\n" + filler + use * 2 + filler
+    ids = tok(code, add_special_tokens=False)["input_ids"]
+    defining = next(k for k, text in enumerate(PageRetriever(tok, page_tokens=16, overlap=0).texts(ids))
+                    if "def retry_budget" in text)
+    for question in ("What is `retry_budget`?", "What is the retry budget?"):
+        plain, _ = PageRetriever(tok, page_tokens=16, overlap=0, definition_boost=1.0).rank(ids, question)
+        boosted, _ = PageRetriever(tok, page_tokens=16, overlap=0).rank(ids, question)
+        assert plain[0] != defining and boosted[0] == defining, question
+    assert PageRetriever(tok, page_tokens=16, overlap=0).defining(ids, "What is the budget?") == set()  # one part: not named
+    with pytest.raises(ValueError, match="definition_boost"):
+        PageRetriever(tok, definition_boost=0.5)
+
+
 CHAIN = ("\nVAR QUOKKA = 48213\n", "\nVAR WOMBAT = VAR QUOKKA\n")  # RULER's variable tracking, one hop
 
 
