@@ -64,6 +64,8 @@ class PACEModel(Model):
         budget, limit, store, session_id, chunk, cache_kwargs: as for ``PACESession``. With a store
             the session is planned *and* rehydrated (evicted definitions that a new turn names come
             back); a rebuilt session gets the id ``f"{session_id}.{n}"``.
+        retrieval: with a store, each user turn also restores the evicted pages its text matches
+            (``True``, the default; or a ``pace_hf.retrieval.PageRetriever``; ``False``: off).
         max_new_tokens: the default reply length (``generate(max_new_tokens=...)`` overrides it).
 
     ``last`` holds the accounting of the last call: ``prompt_tokens``, ``reused_tokens`` (history
@@ -72,7 +74,7 @@ class PACEModel(Model):
 
     def __init__(self, model, tokenizer, *, budget: int = 4096, limit: int | None = 16384, store=None,
                  session_id: str | None = None, chunk: int | None = None, max_new_tokens: int = 512,
-                 model_id: str | None = None, **cache_kwargs):
+                 model_id: str | None = None, retrieval=True, **cache_kwargs):
         super().__init__(model_id=model_id or getattr(model.config, "_name_or_path", None) or "pace")
         if store is not None and not session_id:
             raise ValueError("a PACEModel with a store needs a session_id")
@@ -80,6 +82,7 @@ class PACEModel(Model):
         self.session_kwargs = dict(budget=budget, limit=limit, store=store, chunk=chunk, **cache_kwargs)
         self.base_id, self.rebuilds = session_id, 0
         self.max_new_tokens = max_new_tokens
+        self.retrieval = retrieval
         self.steps: dict[int, str] = {}  # the planner's step descriptions, from smolagents' plans
         self.session: PACESession | None = None
         self.last: dict = {}
@@ -94,7 +97,8 @@ class PACEModel(Model):
                 self.rebuilds += 1
             session_id = self.base_id if self.rebuilds == 0 else f"{self.base_id}.{self.rebuilds}"
         return PACESession(self.model, self.tokenizer, system=system, session_id=session_id,
-                           planner=SymbolPlanner(self.steps), rehydrate=store is not None, **self.session_kwargs)
+                           planner=SymbolPlanner(self.steps), rehydrate=store is not None,
+                           retrieval=self.retrieval if store is not None else None, **self.session_kwargs)
 
     def reset(self) -> None:
         """Forget the session: the next call starts a new one."""

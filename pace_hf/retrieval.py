@@ -317,6 +317,11 @@ class PageRetriever:
             visited.add(span)
             c = cost(*span)
             if c > 0 and used + c > share:
+                if used == 0 and rank is not None:  # a share smaller than a page: the best page's window instead
+                    window = self.window(ids, span, words, share)
+                    if window is not None and 0 < cost(*window) <= share:
+                        used += cost(*window)
+                        yield window
                 continue
             if c > 0:
                 used += c
@@ -333,6 +338,21 @@ class PageRetriever:
                 most = rarest if rank is not None else None
                 after = [(link, via, None) for link, via in self.links(ids, span, words, most) if link not in visited]
             queue[0:0] = after
+
+    def window(self, ids: list[int], span: tuple[int, int], words: set[str], size: int) -> tuple[int, int] | None:
+        """``size`` positions of ``span`` around its rarest word of ``words`` (where a share too small
+        for a whole page is best spent), or None if the span holds none of them."""
+        counts = self.page_counts(ids)
+        found = sorted((counts.get(w, 0), w) for w in words if w in self.texts(ids)[span[0] // self.page_tokens].lower())
+        if not found:
+            return None
+        word, recent = found[0][1], []
+        for i in range(span[0], span[1]):
+            recent = (recent + [self.tokenizer.decode([ids[i]], skip_special_tokens=True).lower()])[-8:]
+            if word in "".join(recent):
+                start = max(span[0], min(i - size // 2, span[1] - size))
+                return start, min(span[1], start + size)
+        return None
 
     def links(self, ids: list[int], span: tuple[int, int], words: set[str],
               most: int | None = None) -> list[tuple[tuple[int, int], set[str]]]:

@@ -161,6 +161,29 @@ def test_edited_history_is_rewound_or_rebuilt_never_reused(tiny):
     assert out.content == fresh.generate(edited).content
 
 
+@pytest.mark.parametrize("retrieval", [True, False])
+def test_with_a_store_each_user_turn_brings_back_the_evicted_pages_it_asks_about(tiny, retrieval):
+    from pace_hf.tiers import HostTier, TieredStore
+
+    model, tokenizer = tiny
+    filler = "The grass is green. The sky is blue. The sun is yellow. " * 8
+
+    def user(text):
+        return {"role": "user", "content": [{"type": "text", "text": text}]}
+
+    def assistant(text):
+        return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+    read = [user(filler + "The courier's password is zebrafinch seven three. " + filler), assistant("Noted."),
+            user(filler * 2)]
+    llm = PACEModel(model, tokenizer, budget=64, limit=256, recent=8, chunk=64, max_new_tokens=2,
+                    store=TieredStore([HostTier()]), session_id="agent", retrieval=retrieval)
+    reply = llm.generate(read)  # read and evicted: the fact is in the store
+    llm.generate(read + [assistant(reply.content), user("What is the courier's zebrafinch password?")])
+    restored = llm.session.cache.tier_stats.get("retrieval_pages_restored", 0)
+    assert (restored >= 1) is retrieval
+
+
 def test_stop_sequences_are_honoured(tiny):
     model, tokenizer = tiny
     messages = [{"role": "user", "content": [{"type": "text", "text": "Say something long."}]}]

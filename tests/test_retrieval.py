@@ -225,6 +225,22 @@ def test_the_budget_share_is_respected(tiny, share):
     assert 1 <= restored < len(matching)  # the share stopped it before every matching page came back
 
 
+def test_a_share_smaller_than_a_page_restores_the_window_around_the_rarest_word(tiny):
+    """The default pages (144 positions) do not fit a 64-token budget's share (16): the best page's 16
+    positions around the turn's rarest word come back instead of nothing."""
+    model, tokenizer = tiny
+    session, (fact,) = read_context(model, tokenizer, TieredStore([HostTier()]), retrieval=True)
+    cache = session.cache
+    word = [p for p in fact if "zebra" in tokenizer.decode(session.ids[p:p + 1])]
+    assert cache.residency(word) == 0.0
+    before = [cache.ledger(i)[0].clone() for i in range(len(cache.layers))]
+    session.add("user", QUESTION)
+    assert cache.residency(word) == 1.0 and cache.tier_stats["retrieval_pages_restored"] == 1
+    for i, old in enumerate(before):  # within the share: budget // 4 = 16 per layer and KV head
+        for new_h, old_h in zip(cache.ledger(i)[0], old):
+            assert int((~torch.isin(new_h, old_h)).sum()) <= 16
+
+
 def test_no_store_or_nothing_spilled_is_a_no_op_and_a_cache_without_foresight_is_refused(tiny):
     model, tokenizer = tiny
     session = PACESession(model, tokenizer, budget=64, limit=256, recent=8, chunk=64, retrieval=True)

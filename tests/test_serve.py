@@ -449,6 +449,32 @@ def test_a_session_spills_under_the_servers_cap(tiny_dir, tmp_path, capsys):
         store.close()
 
 
+def test_the_servers_sessions_search_what_they_evicted_unless_told_not_to(tiny_dir, tmp_path):
+    """pace-serve's sessions, new or resumed, restore the evicted pages a user turn asks about
+    (``--no-retrieval``: not)."""
+    import transformers as tf
+
+    from pace_hf.serve.engine import Engine
+    from pace_hf.tiers import DiskTier, TieredStore
+
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_dir[0]).eval()
+    store = TieredStore([DiskTier(tmp_path / "kv")])
+    try:
+        engine = Engine(model, tiny_dir[1], store, "tiny", budget=160, limit=640, chunk=128)
+        session = engine._new("You are terse.", "searched")
+        session.add("user", "The courier's password is zebrafinch. " + " ".join(f"item{i} = {i * 7 % 13}" for i in range(300)))
+        session.generate(max_new_tokens=2)
+        session.save()
+        engine._drop("searched")
+        resumed = engine._session("searched", "You are terse.")
+        resumed.add("user", "What is the courier's zebrafinch password?")
+        assert resumed.cache.tier_stats["retrieval_pages_restored"] == 1
+        off = Engine(model, tiny_dir[1], store, "tiny", budget=160, limit=640, chunk=128, retrieval=False)
+        assert off._new("You are terse.", "plain").retrieval is None
+    finally:
+        store.close()
+
+
 def test_a_store_that_is_down_at_resume_keeps_the_save(tiny_dir, tmp_path):
     """A resume the store cannot answer raises ``TierUnavailable``, not the ``KeyError`` of "no save": the
     engine serves the turn from a fresh session and leaves the save (which may be whole) where it is."""

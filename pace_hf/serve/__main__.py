@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                    help="seconds a request body may take to arrive (more: 408; a slow client holds no connection)")
     p.add_argument("--spill-cap-mb", type=float, default=512.0,
                    help="spilled KV a session may keep in the store (least recently used pages go first; 0: none)")
+    p.add_argument("--retrieval", action=argparse.BooleanOptionalAction, default=True,
+                   help="each user turn restores the evicted pages its text matches (pace_hf.retrieval)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None, loader=None) -> None:
         engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit or None,
                         chunk=args.chunk, max_context=args.max_context, max_tokens=args.max_tokens,
                         max_resident=args.max_resident, idle_ttl_s=args.idle_ttl, queue_size=args.queue_size,
-                        spill_cap_bytes=int(args.spill_cap_mb * 2**20))
+                        spill_cap_bytes=int(args.spill_cap_mb * 2**20), retrieval=args.retrieval)
     except ValueError as e:
         raise SystemExit(f"pace-serve: --budget/--limit/--chunk: {e}") from None
     app = create_app(engine, names, max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout)

@@ -110,7 +110,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, store, model_name: str, *, budget: int = 2048, limit: int | None = 8192,
                  chunk: int | None = None, max_context: int = 32768, max_tokens: int = 512, max_resident: int = 4,
-                 idle_ttl_s: float = 600.0, queue_size: int = 16, spill_cap_bytes: int | None = 512 << 20):
+                 idle_ttl_s: float = 600.0, queue_size: int = 16, spill_cap_bytes: int | None = 512 << 20,
+                 retrieval: bool = True):
         if store is None:
             raise ValueError("pace-serve needs a store: sessions are saved and parked there")
         self.model, self.tokenizer, self.store, self.model_name = model, tokenizer, store, model_name
@@ -119,6 +120,7 @@ class Engine:
         # a budget, limit or chunk the cache cannot take fails here, at startup, not as a 500 on every turn
         PACESession(model, tokenizer, planner=SymbolPlanner(), **self.session_kwargs).cache.unbind()
         self.max_context, self.max_tokens = max_context, max_tokens
+        self.retrieval = retrieval  # each user turn restores the evicted pages its text matches (pace_hf.retrieval)
         self.max_resident, self.idle_ttl_s = max_resident, idle_ttl_s
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.metrics = Metrics()
@@ -182,7 +184,7 @@ class Engine:
     # -- sessions -----------------------------------------------------------------------------------
     def _new(self, system: str, session_id: str) -> PACESession:
         return PACESession(self.model, self.tokenizer, system=system, store=self.store, session_id=session_id,
-                           planner=SymbolPlanner(), rehydrate=True, **self.session_kwargs)
+                           planner=SymbolPlanner(), rehydrate=True, retrieval=self.retrieval, **self.session_kwargs)
 
     def _find(self, turn: Turn, hashes: list[str]) -> str:
         """The id of the session this turn continues (or a new id)."""
@@ -209,7 +211,7 @@ class Engine:
             return held.session
         try:
             session = PACESession.resume(session_id, self.model, self.tokenizer, store=self.store,
-                                         planner=SymbolPlanner(), rehydrate=True)
+                                         planner=SymbolPlanner(), rehydrate=True, retrieval=self.retrieval)
             self.metrics.resumes.inc()
         except Exception as e:  # noqa: BLE001 - missing, corrupt, foreign or unreachable: start afresh from the messages
             if not isinstance(e, KeyError):
