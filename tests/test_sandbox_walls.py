@@ -17,7 +17,7 @@ from pace_hf.metrics.pace_coding import sandbox as S
 from host_objects import mqueue_exists, sysv_objects
 
 _NATIVE = r'''
-import ctypes, errno, json, os, socket, sys
+import ctypes, errno, fcntl, json, os, socket, struct, sys
 sys.path.insert(0, sys.argv[1])
 import _sandbox_child as C
 job, out_fd, mode = json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -61,6 +61,15 @@ else:
         "symlink": os_err(lambda: os.symlink("/", work + "/s")),
         "mknod": os_err(lambda: os.mknod(work + "/fifo", 0o10600)),
         "write outside": os_err(lambda: open(job["outside"] + "/escaped", "w")),
+        # a lock on a file every run reads (the standard library), or the question whose lock it holds:
+        # a channel between concurrent runs
+        "flock shared": os_err(lambda: fcntl.flock(os.open(os.__file__, os.O_RDONLY), fcntl.LOCK_SH | fcntl.LOCK_NB)),
+        "F_GETLK shared": os_err(lambda: fcntl.fcntl(os.open(os.__file__, os.O_RDONLY), fcntl.F_GETLK,
+                                                     struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, 0, 0, 0))),
+    }
+    facts["locks"] = {  # record locks on the run's own files still work (sqlite3 in scratch)
+        "lockf own": os_err(lambda: fcntl.lockf(os.open(work + "/own.lock", os.O_RDWR | os.O_CREAT),
+                                                fcntl.LOCK_EX | fcntl.LOCK_NB)),
     }
     host = [job["outside"], "/etc/passwd", "/home", os.path.dirname(os.path.abspath(sys.argv[1])), sys.argv[0]]
     facts["stat host"] = {path: os_err(lambda path=path: os.stat(path)) for path in host}
@@ -161,6 +170,7 @@ def test_native_code_meets_the_kernel_walls(tmp_path, prefix):
     # not in the minimal root (Landlock walls reads, not stat)
     assert "minimal root" in facts["layers"] and facts["denied"]["write outside"] == 2, facts  # ENOENT
     assert set(facts["stat host"].values()) == {2} and facts["stdlib"] == ["csv", "sqlite3"], facts
+    assert facts["locks"] == {"lockf own": 0}, facts
     made, code = facts["mkdir"]
     assert code == 28 and made < job["limits"]["max_inodes"], facts  # ENOSPC at the cap
     assert sysv_objects() == before

@@ -72,7 +72,8 @@ _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 # call fails with EPERM: among them System V IPC, mq_*, memfd_create, userfaultfd, io_uring, bpf,
 # ptrace, process_vm_*, pidfd_*, mount and namespace calls, links, device nodes, keyrings, xattrs,
 # sysinfo and prctl. These are what CPython and the standard library use for files in the scratch
-# directory, memory, threads, time, polling, AF_UNIX socket pairs and signals to itself.
+# directory, memory, threads, time, polling, AF_UNIX socket pairs and signals to itself; not flock (a
+# covert channel between concurrent runs: see _FCNTL_ALLOW).
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _X86_64_ALLOW = {
     "write": 1, "read": 0, "mmap": 9, "munmap": 11, "futex": 202, "newfstatat": 262, "lseek": 8,
@@ -96,7 +97,7 @@ _X86_64_ALLOW = {
     "sendfile": 40, "sendto": 44, "recvfrom": 45, "sendmsg": 46, "recvmsg": 47, "shutdown": 48,
     "getsockname": 51, "getpeername": 52, "setsockopt": 54, "getsockopt": 55, "listen": 50,
     "accept": 43, "accept4": 288, "splice": 275, "tee": 276, "copy_file_range": 326,
-    "flock": 73, "fsync": 74, "fdatasync": 75, "truncate": 76, "ftruncate": 77, "fallocate": 285,
+    "fsync": 74, "fdatasync": 75, "truncate": 76, "ftruncate": 77, "fallocate": 285,
     "fadvise64": 221, "sync_file_range": 277, "chdir": 80, "fchdir": 81, "rename": 82,
     "renameat": 264, "renameat2": 316, "mkdir": 83, "mkdirat": 258, "rmdir": 84, "unlink": 87,
     "unlinkat": 263, "chmod": 90, "fchmod": 91, "fchmodat": 268, "umask": 95, "utime": 132,
@@ -121,8 +122,13 @@ _X86_64_SOCKET, _X86_64_SOCKETPAIR, _X86_64_PRLIMIT64 = 41, 53, 302
 _X86_64_IOCTL, _X86_64_FCNTL = 16, 72
 # ioctl: only terminal/size queries (isatty), FIONREAD and the close-on-exec/non-blocking ones
 _IOCTL_ALLOW = (0x5401, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451)
-# fcntl: dup, fd/file flags, locks, pipe size; not F_SETOWN/F_SETSIG (signals), leases, notify
-_FCNTL_ALLOW = (0, 1, 2, 3, 4, 5, 6, 7, 36, 37, 38, 1030, 1032)
+# fcntl: dup, fd/file flags, setting record locks, pipe size; not F_SETOWN/F_SETSIG (signals), leases,
+# notify, nor asking whose lock a range holds (F_GETLK, F_OFD_GETLK). Locks are per file, and the
+# standard library and /usr are the same files for every run: with flock (refused, see _X86_64_ALLOW) or
+# F_GETLK one run could hold a lock on a shared file and a concurrent run could see it, a covert channel.
+# Setting a lock cannot see another's on a file a run may only read: a read lock never conflicts with
+# one, and a write lock needs the file open for writing, which only the run's own scratch files are.
+_FCNTL_ALLOW = (0, 1, 2, 3, 4, 6, 7, 37, 38, 1030, 1032)
 
 MAX_VALUE_CHARS = 1_000_000  # JSON size of one returned value
 MAX_EXC_CHARS = 65_536  # JSON size of an exception's args (and, separately, its attributes)
