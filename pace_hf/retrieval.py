@@ -44,10 +44,15 @@ lead to are taken next, before the next page of the ranking, each searched in tu
 led to it. A word found on every page (filler, syntax) or on none (a needle's value) leads nowhere, so a
 question with no chain restores what it did without ``follow``.
 
-Budget share. Restores stop at ``share`` tokens per KV head (default ``budget // 4``): a page costs the
-largest count, over layers and heads, of its positions that are not resident, and pages are taken in
-rank order while they fit. A turn can therefore never push more than ``share`` planned tokens into the
-working set.
+Block rests (``blocks=True``, the default). A ranked page whose hit line opens an indented block (a
+``def``, a ``class``, a config section; ``cat -n`` numbers or not) is followed by the block's rest, as
+far as the share allows: a function is mostly body, and the page naming it holds little of that.
+
+Budget share. Restores stop at ``share`` tokens per KV head (default ``budget // 4``): a span costs the
+largest count, over layers and heads, of its positions that are not resident, and spans are taken in
+order while they fit. A turn can therefore never push more than ``share`` planned tokens into the
+working set. A share smaller than a page (a budget under 576 with the default pages) takes the best
+page's ``share`` positions around the turn's rarest word instead.
 
 No store, or nothing spilled yet: a no-op. Counters go to ``cache.tier_stats``:
 ``retrieval_pages_scored``, ``retrieval_pages_restored``, ``retrieval_tokens_restored``,
@@ -331,7 +336,7 @@ class PageRetriever:
             after = []
             if self.blocks and rank is not None:
                 rest = self.block_rest(ids, span, words, share - used)
-                if rest is not None:  # the rest of a block is taken only as far as it fits
+                if rest is not None and cost(*rest) > 0:  # the rest of a block is taken only as far as it fits
                     used += cost(*rest)
                     yield rest
             if self.follow and used < share:
@@ -381,9 +386,9 @@ class PageRetriever:
             if not 1 <= len(holders) <= self.link_pages:
                 continue
             for j in holders:
-                at = self.lines(ids, max(0, j * p - p), min(len(ids), (j + 2) * p))
-                for start, end, line, _ in at:
-                    if w in line and start < (j + 1) * p and end > j * p:
+                for line in self.lines(ids, max(0, j * p - p), min(len(ids), (j + 2) * p)):
+                    if w in line.words and line.start < (j + 1) * p and line.end > j * p:
+                        start, end = line.start, line.end
                         if end - start > p + self.overlap:  # a long line: its page instead
                             start, end = j * p, min(len(ids), (j + 1) * p + self.overlap)
                         targets.setdefault((start, end), set()).add(w)
