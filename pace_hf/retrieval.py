@@ -311,7 +311,7 @@ class PageRetriever:
         pages = self.pages(len(ids))
         query_words = set(words_of([query])[0])
         on = [sum(w in core for core in self.core_words(ids)) for w in query_words] if self.follow else []
-        rarest = min((n for n in on if n), default=0)  # a ranked page anchors links only with the question's rarest word
+        rarest = min((n for n in on if n), default=0)  # a ranked page anchors links only with the rarest word
         queue = [(pages[page], query_words, rank) for rank, page in enumerate(order)]  # rank: None for a link
         top = max(1, share // (self.page_tokens + self.overlap))  # ranked pages read on even if resident
         visited, used = set(), 0
@@ -348,7 +348,8 @@ class PageRetriever:
         """``size`` positions of ``span`` around its rarest word of ``words`` (where a share too small
         for a whole page is best spent), or None if the span holds none of them."""
         counts = self.page_counts(ids)
-        found = sorted((counts.get(w, 0), w) for w in words if w in self.texts(ids)[span[0] // self.page_tokens].lower())
+        text = self.texts(ids)[span[0] // self.page_tokens].lower()
+        found = sorted((counts.get(w, 0), w) for w in words if w in text)
         if not found:
             return None
         word, recent = found[0][1], []
@@ -379,7 +380,8 @@ class PageRetriever:
         anchors = {w for w in found if df.get(w, 0) == rarest}
         hits = [line for line in lines if line.words & anchors]
         hit = set().union(*(line.words for line in hits)) - words
-        own = {k for a, b in [span, *((line.start, line.end) for line in hits)] for k in range(a // p, (b - 1) // p + 1)}
+        own = {k for a, b in [span, *((line.start, line.end) for line in hits)]
+               for k in range(a // p, (b - 1) // p + 1)}  # the pages of the span and of its hit lines
         targets: dict[tuple[int, int], set[str]] = {}
         for w in hit:
             holders = [j for j, core in enumerate(cores) if j not in own and w in core]
@@ -436,7 +438,8 @@ class PageRetriever:
         (blank lines included), as a ``def``, a ``class`` or a config section is."""
         p = self.page_tokens
         lines = self.lines(ids, max(0, span[0] - p), min(len(ids), span[1] + most))
-        inside = [i for i, line in enumerate(lines) if line.start < span[1] and line.end > span[0] and line.words & words]
+        inside = [i for i, line in enumerate(lines)
+                  if line.start < span[1] and line.end > span[0] and line.words & words]
         if not inside or most < 1:
             return None
         counts = self.page_counts(ids)
