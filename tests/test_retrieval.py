@@ -283,3 +283,25 @@ def test_layer0_projections_are_the_unrotated_keys_and_the_digest_bounds_attenti
     fused = PageRetriever(tokenizer, page_tokens=32, overlap=0, signal="both")
     order, _ = fused.rank(ids, QUESTION, model)
     assert sorted(order) == list(range(len(retriever.pages(n))))
+
+
+def test_the_recall_bench_measures_rulers_prompts_and_following_links(tmp_path):
+    """bench/retrieval_recall.py on RULER's own vt prompts (lm-eval's generator): following links restores
+    more of the chain than the ranking alone, and the records say so."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    pytest.importorskip("lm_eval")
+    path = Path(__file__).parents[1] / "bench" / "retrieval_recall.py"
+    spec = importlib.util.spec_from_file_location("retrieval_recall", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "recall.json"
+    table = bench.main(["--split", "ruler", "--ruler-tasks", "vt", "--lengths", "2048", "--seeds", "2",
+                        "--model", "smollm2-135m", "--follow", "off,on", "--json", str(out)])
+    plain, linked = table["ruler/lexical/vt/probe"], table["ruler/lexical+follow/vt/probe"]
+    assert plain["n"] == linked["n"] == 2
+    assert linked["covered"] > plain["covered"] > 0, table
+    records = json.loads(out.read_text())["records"]
+    assert {r["package"] for r in records} == {"vt@2048"} and len(records) == 4
