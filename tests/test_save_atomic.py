@@ -272,6 +272,32 @@ def test_a_tier_that_misses_the_save_fails_it_and_each_tier_holds_one_whole_save
         resumed.unbind()
 
 
+def test_a_tier_that_could_not_take_the_lease_gets_every_spill_entry_again(model, tmp_path):
+    """A tier that came back empty, whose only failure was the lease of a save (no spill write failed in
+    between: which ones do depended on the evictions), used to be trusted with the spill entries it had
+    before: the next save's manifest named entries it no longer held, and resuming from it was refused.
+    A failed lease now counts as the tier's error, and the next save rewrites every spill entry to it."""
+    good, flaky = tmp_path / "good", tmp_path / "flaky"
+    store = TieredStore([HostTier(), DiskTier(good), DiskTier(flaky, name="flaky")])
+    cache = _cache(model, store)
+    _run(model, cache, _ids(160))
+    cache.save()
+    assert cache.spill.entries()
+    shutil.rmtree(flaky)  # the disk went away, and everything on it
+    flaky.write_text("the disk went away")
+    errors = store.stats["flaky"]["errors"]
+    with pytest.raises(SaveFailed, match="tier flaky cannot take the lease"):
+        cache.save()
+    assert store.stats["flaky"]["errors"] == errors + 1
+    flaky.unlink()  # back, empty
+    state = _state(cache)
+    cache.save()
+    for root in (good, flaky):
+        resumed = PACECache.resume(SID, store=TieredStore([DiskTier(root)]), model=model)
+        assert all(torch.equal(v, _state(resumed)[k]) for k, v in state.items())
+        resumed.unbind()
+
+
 def test_spill_entries_only_in_the_top_tier_are_made_durable_before_the_manifest_names_them(model, tmp_path):
     store = TieredStore([HostTier(), DiskTier(tmp_path)], write_policy="top")
     cache = _cache(model, store)

@@ -131,9 +131,14 @@ class Lease:
 
     ``unreleased``: ``{(tier name, lease name): token}`` of this store's leases that a tier failed to
     release (it was down): they are released before the lease is taken again, else the writer that held
-    them would find its own lease held by "another writer" until it expires."""
+    them would find its own lease held by "another writer" until it expires.
 
-    def __init__(self, tiers: list, name: str, ttl_s: float, unreleased: dict):
+    ``count_error(tier name)``: called when a tier fails to take the lease (not when another writer
+    holds it). The store counts it in the tier's ``errors``, as any failed request: a save that sees the
+    count grow rewrites its spill entries to every durable tier, since a tier that failed may have come
+    back without them (``pace_hf.cache.persist``)."""
+
+    def __init__(self, tiers: list, name: str, ttl_s: float, unreleased: dict, count_error):
         self.name, self.ttl_s, self.token = name, ttl_s, secrets.token_hex(8)
         self._held: list = []
         self._unreleased = unreleased
@@ -145,6 +150,8 @@ class Lease:
                 ok = tier.acquire_lease(name, self.token, ttl_s)
             except BaseException as e:
                 self.release()
+                if isinstance(e, Exception):
+                    count_error(tier.name)
                 if isinstance(e, TierError) or not isinstance(e, Exception):
                     raise
                 raise TierError(f"{name}: tier {tier.name} cannot take the lease: {e!r}") from e
@@ -462,7 +469,7 @@ class TieredStore:
         """Take ``session_id``'s writer lease on every tier that keeps leases (``acquire_lease``); raises
         ``LeaseHeld`` naming the tier where another writer holds it. Use as a context manager."""
         return Lease([t for t in self.tiers if t.supports_lease], full_key("lease", session_id), ttl_s,
-                     self._unreleased)
+                     self._unreleased, lambda name: self._add(name, "errors", 1))
 
     def scan(self, session_id: str | None = None):
         """``(session_id, tier name, key, stored bytes)`` of every entry the tiers hold, of one session
