@@ -74,6 +74,20 @@ def measure(retriever: PageRetriever, row, model=None) -> list[dict]:
     return out
 
 
+def repo_rows(tokenizer, split: str, sessions: int, tokens: int) -> list[dict]:
+    """``sessions`` repo-suite sessions of ``split``'s packages; a drawn package too small for ``tokens``
+    is skipped, and said."""
+    rows, index = [], 0
+    while len(rows) < sessions and index < 4 * sessions:
+        try:
+            rows.append(build_repo_session(tokenizer, seed=0, session_index=index, total_tokens=tokens,
+                                           packages=SPLITS[split], per_kind=3))
+        except ValueError as e:
+            print(f"skipped session {index} of {split}: {e}", file=sys.stderr)
+        index += 1
+    return rows
+
+
 def ruler_rows(tokenizer, tasks: list[str], lengths: list[int], seeds: int) -> list[dict]:
     """RULER's session prompts as rows of :func:`measure`: the context, and per question its needle's
     positions as the target and the question as every wording."""
@@ -127,16 +141,11 @@ def main(argv=None) -> dict:
         model, tokenizer = load_model(args.model, dtype=torch.float32)
     records = []
     for split in args.split.split(","):
-        rows, index = [], 0
         if split == "ruler":
-            rows = ruler_rows(tokenizer, args.ruler_tasks.split(","), [int(n) for n in args.lengths.split(",")], args.seeds)
-        while split != "ruler" and len(rows) < args.sessions and index < 4 * args.sessions:
-            try:  # a drawn package too small for --tokens is skipped, and said
-                rows.append(build_repo_session(tokenizer, seed=0, session_index=index, total_tokens=args.tokens,
-                                               packages=SPLITS[split], per_kind=3))
-            except ValueError as e:
-                print(f"skipped session {index} of {split}: {e}", file=sys.stderr)
-            index += 1
+            lengths = [int(n) for n in args.lengths.split(",")]
+            rows = ruler_rows(tokenizer, args.ruler_tasks.split(","), lengths, args.seeds)
+        else:
+            rows = repo_rows(tokenizer, split, args.sessions, args.tokens)
         for row in rows:
             for signal in signals:
                 for follow in args.follow.split(","):

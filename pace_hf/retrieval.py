@@ -99,11 +99,12 @@ def words_of(texts: list[str]) -> list[list[str]]:
     return out
 
 
-_LINE_NUMBER = re.compile(r"^ *\d+\t")  # `cat -n`'s prefix
+_CAT_N = r" *\d+\t"  # `cat -n`'s prefix of a line
+_LINE_NUMBER = re.compile("^" + _CAT_N)
 # A line that defines a name: a keyword of a common language before it, or an assignment to it at the
 # line's start (`cat -n` numbers allowed).
 _DEFINITION = re.compile(
-    r"^(?: *\d+\t)?[ \t]*(?:(?:(?:async|export|pub|public|private|static)\s+)*"
+    rf"^(?:{_CAT_N})?[ \t]*(?:(?:(?:async|export|pub|public|private|static)\s+)*"
     r"(?:def|class|function|func|fn|struct|interface|enum|type|const|let|var)\s+(?P<kw>\w+)"
     r"|(?P<assigned>\w+)\s*(?::[^=\n]*)?=(?!=))", re.MULTILINE)
 
@@ -310,8 +311,9 @@ class PageRetriever:
         order, _ = self.rank(ids, query, model)
         pages = self.pages(len(ids))
         query_words = set(words_of([query])[0])
-        on = [sum(w in core for core in self.core_words(ids)) for w in query_words] if self.follow else []
-        rarest = min((n for n in on if n), default=0)  # a ranked page anchors links only with the rarest word
+        counts = self.page_counts(ids) if self.follow else {}
+        # a ranked page anchors links only with the question's rarest word
+        rarest = min((counts[w] for w in query_words if w in counts), default=0)
         queue = [(pages[page], query_words, rank) for rank, page in enumerate(order)]  # rank: None for a link
         top = max(1, share // (self.page_tokens + self.overlap))  # ranked pages read on even if resident
         visited, used = set(), 0
@@ -324,8 +326,9 @@ class PageRetriever:
             if c > 0 and used + c > share:
                 if used == 0 and rank is not None:  # a share smaller than a page: the best page's window instead
                     window = self.window(ids, span, words, share)
-                    if window is not None and 0 < cost(*window) <= share:
-                        used += cost(*window)
+                    c = cost(*window) if window is not None else 0
+                    if 0 < c <= share:
+                        used += c
                         yield window
                 continue
             if c > 0:
@@ -336,8 +339,9 @@ class PageRetriever:
             after = []
             if self.blocks and rank is not None:
                 rest = self.block_rest(ids, span, words, share - used)
-                if rest is not None and cost(*rest) > 0:  # the rest of a block is taken only as far as it fits
-                    used += cost(*rest)
+                c = cost(*rest) if rest is not None else 0
+                if c > 0:  # the rest of a block is taken only as far as it fits
+                    used += c
                     yield rest
             if self.follow and used < share:
                 most = rarest if rank is not None else None
