@@ -163,7 +163,8 @@ def main(argv=None) -> dict:
     for key, s in table.items():
         print(f"| {key} | {s['n']} | {s['top1']} | {s['top3']} | {s['found']} | {s['median_rank']} | {s['covered']:.2f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "summary": table, "records": records}, indent=1))
+        run = {**vars(args), "json": Path(args.json).name}  # no path of this machine in a result
+        Path(args.json).write_text(json.dumps({"args": run, "summary": table, "records": records}, indent=1))
     return table
 
 
