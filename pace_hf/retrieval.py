@@ -204,6 +204,9 @@ class PageRetriever:
         self._ids: list[int] = []  # the ids the texts were decoded from (a different history re-decodes)
         self._digests: list[torch.Tensor] = []  # per block: [2, kv_heads, head_dim] (min, max)
         self._digest_ids: list[int] = []
+        self._cores: list[set[str]] = []  # page k's words over its own positions (see core_words)
+        self._core_ids: list[int] = []
+        self._counts: dict[str, int] = {}  # word -> on how many pages of _cores it is
 
     # -- the index ------------------------------------------------------------------------------------
     def pages(self, seen: int) -> list[tuple[int, int]]:
@@ -417,17 +420,22 @@ class PageRetriever:
         return [Line(a, b, set(w), t) for (a, b, t), w in zip(out, words_of([t for _, _, t in out]))]
 
     def core_words(self, ids: list[int]) -> list[set[str]]:
-        """Each page's words over its own positions only (no overlap): where a link word *is*."""
-        key = (len(ids), hash(tuple(ids)))
-        if getattr(self, "_cores_key", None) != key:
-            p = self.page_tokens
-            self._cores = [set(w) for w in words_of([self.tokenizer.decode(ids[s:s + p], skip_special_tokens=True)
-                                                      for s in range(0, len(ids), p)])]
+        """Each page's words over its own positions only (no overlap): where a link word *is*. Like
+        :meth:`texts`, only pages whose ids changed since the last call are decoded again."""
+        p = self.page_tokens
+        keep = 0  # whole pages read before whose ids are unchanged
+        while (keep < len(self._cores) and (keep + 1) * p <= min(len(ids), len(self._core_ids))
+               and self._core_ids[keep * p:(keep + 1) * p] == ids[keep * p:(keep + 1) * p]):
+            keep += 1
+        if keep < len(self._cores) or keep * p < len(ids):
+            fresh = words_of([self.tokenizer.decode(ids[s:s + p], skip_special_tokens=True)
+                              for s in range(keep * p, len(ids), p)])
+            self._cores = self._cores[:keep] + [set(w) for w in fresh]
             self._counts = {}
             for core in self._cores:
                 for w in core:
                     self._counts[w] = self._counts.get(w, 0) + 1
-            self._cores_key = key
+        self._core_ids = list(ids)
         return self._cores
 
     def page_counts(self, ids: list[int]) -> dict[str, int]:

@@ -305,3 +305,14 @@ def test_the_recall_bench_measures_rulers_prompts_and_following_links(tmp_path):
     assert linked["covered"] > plain["covered"] > 0, table
     records = json.loads(out.read_text())["records"]
     assert {r["package"] for r in records} == {"vt@2048"} and len(records) == 4
+
+
+def test_page_words_read_again_only_where_the_ids_changed_equal_a_fresh_read(tiny):
+    tok = tiny[1]
+    text = "".join(f"line {i} holds word{i % 7} and token{i}\n" for i in range(60))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    r = PageRetriever(tok, page_tokens=16, overlap=0)
+    histories = [ids[:100], ids[:150], ids, ids[:40] + tok("rewritten history\n")["input_ids"] + ids[60:], ids[:33]]
+    for h in histories:  # grows, grows, is rewritten in the middle, shrinks
+        fresh = PageRetriever(tok, page_tokens=16, overlap=0)
+        assert r.core_words(h) == fresh.core_words(h) and r.page_counts(h) == fresh.page_counts(h)
