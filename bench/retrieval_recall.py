@@ -49,14 +49,6 @@ def target_tokens(row, step: int) -> set[int]:
     return {i for s in row["blueprint"] if step in s["readers"] for i in range(s["start"], s["end"])}
 
 
-def restored(retriever: PageRetriever, ids: list[int], query: str, model=None) -> set[int]:
-    """The positions one turn's retrieval restores within SHARE, every position taken as evicted."""
-    taken: set[int] = set()
-    for a, b in retriever.choose(ids, query, SHARE, lambda a, b: len(set(range(a, b)) - taken), model):
-        taken |= set(range(a, b))
-    return taken
-
-
 def measure(retriever: PageRetriever, row, model=None) -> list[dict]:
     ids = list(row["context_ids"][:row["context_len"]])
     spans = retriever.pages(len(ids))
@@ -67,7 +59,7 @@ def measure(retriever: PageRetriever, row, model=None) -> list[dict]:
         main = max(range(len(spans)), key=inside.__getitem__)
         for wording in probe["plans"]:
             order, _ = retriever.rank(ids, probe["plans"][wording], model)
-            taken = restored(retriever, ids, probe["plans"][wording], model)
+            taken = retriever.preview(ids, probe["plans"][wording], SHARE, model)
             out.append({"package": row["package"], "probe": probe["name"], "kind": probe["kind"], "wording": wording,
                         "rank": order.index(main) if main in order else None,
                         "covered": len(need & taken) / max(1, len(need)), "pages": len(spans)})

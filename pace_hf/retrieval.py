@@ -351,6 +351,14 @@ class PageRetriever:
                 after = [(link, via, None) for link, via in self.links(ids, span, words, most) if link not in visited]
             queue[0:0] = after
 
+    def preview(self, ids: list[int], query: str, share: int, model=None) -> set[int]:
+        """The positions ``query`` would restore within ``share`` were every position of ``ids`` evicted:
+        what a turn reaches, measured offline without a cache (``bench/retrieval_recall.py``)."""
+        taken: set[int] = set()
+        for a, b in self.choose(ids, query, share, lambda a, b: len(set(range(a, b)) - taken), model):
+            taken |= set(range(a, b))
+        return taken
+
     def window(self, ids: list[int], span: tuple[int, int], words: set[str], size: int) -> tuple[int, int] | None:
         """``size`` positions of ``span`` around its rarest word of ``words`` (where a share too small
         for a whole page is best spent), or None if the span holds none of them."""

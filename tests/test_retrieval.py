@@ -116,14 +116,6 @@ def test_a_restored_page_is_resident_and_exactly_rerotated_before_the_first_forw
     assert (cache.layers[0].keys[0] - expected).abs().max() <= 1e-5 * own.abs().max()
 
 
-def _taken(retriever, ids, query, share):
-    """The positions ``choose`` restores within ``share``, every position taken as evicted."""
-    taken = set()
-    for a, b in retriever.choose(ids, query, share, lambda a, b: len(set(range(a, b)) - taken)):
-        taken |= set(range(a, b))
-    return taken
-
-
 @pytest.mark.parametrize("numbered", [False, True])
 def test_a_page_whose_hit_line_opens_a_block_brings_the_rest_of_the_block(tiny, numbered):
     """A function is mostly body, and the page naming it holds little of that: the lines indented under
@@ -142,12 +134,12 @@ def test_a_page_whose_hit_line_opens_a_block_brings_the_rest_of_the_block(tiny, 
         return {i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < lo + len(text) and e > lo}
 
     question = "How does the settle invoice function work?"
-    with_blocks = _taken(PageRetriever(tok, page_tokens=16, overlap=0), ids, question, 400)
-    without = _taken(PageRetriever(tok, page_tokens=16, overlap=0, blocks=False), ids, question, 400)
+    with_blocks = PageRetriever(tok, page_tokens=16, overlap=0).preview(ids, question, 400)
+    without = PageRetriever(tok, page_tokens=16, overlap=0, blocks=False).preview(ids, question, 400)
     assert at("def settle_invoice") <= without and not at("return total") <= without
     assert at("return total") <= with_blocks and at("def settle_invoice") <= with_blocks
     assert not at("y = 2") & with_blocks  # the block's rest stops where the block does
-    assert len(_taken(PageRetriever(tok, page_tokens=16, overlap=0), ids, question, 40)) <= 40  # within the share
+    assert len(PageRetriever(tok, page_tokens=16, overlap=0).preview(ids, question, 40)) <= 40  # within the share
 
 
 def test_the_page_that_defines_a_name_the_turn_names_outranks_its_uses(tiny):
