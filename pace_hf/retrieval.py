@@ -38,11 +38,14 @@ Signals (``signal=``):
 Following links (``follow=True``, off by default). A question can name only the first link of a chain:
 RULER's variable tracking asks for every variable assigned a value, and only ``VAR A = 12345`` holds
 that value; ``VAR B = VAR A`` is found through ``A``. With ``follow``, a page taken (or the resident
-pages among the first ones ranked) is read for its *hit lines*, the lines that hold its rarest word of
-the query; their words that occur in at most ``link_pages`` other pages are links, and the pages they
-lead to are taken next, before the next page of the ranking, each searched in turn with the link that
-led to it. A word found on every page (filler, syntax) or on none (a needle's value) leads nowhere, so a
-question with no chain restores what it did without ``follow``.
+pages among the first ones ranked) is read for its *hit lines*, the lines that hold the query's rarest
+word (on the fewest pages, and of those the one the tokenizer splits most: rare in the language too).
+Their words that occur in at most ``link_pages`` other pages are links, and the lines holding them
+elsewhere (the next line included) are taken next, before the next page of the ranking, each searched
+in turn with the link that led to it. A word found on every page (filler, syntax) or on none (a
+needle's value) leads nowhere, so a question with no chain restores what it did without ``follow``; a
+page that matches only the question's common words (an instruction, a worked example) leads nowhere
+either. A word belongs to the page of its first token, so a value cut by a page edge still counts.
 
 Block rests (``blocks=True``, the default). A ranked page whose hit line opens an indented block (a
 ``def``, a ``class``, a config section; ``cat -n`` numbers or not) is followed by the block's rest, as
@@ -61,6 +64,7 @@ No store, or nothing spilled yet: a no-op. Counters go to ``cache.tier_stats``:
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from typing import NamedTuple
@@ -77,6 +81,8 @@ STAT_KEYS = ("retrieval_pages_scored", "retrieval_pages_restored", "retrieval_to
              "retrieval_seconds")
 RRF_K = 60  # reciprocal-rank fusion's usual constant
 _WORD = re.compile(r"(?u)\b\w\w+\b")  # bm25s's own token pattern and English stop words
+_WORD_CHAR = re.compile(r"\w")
+_WORD_REACH = 16  # the most tokens one word is looked for past a page edge
 _STOPWORDS = frozenset(STOPWORDS_EN)
 
 
@@ -315,8 +321,13 @@ class PageRetriever:
         pages = self.pages(len(ids))
         query_words = set(words_of([query])[0])
         counts = self.page_counts(ids) if self.follow else {}
-        # a ranked page anchors links only with the question's rarest word
+        # a ranked page anchors links only with the question's rarest words: those on the fewest pages, and
+        # of those the ones the tokenizer splits most (a word rare in the language too). A page matching only
+        # the question's common words (an instruction, a worked example) leads nowhere.
         rarest = min((counts[w] for w in query_words if w in counts), default=0)
+        pieces = {w: len(self.tokenizer(w, add_special_tokens=False)["input_ids"])
+                  for w in query_words if counts.get(w) == rarest}
+        rarest_words = {w for w, n in pieces.items() if n == max(pieces.values())}
         queue = [(pages[page], query_words, rank) for rank, page in enumerate(order)]  # rank: None for a link
         top = max(1, share // (self.page_tokens + self.overlap))  # ranked pages read on even if resident
         visited, used = set(), 0
@@ -347,8 +358,9 @@ class PageRetriever:
                     used += c
                     yield rest
             if self.follow and used < share:
-                most = rarest if rank is not None else None
-                after = [(link, via, None) for link, via in self.links(ids, span, words, most) if link not in visited]
+                anchors = rarest_words if rank is not None else None
+                after = [(link, via, None) for link, via in self.links(ids, span, words, anchors)
+                         if link not in visited]
             queue[0:0] = after
 
     def preview(self, ids: list[int], query: str, share: int, model=None) -> set[int]:
@@ -376,35 +388,37 @@ class PageRetriever:
         return None
 
     def links(self, ids: list[int], span: tuple[int, int], words: set[str],
-              most: int | None = None) -> list[tuple[tuple[int, int], set[str]]]:
+              anchors: set[str] | None = None) -> list[tuple[tuple[int, int], set[str]]]:
         """The lines ``span`` links to, with the link words that lead to each, best first: the words of its
-        hit lines (those holding its rarest word of ``words``, if that word is on at most ``most`` and
-        ``link_pages`` pages) found on 1 to ``link_pages`` other pages; each link is the line of that page
-        holding the word."""
+        hit lines (those holding its rarest word of ``words``, or of ``anchors`` when given, if that word
+        is on at most ``link_pages`` pages) found on at most ``link_pages`` other pages; each link is a line
+        outside the span holding the word (on another page, or on the same page: a chain's next link can be
+        the next line)."""
         cores = self.core_words(ids)
         p = self.page_tokens
         df = self.page_counts(ids)
         lines = [line for line in self.lines(ids, max(0, span[0] - p), min(len(ids), span[1] + p))
                  if line.start < span[1] and line.end > span[0]]  # whole lines, where they cross the span's edges
-        found = [w for w in words if any(w in line.words for line in lines)]
+        found = [w for w in (words if anchors is None else words & anchors) if any(w in line.words for line in lines)]
         if not found:
             return []
         rarest = min(df.get(w, 0) for w in found)
-        if rarest > min(self.link_pages, most if most is not None else self.link_pages):
+        if rarest > self.link_pages:
             return []  # the span holds no word rare enough to anchor a link
         anchors = {w for w in found if df.get(w, 0) == rarest}
         hits = [line for line in lines if line.words & anchors]
         hit = set().union(*(line.words for line in hits)) - words
-        own = {k for a, b in [span, *((line.start, line.end) for line in hits)]
-               for k in range(a // p, (b - 1) // p + 1)}  # the pages of the span and of its hit lines
+        read = [span, *((line.start, line.end) for line in hits)]
+        own = {k for a, b in read for k in range(a // p, (b - 1) // p + 1)}  # the pages of the span and its hit lines
         targets: dict[tuple[int, int], set[str]] = {}
         for w in hit:
-            holders = [j for j, core in enumerate(cores) if j not in own and w in core]
-            if not 1 <= len(holders) <= self.link_pages:
+            holders = [j for j, core in enumerate(cores) if w in core]
+            if len([j for j in holders if j not in own]) > self.link_pages:
                 continue
-            for j in holders:
+            for j in holders:  # its lines elsewhere, on other pages or on the rest of a linked line's page
                 for line in self.lines(ids, max(0, j * p - p), min(len(ids), (j + 2) * p)):
-                    if w in line.words and line.start < (j + 1) * p and line.end > j * p:
+                    if (w in line.words and line.start < (j + 1) * p and line.end > j * p
+                            and all(line.end <= a or line.start >= b for a, b in read)):
                         start, end = line.start, line.end
                         if end - start > p + self.overlap:  # a long line: its page instead
                             start, end = j * p, min(len(ids), (j + 1) * p + self.overlap)
@@ -428,16 +442,19 @@ class PageRetriever:
         return [Line(a, b, set(w), t) for (a, b, t), w in zip(out, words_of([t for _, _, t in out]))]
 
     def core_words(self, ids: list[int]) -> list[set[str]]:
-        """Each page's words over its own positions only (no overlap): where a link word *is*. Like
-        :meth:`texts`, only pages whose ids changed since the last call are decoded again."""
-        p = self.page_tokens
-        keep = 0  # whole pages read before whose ids are unchanged
-        while (keep < len(self._cores) and (keep + 1) * p <= min(len(ids), len(self._core_ids))
-               and self._core_ids[keep * p:(keep + 1) * p] == ids[keep * p:(keep + 1) * p]):
+        """Each page's words over its own positions only (no overlap): where a link word *is*. A word
+        belongs to the page of its first token (``48213`` cut by a page edge is still one word, on one
+        page). Like :meth:`texts`, only pages whose ids changed since the last call are decoded again."""
+        p, reach = self.page_tokens, _WORD_REACH
+        keep = 0  # pages read before whose ids (and the next page's first tokens) are unchanged
+        while (keep < len(self._cores) and (keep + 1) * p + reach <= min(len(ids), len(self._core_ids))
+               and self._core_ids[keep * p:(keep + 1) * p + reach] == ids[keep * p:(keep + 1) * p + reach]):
             keep += 1
         if keep < len(self._cores) or keep * p < len(ids):
-            fresh = words_of([self.tokenizer.decode(ids[s:s + p], skip_special_tokens=True)
-                              for s in range(keep * p, len(ids), p)])
+            edges = [self._word_start(ids, s) for s in range(keep * p, len(ids), p)] + [len(ids)]
+            edges = list(itertools.accumulate(edges, max))  # a long word can reach past a whole page
+            fresh = words_of([self.tokenizer.decode(ids[a:b], skip_special_tokens=True)
+                              for a, b in zip(edges, edges[1:])])
             self._cores = self._cores[:keep] + [set(w) for w in fresh]
             self._counts = {}
             for core in self._cores:
@@ -445,6 +462,15 @@ class PageRetriever:
                     self._counts[w] = self._counts.get(w, 0) + 1
         self._core_ids = list(ids)
         return self._cores
+
+    def _word_start(self, ids: list[int], i: int) -> int:
+        """The first position from ``i`` (within ``_WORD_REACH``) whose token does not go on with a word
+        that the token before it began."""
+        for j in range(i, min(len(ids), i + _WORD_REACH)):
+            if j == 0 or not (_WORD_CHAR.match(self.tokenizer.decode([ids[j]], skip_special_tokens=True)[:1])
+                              and _WORD_CHAR.match(self.tokenizer.decode([ids[j - 1]], skip_special_tokens=True)[-1:])):
+                return j
+        return min(len(ids), i + _WORD_REACH)
 
     def page_counts(self, ids: list[int]) -> dict[str, int]:
         """On how many pages (their own positions) each word is."""

@@ -308,3 +308,29 @@ def test_page_words_read_again_only_where_the_ids_changed_equal_a_fresh_read(tin
     for h in histories:  # grows, grows, is rewritten in the middle, shrinks
         fresh = PageRetriever(tok, page_tokens=16, overlap=0)
         assert r.core_words(h) == fresh.core_words(h) and r.page_counts(h) == fresh.page_counts(h)
+
+
+def test_a_worked_example_that_matches_the_question_s_words_leads_nowhere_and_a_chain_goes_on_on_its_page(tiny):
+    """RULER's vt prompt opens with a worked example whose question shares every word of the real one
+    but its value: a ranked page anchors links only with the question's rarest word (fewest pages, then
+    most tokenizer pieces), so the example's chain is not followed. The real chain's next link can be
+    the next line, on the linked line's own page."""
+    tok = tiny[1]
+    filler = "the grass is green and the sky is blue here we go\n"
+    example = ("VAR ALPHA = 11111\n" + filler * 3 + "VAR BETA = VAR ALPHA\n" + filler * 3
+               + "Question: find all variables that are assigned the value 11111 in the text above.\n")
+    context = (example + filler * 6 + "VAR QUOKKA = 48213\n" + filler * 6
+               + "VAR WOMBAT = VAR QUOKKA\nVAR NUMBAT = VAR WOMBAT\n" + filler * 6)
+    ids = tok(context, add_special_tokens=False)["input_ids"]
+    r = PageRetriever(tok, page_tokens=16, overlap=8, follow=True)
+    taken = r.preview(ids, "Find all variables that are assigned the value 48213.", 96)
+
+    def covered(line):
+        start = context.index(line)
+        span = {i for i, (a, b) in enumerate(tok(context, add_special_tokens=False, return_offsets_mapping=True)
+                                              ["offset_mapping"]) if a < start + len(line) and b > start}
+        return len(span & taken) / len(span)
+
+    assert [covered(line) for line in ("QUOKKA = 48213", "VAR WOMBAT = VAR QUOKKA", "VAR NUMBAT = VAR WOMBAT")] \
+        == [1.0, 1.0, 1.0]  # the ranked page starts just after the first line's "VAR"
+    assert covered("VAR BETA = VAR ALPHA") == 0.0
