@@ -320,14 +320,10 @@ class PageRetriever:
         order, _ = self.rank(ids, query, model)
         pages = self.pages(len(ids))
         query_words = set(words_of([query])[0])
+        # a ranked page anchors links only with the question's rarest words: a page matching only the
+        # question's common words (an instruction, a worked example) leads nowhere
         counts = self.page_counts(ids) if self.follow else {}
-        # a ranked page anchors links only with the question's rarest words: those on the fewest pages, and
-        # of those the ones the tokenizer splits most (a word rare in the language too). A page matching only
-        # the question's common words (an instruction, a worked example) leads nowhere.
-        rarest = min((counts[w] for w in query_words if w in counts), default=0)
-        pieces = {w: len(self.tokenizer(w, add_special_tokens=False)["input_ids"])
-                  for w in query_words if counts.get(w) == rarest}
-        rarest_words = {w for w, n in pieces.items() if n == max(pieces.values())}
+        rarest = self.rarest(ids, {w for w in query_words if w in counts})
         queue = [(pages[page], query_words, rank) for rank, page in enumerate(order)]  # rank: None for a link
         top = max(1, share // (self.page_tokens + self.overlap))  # ranked pages read on even if resident
         visited, used = set(), 0
@@ -358,7 +354,7 @@ class PageRetriever:
                     used += c
                     yield rest
             if self.follow and used < share:
-                anchors = rarest_words if rank is not None else None
+                anchors = rarest if rank is not None else None
                 after = [(link, via, None) for link, via in self.links(ids, span, words, anchors)
                          if link not in visited]
             queue[0:0] = after
@@ -374,12 +370,11 @@ class PageRetriever:
     def window(self, ids: list[int], span: tuple[int, int], words: set[str], size: int) -> tuple[int, int] | None:
         """``size`` positions of ``span`` around its rarest word of ``words`` (where a share too small
         for a whole page is best spent), or None if the span holds none of them."""
-        counts = self.page_counts(ids)
         text = self.texts(ids)[span[0] // self.page_tokens].lower()
-        found = sorted((counts.get(w, 0), w) for w in words if w in text)
+        found = {w for w in words if w in text}
         if not found:
             return None
-        word, recent = found[0][1], []
+        word, recent = min(self.rarest(ids, found)), []
         for i in range(span[0], span[1]):
             recent = (recent + [self.tokenizer.decode([ids[i]], skip_special_tokens=True).lower()])[-8:]
             if word in "".join(recent):
@@ -399,13 +394,10 @@ class PageRetriever:
         df = self.page_counts(ids)
         lines = [line for line in self.lines(ids, max(0, span[0] - p), min(len(ids), span[1] + p))
                  if line.start < span[1] and line.end > span[0]]  # whole lines, where they cross the span's edges
-        found = [w for w in (words if anchors is None else words & anchors) if any(w in line.words for line in lines)]
-        if not found:
-            return []
-        rarest = min(df.get(w, 0) for w in found)
-        if rarest > self.link_pages:
+        anchors = self.rarest(ids, {w for w in (words if anchors is None else words & anchors)
+                                    if any(w in line.words for line in lines)})
+        if not anchors or df.get(next(iter(anchors)), 0) > self.link_pages:
             return []  # the span holds no word rare enough to anchor a link
-        anchors = {w for w in found if df.get(w, 0) == rarest}
         hits = [line for line in lines if line.words & anchors]
         hit = set().union(*(line.words for line in hits)) - words
         read = [span, *((line.start, line.end) for line in hits)]
@@ -472,6 +464,18 @@ class PageRetriever:
                 return j
         return min(len(ids), i + _WORD_REACH)
 
+    def rarest(self, ids: list[int], words: set[str]) -> set[str]:
+        """The rarest of ``words`` in ``ids``: those on the fewest pages, and of those the ones the tokenizer
+        splits into the most pieces (rare in the language too: a needle's value or a made-up name, not
+        "assigned"). A link is anchored, a window centred and a block opened on such a word."""
+        if not words:
+            return set()
+        counts = self.page_counts(ids)
+        fewest = min(counts.get(w, 0) for w in words)
+        pieces = {w: len(self.tokenizer(w, add_special_tokens=False)["input_ids"])
+                  for w in words if counts.get(w, 0) == fewest}
+        return {w for w, n in pieces.items() if n == max(pieces.values())}
+
     def page_counts(self, ids: list[int]) -> dict[str, int]:
         """On how many pages (their own positions) each word is."""
         self.core_words(ids)
@@ -488,8 +492,8 @@ class PageRetriever:
                   if line.start < span[1] and line.end > span[0] and line.words & words]
         if not inside or most < 1:
             return None
-        counts = self.page_counts(ids)
-        at = min(inside, key=lambda i: (min(counts.get(w, 0) for w in lines[i].words & words), i))
+        rarest = self.rarest(ids, set().union(*(lines[i].words & words for i in inside)))
+        at = next(i for i in inside if lines[i].words & rarest)
         base, end = _indent(lines[at].text), None
         for line in lines[at + 1:]:
             if line.text.strip():
