@@ -23,9 +23,10 @@ Signals (``signal=``):
   against the turn's words, English stop words removed (:func:`words_of`). A compound identifier is
   also its parts (``retry_budget``, ``retryBudget``: ``retry``, ``budget``), because a turn about code
   writes names as words as often as it quotes them. A page that shares no word scores 0 and is never
-  restored. A page holding the line that *defines* a compound name the turn names (``def``, ``class``,
-  ``NAME =`` and the like) scores ``definition_boost`` (1.5) times as much: a name is used on many
-  pages and defined on one, and the definition is what a turn about it needs.
+  restored. A page holding the line that *defines* a compound name the turn names, or a name it quotes
+  as code (``def``, ``class``, ``NAME =`` and the like), scores ``definition_boost`` (1.5) times as
+  much: a name is used on many pages and defined on one, and the definition is what a turn about it
+  needs.
 - ``"digest"``: Quest-style key digests. For every block of ``digest_tokens`` positions, the
   per-channel min and max of layer 0's keys; a page scores the largest upper bound
   ``sum_d max(q_d * min_d, q_d * max_d)`` of any block, over the turn's layer-0 queries (max over query
@@ -113,6 +114,7 @@ _DEFINITION = re.compile(
     rf"^(?:{_CAT_N})?[ \t]*(?:(?:(?:async|export|pub|public|private|static)\s+)*"
     r"(?:def|class|function|func|fn|struct|interface|enum|type|const|let|var)\s+(?P<kw>\w+)"
     r"|(?P<assigned>\w+)\s*(?::[^=\n]*)?=(?!=))", re.MULTILINE)
+_QUOTED_NAME = re.compile(r"`([A-Za-z_][\w.]*)`")  # a name quoted as code, `name` or `Class.method`
 
 
 def _indent(text: str) -> int:
@@ -234,15 +236,18 @@ class PageRetriever:
         return self._texts
 
     def defining(self, ids: list[int], query: str) -> set[int]:
-        """Pages holding a line that defines a compound name the query names, quoted or as its words
-        (``bevo_kigo``, "the bevo kigo method"): a definition outranks its uses."""
+        """Pages holding a line that defines a name the query names: a compound name, quoted or as its
+        words (``bevo_kigo``, "the bevo kigo method"), or any name it quotes as code (`settle`,
+        `Ledger.settle`; a plain one-word name could be any word). A definition outranks its uses."""
         words = set(words_of([query])[0])
+        quoted = {m.group(1).split(".")[-1].lower() for m in _QUOTED_NAME.finditer(query)}
         out = set()
         for k, text in enumerate(self.texts(ids)):
             for m in _DEFINITION.finditer(text):
                 name = m.group("kw") or m.group("assigned")
                 parts = [p for p in split_name(name) if len(p) > 1]
-                if len(parts) >= 2 and (name.lower() in words or all(p in words for p in parts)):
+                compound = len(parts) >= 2 and (name.lower() in words or all(p in words for p in parts))
+                if compound or name.lower() in quoted:
                     out.add(k)
                     break
         return out

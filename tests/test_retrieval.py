@@ -160,6 +160,25 @@ def test_the_page_that_defines_a_name_the_turn_names_outranks_its_uses(tiny):
         PageRetriever(tok, definition_boost=0.5)
 
 
+def test_a_one_word_name_quoted_as_code_is_named_and_its_definition_moves_up(tiny):
+    """`Ledger.settle` names ``settle`` as code, so the page of its ``def`` is boosted above pages that
+    only call it, though "settle" is one word (unquoted, one word is not a name: "settle the bill"
+    defines nothing)."""
+    tok = tiny[1]
+    use, filler = "    total = settle(bill)\n", "x = 1\n" * 12
+    code = filler + use + filler + use + filler + "    def settle(self, amount):\n        return 3\n" + filler + use + filler
+    ids = tok(code, add_special_tokens=False)["input_ids"]
+    r = PageRetriever(tok, page_tokens=16, overlap=0)
+    defining = next(k for k, text in enumerate(r.texts(ids)) if "def settle" in text)
+    assert r.defining(ids, "What does `Ledger.settle` compute?") == {defining}
+    assert r.defining(ids, "What does `settle` compute?") == {defining}
+    assert r.defining(ids, "How do we settle the bill?") == set()
+    question = "What does `Ledger.settle` compute?"
+    plain, _ = PageRetriever(tok, page_tokens=16, overlap=0, definition_boost=1.0).rank(ids, question)
+    boosted, _ = r.rank(ids, question)
+    assert boosted.index(defining) < plain.index(defining)
+
+
 CHAIN = ("\nVAR QUOKKA = 48213\n", "\nVAR WOMBAT = VAR QUOKKA\n")  # RULER's variable tracking, one hop
 
 
