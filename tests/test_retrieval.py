@@ -166,7 +166,8 @@ def test_a_one_word_name_quoted_as_code_is_named_and_its_definition_moves_up(tin
     defines nothing)."""
     tok = tiny[1]
     use, filler = "    total = settle(bill)\n", "x = 1\n" * 12
-    code = filler + use + filler + use + filler + "    def settle(self, amount):\n        return 3\n" + filler + use + filler
+    definition = "    def settle(self, amount):\n        return 3\n"
+    code = filler + use + filler + use + filler + definition + filler + use + filler
     ids = tok(code, add_special_tokens=False)["input_ids"]
     r = PageRetriever(tok, page_tokens=16, overlap=0)
     defining = next(k for k, text in enumerate(r.texts(ids)) if "def settle" in text)
