@@ -366,7 +366,7 @@ class PageRetriever:
 
     def preview(self, ids: list[int], query: str, share: int, model=None) -> set[int]:
         """The positions ``query`` would restore within ``share`` were every position of ``ids`` evicted:
-        what a turn reaches, measured offline without a cache (``bench/retrieval_recall.py``)."""
+        what a turn reaches, measured offline without a cache."""
         taken: set[int] = set()
         for a, b in self.choose(ids, query, share, lambda a, b: len(set(range(a, b)) - taken), model):
             taken |= set(range(a, b))
