@@ -23,6 +23,8 @@
 #   bash bench/run_ruler.sh     # starts it in the background (nohup, niced); the log is OUT/run.log
 #   bash bench/run_ruler.sh     # again, after a stop or a kill: every stage resumes (--resume); a
 #                               # context stopped mid-prefill is prefilled again
+#   bash bench/run_ruler.sh --bank   # copy what has been answered so far to RESULTS (table, figures,
+#                                    # records), while a stage is still going: before a session ends
 #
 # Every stage writes into OUT, so OUT/table.md and the figures cover all that has been answered; each
 # stage's end copies them to RESULTS. The variables below scale it down for a test of the same code path
@@ -52,6 +54,16 @@ EXTRA=${EXTRA:-}
 export NICE=${NICE:-19}
 PY=${PY:-.venv/bin/python}
 
+bank() {  # OUT's table, figures and records (every question answered so far) into RESULTS
+    mkdir -p "$RESULTS"
+    cp "$OUT"/table.md "$OUT"/probes.jsonl "$OUT"/ruler_*.png "$RESULTS"/
+}
+if [ "${1:-}" = "--bank" ]; then
+    "$PY" -m pace_bench --suite ruler --report --out "$OUT" > /dev/null
+    bank
+    echo "run_ruler.sh: $RESULTS/table.md holds every question answered so far"
+    exit 0
+fi
 # shellcheck source=bench/background.sh
 source bench/background.sh
 run_once_in_background "$OUT" "$0" "${1:-}"
@@ -63,8 +75,7 @@ stage() {  # stage SETTING ARGS... (a --samples among ARGS wins over SAMPLES)
     # shellcheck disable=SC2086  # EXTRA is a list of arguments
     "$PY" -m pace_bench --suite ruler --model "$MODEL" --settings "$setting" --samples "$SAMPLES" --needles "$NEEDLES" \
         --dtype float32 --no-progress --resume --out "$OUT" "$@" $EXTRA
-    mkdir -p "$RESULTS"
-    cp "$OUT"/table.md "$OUT"/probes.jsonl "$OUT"/ruler_*.png "$RESULTS"/
+    bank
 }
 # A checkout whose OUT is gone (a new machine) starts from the records that RESULTS holds: --resume keeps
 # them, so nothing that landed is answered again.

@@ -37,7 +37,8 @@ answer's first query runs; for ``pace_retrieval``, the rank of that needle's pag
 signal (lexical, digest, both) over every page of the context. Output in ``--out``: ``probes.jsonl``
 (``--resume`` keeps it; a context cut short answers only its missing questions), ``table.md``
 (accuracy per task, length and arm over questions, with 95% Wilson intervals, per setting),
-``ruler_{setting}.png`` and ``run.json``.
+``ruler_{setting}.png`` and ``run.json``. ``--report`` plays nothing and writes the table and figures of
+what ``--out`` holds so far, a run still going included.
 
 Contexts are independent, so several processes can share the (context, arm) pairs, as in the coding
 runner: under ``accelerate launch`` each process plays a disjoint share
@@ -647,6 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume", action="store_true",
                     help="keep the questions already answered in OUT/probes.jsonl (and a sharded run's "
                          "OUT/probes.rank*.jsonl) and answer the rest")
+    ap.add_argument("--report", action="store_true",
+                    help="play nothing: write OUT/table.md and the figures from the questions OUT holds answers "
+                         "to (a run still going, or one stopped mid-context, included) and exit")
     return ap
 
 
@@ -708,9 +712,35 @@ def kept_records(paths, plays) -> list[dict]:
     return records
 
 
+def header(run: dict) -> str:
+    """The table's first line, from a run's settings (``OUT/run.json``)."""
+    return (f"model {run['model']} (torch.{run['dtype']}), B={run['budget']:,}, H={run['chunk']:,}, "
+            f"L={run['limit']:,}, {run['samples']} contexts per cell; session: up to {run['needles']} needles per "
+            "context, each asked from its saved state; n counts questions"
+            + (f"; {run['num_processes']} processes" if run["num_processes"] > 1 else ""))
+
+
+def report(out_dir: Path) -> int:
+    """``--report``: the table and figures of every question ``out_dir`` holds an answer to."""
+    from pace_bench.records import read_jsonl, shard_paths
+
+    records = read_jsonl([p for p in [out_dir / "probes.jsonl", *shard_paths(out_dir)] if p.exists()])
+    if not records or not (out_dir / "run.json").exists():
+        raise SystemExit(f"pace-bench --suite ruler --report: {out_dir} holds no answered questions (probes.jsonl) "
+                         "and run.json of a run")
+    text = table(records)
+    (out_dir / "table.md").write_text(header(json.loads((out_dir / "run.json").read_text())) + "\n\n" + text + "\n")
+    paths = figures(records, out_dir)
+    print(text)
+    print("figures: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.report:
+        return report(Path(args.out))
     check_args(ap, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tqdm.auto import tqdm
@@ -740,14 +770,14 @@ def main(argv=None) -> int:
     stop_ids = template.stop_ids()
     s = RulerSettings(budget=args.budget, limit=args.limit, chunk=args.chunk, tool_tokens=args.tool_tokens,
                       max_new_tokens=args.max_new_tokens)
+    run = {**{k: v for k, v in vars(args).items() if k not in ("resume", "report")},
+           "dtype": str(dtype).removeprefix("torch."), "num_processes": state.num_processes}
     state.wait_for_everyone()
     if state.is_main_process:
         write_jsonl(log_path, records)  # the kept records are on disk before the first new context starts
         for path in shard_paths(out_dir):
             path.unlink()
-        (out_dir / "run.json").write_text(json.dumps({**{k: v for k, v in vars(args).items() if k != "resume"},
-                                                      "dtype": str(dtype).removeprefix("torch."),
-                                                      "num_processes": state.num_processes}, indent=1) + "\n")
+        (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     state.wait_for_everyone()
     order = [(setting, x, arm) for setting, x in plays for arm in args.arms]
     work = [(setting, x, arm) for setting, x, arm in order
@@ -783,13 +813,9 @@ def main(argv=None) -> int:
             for path in shard_paths(out_dir):
                 path.unlink()
         text = table(records)
-        header = (f"model {args.model} ({dtype}), B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, "
-                  f"{args.samples} contexts per cell; session: up to {args.needles} needles per context, each "
-                  "asked from its saved state; n counts questions"
-                  + (f"; {state.num_processes} processes" if sharded else ""))
-        (out_dir / "table.md").write_text(header + "\n\n" + text + "\n")
+        (out_dir / "table.md").write_text(header(run) + "\n\n" + text + "\n")
         paths = figures(records, out_dir)
-        print(header + "\n\n" + text)
+        print(header(run) + "\n\n" + text)
         print("figures: " + ", ".join(str(p) for p in paths))
     state.wait_for_everyone()
     return 0

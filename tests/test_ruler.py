@@ -192,6 +192,12 @@ def test_the_suite_runs_at_two_lengths_with_two_needles_and_resumes(model_dir, t
     recall = table.split("Retrieval: ")[1]  # pace_retrieval's pages: one row per session length
     assert "| session | niah_single_1 | 2,048 | 2 |" in recall and "| session | niah_single_1 | 2,560 | 2 |" in recall
     assert (out / "ruler_session.png").stat().st_size > 0 and (out / "ruler_question_last.png").stat().st_size > 0
+    (out / "table.md").unlink()
+    (out / "ruler_session.png").unlink()
+    assert main(["--suite", "ruler", "--report", "--out", str(out)]) == 0  # plays nothing: the same table again
+    assert (out / "table.md").read_text() == table and (out / "ruler_session.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="holds no answered questions"):
+        main(["--suite", "ruler", "--report", "--out", str(tmp_path / "nothing")])
     # as a stopped two-process run leaves it: rank 0 holds all but the last question, rank 1 nothing yet
     (out / "probes.jsonl").unlink()
     (out / "probes.rank0.jsonl").write_text("".join(json.dumps(dict(r, answer="KEPT")) + "\n" for r in records[:-1]))
@@ -272,3 +278,9 @@ def test_the_ruler_script_plays_its_stages_into_one_table(model_dir, tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert not re.search(r" score \d\.\d\d residency ", again.stdout + again.stderr), again.stdout[-3000:]
     assert (results / "probes.jsonl").read_text() == kept
+    # --bank, as before a session ends mid-stage: RESULTS gets what OUT holds, and nothing is played
+    (results / "table.md").unlink()
+    banked = subprocess.run(["bash", "bench/run_ruler.sh", "--bank"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert banked.returncode == 0, banked.stderr[-3000:]
+    assert (results / "table.md").read_text() == (out / "table.md").read_text()
