@@ -10,7 +10,10 @@ either is re-implemented here: a task is the generator call its lm-eval task mak
 
 Two settings, reported apart:
 - ``question_last``: RULER's layout and RULER's one-question prompts, the context then the question in
-  one user message, each prompt prefilled from scratch.
+  one user message, each prompt prefilled from scratch. An evicting arm holds the context whole and
+  compresses it once, in the question's forward (``EvictionCache.holding``), as SnapKV and kvpress's
+  question-aware mode do: this is the setting where the arms see the question before they choose
+  (so ``pace_retrieval`` has nothing evicted to bring back here; ``pace_plan`` is PACE's arm for it).
 - ``session``: the context arrives as tool outputs of about ``--tool-tokens`` tokens each (an agent
   reading documents), each question as a later user turn. The cost protocol: a 128K prefill takes half
   an hour on a CPU, so one context carries ``--needles`` K needles (the NIAH generator's key count,
@@ -455,7 +458,9 @@ def play(model, tokenizer, template, sample: dict, setting: str, arm: str, s: Ru
     try:
         if bar is not None:
             bar.phase("prefill context", len(context))
-        prefill(model, cache, context, s.chunk, bar)
+        # question-last: the prompt is compressed once, by its question's forward (SnapKV's setting)
+        with cache.holding() if setting == "question_last" and isinstance(cache, EvictionCache) else contextlib.nullcontext():
+            prefill(model, cache, context, s.chunk, bar)
         prefill_seconds = time.perf_counter() - started
         state = save_state(cache) if setting == "session" else None  # prefill once, save
         for n, j in enumerate(todo, 1):

@@ -602,3 +602,57 @@ def test_keep_moves_runs_by_slices_or_rows_to_what_compaction_keeps(drops):
     assert all(torch.equal(evicted[0][k], evicted[1][k]) for k in evicted[0])
     assert layers[0].moved == int(sum((200 - drops) - int((row != torch.arange(200 - drops)).int().argmax())
                                       for row in index if (row != torch.arange(200 - drops)).any()))
+
+
+@pytest.mark.parametrize("limit", [None, 96])
+def test_a_held_prompt_is_compressed_once_by_its_question(limit):
+    """holding(): a prompt prefilled in chunks keeps every token, and the forward after the block (the
+    question) compresses it as SnapKV compresses a prompt prefilled in one forward: its observation
+    window is the question. A bounded cache renumbers at once, so the answer's queries are in bounds."""
+    model = tiny_model("qwen2")
+    ids = prompt(240, seed=4)
+    context, question = ids[:, :200], ids[:, 200:]
+    whole = SnapKVCache(model, budget=48, recent=8)
+    with torch.no_grad():
+        model(ids, cache=whole)
+    held = SnapKVCache(model, budget=48, recent=8, limit=limit)
+    with torch.no_grad(), held.holding():
+        for s in range(0, 200, 50):
+            model(context[:, s:s + 50], cache=held)
+        assert held.resident_count() == 200  # nothing evicted inside the block
+    with torch.no_grad():
+        model(question, cache=held)
+    for i in range(len(whole.layers)):
+        assert torch.equal(held.ledger(i)[0], whole.ledger(i)[0]), i
+    # chunked without holding, each chunk's end chose: another selection (the question came too late)
+    chunked = SnapKVCache(model, budget=48, recent=8)
+    with torch.no_grad():
+        for s in range(0, 240, 40):
+            model(ids[:, s:s + 40], cache=chunked)
+    assert not torch.equal(chunked.ledger(0)[0], whole.ledger(0)[0])
+    if limit is not None:  # renumbered right after compressing: physical 0..47, and the gap within budget
+        assert torch.equal(held.ledger(0)[1], torch.arange(48).expand_as(held.ledger(0)[1]))
+        assert held.next_position == 48 and held.rotary_gap(range(240)) == 48
+    turn = torch.cat([ids, prompt(8, seed=5)], dim=1)  # and a next turn decodes on
+    out = model.generate(turn, max_new_tokens=4, min_new_tokens=4, do_sample=False, cache=held)
+    assert out.shape[1] == 252 and held.resident_count() == 48 and held.get_seq_length() == 251
+
+
+def test_holding_refuses_a_nested_hold_and_a_save_before_the_compressing_forward(tmp_path):
+    from pace_hf.tiers import DiskTier, TieredStore
+
+    model = tiny_model("qwen2")
+    cache = SnapKVCache(model, budget=48, recent=8, store=TieredStore([DiskTier(tmp_path)]), session_id="s")
+    with torch.no_grad(), cache.holding():
+        model(prompt(100), cache=cache)
+        with pytest.raises(RuntimeError, match="another hold"), cache.holding():
+            pass
+    with pytest.raises(RuntimeError, match="not yet compressed"):
+        cache.save()
+    with torch.no_grad():
+        model(prompt(40, seed=1), cache=cache)
+    assert cache.resident_count() == 48 and cache.tier_stats["spilled_tokens"] > 0
+    cache.save()
+    with cache.holding():  # a hold with nothing over the budget leaves nothing pending
+        pass
+    cache.save()

@@ -106,6 +106,7 @@ class EvictionCache(DynamicCache):
         self._release = None
         self._filled_by = None  # the model whose KV the layers hold (a weak reference)
         self._chunk = None
+        self._held = None  # None, "holding" (inside ``holding()``) or "pending" (the next forward compresses)
         self.progress = None  # optional: anything with update(n), told of every prefilled chunk
         # As DynamicCache does, build the layers and hand them to Cache (its own __init__ would build
         # DynamicLayers); without a model, bind builds them.
@@ -309,7 +310,7 @@ class EvictionCache(DynamicCache):
             self.blueprint.warn_past(seen)
         elif self.blueprint is not None:
             self.blueprint.warn_larger(self.budget)
-        if self.bounded:
+        if self.bounded and self._held is None:  # a held prompt's positions run on, unchecked
             if n + q_len > self.limit:
                 raise ValueError(
                     f"a forward of {q_len} tokens on {n} resident tokens cannot stay below limit={self.limit}; "
@@ -317,7 +318,7 @@ class EvictionCache(DynamicCache):
                 )
             if self.next_physical + q_len > self.limit:
                 self.renumber()
-        else:
+        elif not self.bounded:
             self.next_physical = seen
         self._chunk = (seen, self.next_physical)
         return self.next_physical
@@ -342,11 +343,33 @@ class EvictionCache(DynamicCache):
         self.next_physical += q_len
         if self.progress is not None and q_len > 1:
             self.progress.update(q_len)
+        if self._held == "holding":
+            return
+        compressing, self._held = self._held == "pending", None
         for layer_idx, layer in enumerate(self.layers):
             if layer.is_initialized and layer.resident_count > self.budget:
                 evicted = layer.keep(self._keep_index(layer), collect=self.spill is not None)
                 if evicted is not None:
                     self.evicted(layer_idx, evicted)
+        if compressing and self.bounded:  # the next query sees the compressed prompt within the limit
+            self.renumber()
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Evict nothing while inside: the forwards prefill a prompt whole, and the first forward after
+        the block (its question) compresses it to ``budget`` once, scored by that forward. This is
+        SnapKV's own setting, where the observation window is the prompt's end and so its question;
+        without it, every forward of a chunked prefill is compressed by its own end, before the question
+        is seen. Memory grows with the prompt until the compressing forward, as DynamicCache's would, and
+        positions run on from the last ones given (a bounded cache renumbers right after compressing)."""
+        if self._held is not None or self.in_forward:
+            raise RuntimeError("holding() cannot start inside a forward or another hold")
+        self._held = "holding"
+        try:
+            yield self
+        finally:
+            over = any(layer.is_initialized and layer.resident_count > self.budget for layer in self.layers)
+            self._held = "pending" if over else None
 
     def evicted(self, layer_idx: int, tokens: dict[str, torch.Tensor]) -> None:
         """Every token a layer evicts (flat, see ``EvictingLayer.tokens_at``): spilled with a store,
@@ -392,6 +415,9 @@ class EvictionCache(DynamicCache):
         policy with its blueprint, and the spill index, tied together by a manifest of digests. All or
         nothing (``pace_hf.cache.persist``): it returns the generation once it is on every durable tier, or
         raises ``SaveFailed`` / ``WriterConflict`` and the previous save stays the one ``resume`` gives."""
+        if self._held is not None:
+            raise RuntimeError("save() while a held prompt is not yet compressed (see holding()): run the "
+                               "forward that compresses it first")
         return persist.save(self)
 
     @classmethod
