@@ -10,9 +10,10 @@
 #   4. niah_single_1 and niah_multikey_2 at 128K, the same (about 4 h);
 #   5. the other arms of the issue on the NIAH tasks at 8K and 32K: H2O, StreamingLLM, and PACE given the
 #      question as its plan (about 1 h);
-#   6. the question-last setting (RULER's own one-question prompts) on the NIAH tasks at 8K and 32K:
+#   6. the question-last setting (RULER's own one-question prompts, each arm compressing the prompt once,
+#      in the question's forward) on the NIAH tasks, QL_SAMPLES contexts at 8K and one at 32K:
 #      DynamicCache, SnapKV, SnapKV with bounded positions and PACE with the question as its plan (about
-#      1.5 h);
+#      1.5 h: an evicting arm prefills the held prompt as DynamicCache does);
 #   7. PACE with retrieval that follows links (pace_follow) on every task of stages 1-2 at 8K and 32K
 #      (about 45 min);
 #   8. vt with VT_SAMPLES contexts per length, pace_retrieval against pace_follow (one vt context is one
@@ -46,6 +47,7 @@ QUESTION_LAST_ARMS=${QUESTION_LAST_ARMS:-full,snapkv,snapkv_bounded,pace_plan}
 FOLLOW_ARMS=${FOLLOW_ARMS:-pace_follow}
 VT_ARMS=${VT_ARMS:-pace_retrieval,pace_follow}
 VT_SAMPLES=${VT_SAMPLES:-3}
+QL_SAMPLES=${QL_SAMPLES:-3}
 SAMPLES=${SAMPLES:-1}
 NEEDLES=${NEEDLES:-4}
 OUT=${OUT:-runs/ruler}
@@ -87,7 +89,8 @@ stage session --tasks "$OTHER" --lengths "$SHORT" --arms "$ARMS"
 stage session --tasks "$NIAH" --lengths "$LONG" --arms "$BOUNDED_ARMS"
 stage session --tasks "$LONGEST_TASKS" --lengths "$LONGEST" --arms "$BOUNDED_ARMS"
 stage session --tasks "$NIAH" --lengths "$SHORT" --arms "$MORE_ARMS"
-stage question_last --tasks "$NIAH" --lengths "$SHORT" --arms "$QUESTION_LAST_ARMS"
+stage question_last --tasks "$NIAH" --lengths "${SHORT%%,*}" --arms "$QUESTION_LAST_ARMS" --samples "$QL_SAMPLES"
+stage question_last --tasks "$NIAH" --lengths "${SHORT#*,}" --arms "$QUESTION_LAST_ARMS"
 stage session --tasks "$NIAH,$OTHER" --lengths "$SHORT" --arms "$FOLLOW_ARMS"
 stage session --tasks vt --lengths "$SHORT" --arms "$VT_ARMS" --samples "$VT_SAMPLES"
 echo "run_ruler.sh: $(date -u +%FT%TZ) done: $RESULTS/table.md"

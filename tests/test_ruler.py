@@ -251,18 +251,18 @@ def test_wilson_interval():
 
 
 def test_the_ruler_script_plays_its_stages_into_one_table(model_dir, tmp_path):
-    """bench/run_ruler.sh's own stages (its eight pace-bench invocations into one folder, each --resume),
+    """bench/run_ruler.sh's own stages (its nine pace-bench invocations into one folder, each --resume),
     scaled down to the tiny model: the table covers every stage, and each setting has its own table."""
     out, results = tmp_path / "run", tmp_path / "results"
     env = dict(os.environ, MODEL=model_dir, NIAH="niah_single_1", OTHER="vt", LONGEST_TASKS="niah_single_1",
                SHORT="2048", LONG="2560", LONGEST="3072", ARMS="full,pace_retrieval", BOUNDED_ARMS="pace_retrieval",
-               MORE_ARMS="h2o", QUESTION_LAST_ARMS="pace_plan", VT_SAMPLES="2",
+               MORE_ARMS="h2o", QUESTION_LAST_ARMS="pace_plan", VT_SAMPLES="2", QL_SAMPLES="2",
                NEEDLES="2", EXTRA=" ".join(SMALL + ["--no-ranks"]), OUT=str(out), RESULTS=str(results),
                PY=sys.executable, NICE="0")
     done = subprocess.run(["bash", "bench/run_ruler.sh", "--foreground"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("stage: ") == 8 and "done: " in done.stdout
+    assert done.stdout.count("stage: ") == 9 and "done: " in done.stdout
     question_last, session = (results / "table.md").read_text().split("**session**")  # question-last's table first
     for row in ("| niah_single_1 | 2,048 |", "| vt | 2,048 |", "| niah_single_1 | 2,560 |", "| niah_single_1 | 3,072 |"):
         assert row in session, session
@@ -270,10 +270,11 @@ def test_the_ruler_script_plays_its_stages_into_one_table(model_dir, tmp_path):
     records = [json.loads(line) for line in (results / "probes.jsonl").read_text().splitlines()]
     # session: niah at 2K, 3 arms x 2 needles; vt at 2K, 2 arms x 1; niah at 2.5K and 3K, 1 arm x 2 needles
     # each; pace_follow on niah (2 needles) and vt at 2K; vt's second context for pace_retrieval and pace_follow;
-    # question-last: niah at 2K, 1 arm x 1 one-question prompt
+    # question-last: niah at 2K, 1 arm x 2 one-question prompts (QL_SAMPLES; the stage of the second length,
+    # here the same, resumes them)
     assert sum(r["setting"] == "session" for r in records) == 6 + 2 + 2 + 2 + 3 + 2
     assert {r["index"] for r in records if r["task"] == "vt" and r["arm"] == "pace_follow"} == {0, 1}
-    assert sum(r["setting"] == "question_last" for r in records) == 1
+    assert sum(r["setting"] == "question_last" for r in records) == 2
     # A new checkout, with OUT gone: the script resumes from what RESULTS holds and answers nothing again.
     kept = (results / "probes.jsonl").read_text()
     shutil.rmtree(out)
