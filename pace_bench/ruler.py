@@ -718,10 +718,11 @@ def kept_records(paths, plays) -> list[dict]:
 
 
 def header(run: dict) -> str:
-    """The table's first line, from a run's settings (``OUT/run.json``)."""
+    """The table's first line, from a run's settings (``OUT/run.json``); the number of contexts per cell
+    varies between a run's stages, so each cell's n says it."""
     return (f"model {run['model']} (torch.{run['dtype']}), B={run['budget']:,}, H={run['chunk']:,}, "
-            f"L={run['limit']:,}, {run['samples']} contexts per cell; session: up to {run['needles']} needles per "
-            "context, each asked from its saved state; n counts questions"
+            f"L={run['limit']:,}; n counts questions: one context per question in question_last and for vt, fwe "
+            f"and cwe, up to {run['needles']} needles per context in session, each asked from its saved state"
             + (f"; {run['num_processes']} processes" if run["num_processes"] > 1 else ""))
 
 
