@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The RULER table on Qwen2.5-Coder-0.5B (issue 25), about 12 hours of this 2-core CPU in stages, in the
+# The RULER table on Qwen2.5-Coder-0.5B (issue 25), about 14 hours of this 2-core CPU in stages, in the
 # session setting (the context as tool outputs, each question a later turn answered from the saved
 # state) first, one context per cell carrying NEEDLES needles (so 4 questions per NIAH cell, 1 for vt and fwe):
 #
@@ -20,7 +20,7 @@
 #      question; about 1 h).
 #
 # Stages 1-4 are what the issue's expectations compare; 5-8 come last, so they only take time left.
-# The whole is about 12 hours of this CPU, several sessions: each resumes where the last one stopped.
+# The whole is about 14 hours of this CPU, several sessions: each resumes where the last one stopped.
 #   bash bench/run_ruler.sh     # starts it in the background (nohup, niced); the log is OUT/run.log
 #   bash bench/run_ruler.sh     # again, after a stop or a kill: every stage resumes (--resume); a
 #                               # context stopped mid-prefill is prefilled again
