@@ -1,6 +1,6 @@
 """Attention that also yields the per-key scores eviction needs, without eager attention.
 
-We register an attention function, ``pace_sdpa``, with transformers' ``AttentionInterface`` (and the
+We register an attention function, ``pace_attention``, with transformers' ``AttentionInterface`` (and the
 SDPA mask function under the same name). With any other cache it is plain SDPA. While a pace_hf cache
 is in a forward of the model, it returns the attention output and H2O's column sums: the softmax
 probabilities summed over the scored queries, averaged over each KV head's query group, in fp32.
@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-ATTN_NAME = "pace_sdpa"
+ATTN_NAME = "pace_attention"
 _BLOCK_ELEMS = 1 << 24  # reference pass: probabilities per block, 64 MiB of fp32
 _SCORE_BLOCK_ELEMS = 1 << 22  # masked column pass: logits per block, 16 MiB of fp32
 _DIRECT_ROWS = 64  # scored queries up to which the plain blocked pass beats the swapped kernel (decode, SnapKV)
@@ -42,8 +42,11 @@ _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class ScoreSink(Protocol):
-    """What ``pace_sdpa`` asks of the running cache: how many queries to score, and where the
+    """What ``pace_attention`` asks of the running cache: how many queries to score, and where the
     column sums go."""
+
+    def scores_layer(self, layer_idx: int) -> bool:
+        """Whether this layer's attention is scored at all (a sliding window's never is)."""
 
     def score_query_window(self, q_len: int) -> int | None:
         """How many of the forward's last queries feed the scores: None = all, 0 = none."""
@@ -64,26 +67,38 @@ def attention_with_column_sums(
     attention_mask: torch.Tensor | None,
     scaling: float,
     last_queries: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention and the column sums of its probabilities (fast path; see the module doc).
 
     Same arguments and results as ``attention_with_column_sums_reference``. CUDA tensors go through
-    the Triton kernels, CPU tensors through torch's flash kernel.
+    the Triton kernels, CPU tensors through torch's flash kernel. Soft-capped logits (Gemma 2) take the
+    reference pass: no flash kernel here caps them. Learned sinks (gpt-oss) take the flash pass, each
+    row's logsumexp widened by its head's sink logit: a sink is no cached token, so it gets no column.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     score_from = 0 if last_queries is None else max(0, q_len - last_queries)
+    if softcap is not None or (sinks is not None and query.is_cuda):
+        return attention_with_column_sums_reference(query, key, value, attention_mask, scaling, last_queries,
+                                                    softcap=softcap, sinks=sinks)
     mask = _causal_or_mask(attention_mask, q_len, kv_len)
     if query.is_cuda:
         from pace_hf.kernels import attention_with_column_sums_triton
 
         return attention_with_column_sums_triton(query, key, value, mask, scaling, last_queries)
     if value.shape[-1] != query.shape[-1] or query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return attention_with_column_sums_reference(query, key, value, attention_mask, scaling, last_queries)
+        return attention_with_column_sums_reference(query, key, value, attention_mask, scaling, last_queries,
+                                                    sinks=sinks)
     b, hq, _, d = query.shape
     hkv = key.shape[1]
-    if mask is None and q_len == 1 and score_from == 0 and query.dtype == torch.float32:
+    if mask is None and q_len == 1 and score_from == 0 and query.dtype == torch.float32 and sinks is None:
         return _decode_one_pass(query, key, value, scaling)
     output, lse = _flash_attention_lse(query, key, value, mask, scaling)
+    if sinks is not None:  # p_ij = exp(s_ij - lse_i') with lse_i' = log(exp(lse_i) + exp(sink_h))
+        widened = torch.logaddexp(lse, sinks.float().view(1, hq, 1))
+        output = output.float().mul_((lse - widened).exp_()[..., None]).to(query.dtype)
+        lse = widened
     if score_from >= q_len:
         sums = torch.zeros(b, hkv, kv_len, dtype=torch.float32, device=key.device)
     elif mask is None and q_len == 1:
@@ -232,6 +247,8 @@ def attention_with_column_sums_reference(
     attention_mask: torch.Tensor | None,
     scaling: float,
     last_queries: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention and the column sums of its probabilities.
 
@@ -242,6 +259,10 @@ def attention_with_column_sums_reference(
     Returns the output ``[b, q_len, q_heads, d_v]`` in the query's dtype (transformers' layout) and
     the probabilities summed over the last ``last_queries`` queries (all when None, none when 0),
     averaged over each KV head's query group: ``[b, kv_heads, kv_len]`` in fp32.
+
+    ``softcap``: logits become ``softcap * tanh(logits / softcap)`` before the mask (Gemma 2).
+    ``sinks``: one learned logit per query head ``[q_heads]`` that joins every row's softmax and takes
+    its share of the probability, but is no key: it has no column and no output (gpt-oss).
     """
     b, hq, q_len, d = query.shape
     hkv, kv_len, dv = key.shape[1], key.shape[2], value.shape[-1]
@@ -258,11 +279,20 @@ def attention_with_column_sums_reference(
         # the query heads of one KV head share its keys: one matmul per KV head, no repeat_kv
         q = (query[:, :, start:stop].float() * scaling).reshape(b, hkv, group * n, d)
         probs = torch.matmul(q, key_t)  # logits for now: [b, kv_heads, group * n, kv]
+        if softcap is not None:
+            probs.div_(softcap).tanh_().mul_(softcap)
         grouped = probs.view(b, hkv, group, n, kv_len)
         _apply_mask(grouped, attention_mask, start, stop, q_len)
         # softmax in place, unnormalised; each row's 1/sum scales the output and the column sums
-        torch.exp(probs.sub_(probs.amax(dim=-1, keepdim=True)), out=probs)
-        inv_row_sums = probs.sum(dim=-1, keepdim=True).reciprocal_().nan_to_num_(0.0, posinf=0.0)
+        top = probs.amax(dim=-1, keepdim=True)
+        if sinks is not None:
+            sink = sinks.float().view(1, hkv, group, 1, 1).expand(b, hkv, group, n, 1).reshape(b, hkv, group * n, 1)
+            top = torch.maximum(top, sink)
+        torch.exp(probs.sub_(top), out=probs)
+        row_sums = probs.sum(dim=-1, keepdim=True)
+        if sinks is not None:
+            row_sums += (sink - top).exp()
+        inv_row_sums = row_sums.reciprocal_().nan_to_num_(0.0, posinf=0.0)
         block_out = torch.matmul(probs, value).mul_(inv_row_sums)  # [b, kv_heads, group * n, dv]
         output[:, start:stop] = block_out.view(b, hq, n, dv).transpose(1, 2)
         if stop > score_from:
@@ -301,7 +331,7 @@ _warned_attentions = False
 
 
 @torch.compiler.disable(recursive=True)
-def pace_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def pace_attention_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """SDPA outside our caches; inside, attention computed with its column sums (see module doc).
 
     Opaque to ``torch.compile`` on purpose: it reads the running cache from a context variable and
@@ -309,15 +339,19 @@ def pace_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
     here once per layer instead of tracing (and recompiling) through the cache."""
     cache = ACTIVE_CACHE.get()
     layer_idx = getattr(module, "layer_idx", None)
-    if cache is None or layer_idx is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("pace_hf caches do not support attention soft-capping or attention sinks")
+    softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if cache is None or layer_idx is None or not cache.scores_layer(layer_idx):
+        if softcap is None and sinks is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                          **kwargs)
+        # SDPA has no soft-capping and no sinks: the models that use them run eager attention, and this is it
+        return attention_with_column_sums(query, key, value, attention_mask, scale, 0, softcap=softcap, sinks=sinks)[0], None
     if kwargs.get("output_attentions"):
         _warn_no_attentions()
     window = cache.score_query_window(query.shape[2])
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    output, sums = attention_with_column_sums(query, key, value, attention_mask, scale, window)
+    output, sums = attention_with_column_sums(query, key, value, attention_mask, scale, window, softcap=softcap,
+                                              sinks=sinks)
     if window is None or window > 0:
         cache.record_attention(layer_idx, sums)
     return output, None
@@ -339,7 +373,7 @@ def _warn_no_attentions() -> None:
 
 
 def register() -> str:
-    """Register ``pace_sdpa`` (idempotent) and return its name."""
-    AttentionInterface.register(ATTN_NAME, pace_sdpa_attention)
+    """Register ``pace_attention`` (idempotent) and return its name."""
+    AttentionInterface.register(ATTN_NAME, pace_attention_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     return ATTN_NAME

@@ -5,7 +5,7 @@ from inside ``update()``:
 - a forward pre-hook on the decoder, to renumber before a chunk and hand physical ``position_ids`` to
   the rotary embedding;
 - a forward hook, to evict at the chunk boundary (so every layer announces the same kv length);
-- the ``pace_sdpa`` attention function, which also yields the column sums that scores need.
+- the ``pace_attention`` attention function, which also yields the column sums that scores need.
 
 One ``Binding`` per model holds these and is shared by every cache bound to it. Each cache holds one
 reference; when the last one is released (``cache.unbind()``, leaving ``with cache.bound_to(model)``,

@@ -515,7 +515,7 @@ class PageRetriever:
         """Per layer, ``[kv_heads, seen + 1]`` counts of resident positions before each position: the cost
         of any span is read off it (:meth:`missing`)."""
         out = []
-        for layer in cache.layers:
+        for _, layer in cache.evicting_layers:
             if layer.logical is None:
                 continue
             logical = layer.logical.cpu()

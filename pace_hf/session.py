@@ -232,14 +232,16 @@ class PACESession:
         if seen > cut:
             tail = seen - cut
             for layer in cache.layers:
-                if layer.is_initialized and not bool(((layer.logical >= cut).sum(-1) == tail).all()):
-                    raise ValueError(f"cannot rewind to token {cut}: tokens past it were evicted")
+                if layer.is_initialized and not layer.can_drop_last(tail):
+                    raise ValueError(f"cannot rewind to token {cut}: tokens past it were evicted" if layer.evicts else
+                                     f"cannot rewind to token {cut}: a sliding-window or linear-attention layer no "
+                                     "longer holds the state before it (it keeps only what the model reads next)")
             for layer in cache.layers:
                 if layer.is_initialized:
                     layer.drop_last(tail)
             if cache.bounded:
                 tops = [int(layer.physical.max()) + 1 for layer in cache.layers
-                        if layer.is_initialized and layer.physical.numel()]
+                        if layer.is_initialized and getattr(layer, "physical", None) is not None and layer.physical.numel()]
                 cache.next_physical = max(tops, default=0)
         cache.restores.forget_past(cut)
         if cache.blueprint is not None:

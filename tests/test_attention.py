@@ -1,4 +1,4 @@
-"""pace_sdpa's attention equals SDPA, and its column sums equal eager probabilities.
+"""pace_attention's attention equals SDPA, and its column sums equal eager probabilities.
 
 Three implementations are held equal: ``attention_with_column_sums_reference`` (the plain one-pass
 torch twin), the CPU fast path ``attention_with_column_sums`` (torch's flash kernel plus a swapped
@@ -120,6 +120,9 @@ class _RecordingCache:
     def __init__(self, window=None):
         self.window, self.recorded = window, []
 
+    def scores_layer(self, layer_idx):
+        return True
+
     def score_query_window(self, q_len):
         return self.window
 
@@ -137,11 +140,11 @@ def test_output_attentions_warns_once():
     try:
         attention._warned_attentions = False
         with pytest.warns(UserWarning, match="output_attentions=True returns no attention weights"):
-            out, weights = attention.pace_sdpa_attention(_Layer(), query, key, value, None, output_attentions=True)
+            out, weights = attention.pace_attention_attention(_Layer(), query, key, value, None, output_attentions=True)
         assert weights is None
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            attention.pace_sdpa_attention(_Layer(), query, key, value, None, output_attentions=True)
+            attention.pace_attention_attention(_Layer(), query, key, value, None, output_attentions=True)
     finally:
         attention.ACTIVE_CACHE.reset(token)
 
@@ -155,7 +158,7 @@ def test_torch_compile_runs_the_pass_eagerly_without_recompiling():
     layer = _Layer()
 
     def step(query, key, value, mask):
-        out, _ = attention.pace_sdpa_attention(layer, query * 1.0, key, value, mask)
+        out, _ = attention.pace_attention_attention(layer, query * 1.0, key, value, mask)
         return out + 1
 
     counter = CompileCounter()

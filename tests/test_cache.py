@@ -411,10 +411,10 @@ def test_unbind_leaves_the_model_exactly_as_loaded():
 
     a = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8)
     b = H2OCache(model, budget=32, recent=8)
-    assert model.config._attn_implementation == "pace_sdpa"
+    assert model.config._attn_implementation == "pace_attention"
     model.generate(ids, max_new_tokens=4, do_sample=False, cache=a, prefill_chunk_size=32)
     a.unbind()
-    assert model.config._attn_implementation == "pace_sdpa"  # b still holds the model
+    assert model.config._attn_implementation == "pace_attention"  # b still holds the model
     del b
     import gc
     gc.collect()

@@ -19,12 +19,13 @@ from .. import attention
 from ..binding import Binding
 from ..blueprint import Blueprint, Span, as_index
 from ..rope import RotaryParams
-from ..rope.params import is_nested
 from ..scoring import CumulativeAttention, ScoringPolicy, rebuild
 from ..spill import SpillLog
 from . import persist
 from .layer import EvictingLayer, keep_index
+from .layout import LayerSpec, describe, layer_specs
 from .restore import Restores
+from .window import RecurrentLayer, WindowLayer
 
 DEFAULT_SINKS = 4
 DEFAULT_RECENT = 128
@@ -36,7 +37,7 @@ class EvictionCache(DynamicCache):
     prefill schedule, the eviction schedule and the decode path.
 
     Args:
-        model: the model to bind to (installs hooks and the ``pace_sdpa`` attention function).
+        model: the model to bind to (installs hooks and the ``pace_attention`` attention function).
         budget: resident tokens kept per layer and KV head after each forward.
         sinks / recent: the first ``sinks`` and the last ``recent`` tokens are never evicted.
         scoring: a ``pace_hf.scoring.ScoringPolicy`` (default ``CumulativeAttention()``, H2O).
@@ -49,7 +50,7 @@ class EvictionCache(DynamicCache):
             its span covers); ``spill_cap_bytes``: the most spilled bytes the session holds (least
             recently used pages go first; see ``pace_hf.spill``).
 
-    ``torch.compile(model.forward)`` is not supported: the hooks, the cache and ``pace_sdpa`` break
+    ``torch.compile(model.forward)`` is not supported: the hooks, the cache and ``pace_attention`` break
     the graph at every layer, and the cache's counters change every forward, so a compiled forward
     gains nothing and may recompile on each one. Run the model uncompiled.
     """
@@ -103,6 +104,7 @@ class EvictionCache(DynamicCache):
         self.next_physical = 0
         self.rotary: list[RotaryParams] = []
         self.binding: Binding | None = None
+        self.layout: list[str] = []  # each layer's kind (``layout.describe``), set when the layers are built
         self._release = None
         self._filled_by = None  # the model whose KV the layers hold (a weak reference)
         self._chunk = None
@@ -139,7 +141,7 @@ class EvictionCache(DynamicCache):
 
     # -- binding to a model ------------------------------------------------------------------------
     def bind(self, model) -> "EvictionCache":
-        """Install the hooks and the ``pace_sdpa`` attention on ``model`` (shared with other caches
+        """Install the hooks and the ``pace_attention`` attention on ``model`` (shared with other caches
         bound to it). Undo with :meth:`unbind`; a garbage-collected cache unbinds itself."""
         if self.binding is not None:
             if self.binding.model_ref() is model:
@@ -149,20 +151,19 @@ class EvictionCache(DynamicCache):
             raise ValueError(f"this {type(self).__name__} holds {self.get_seq_length()} tokens of another model's KV, "
                              "which this model cannot read: reset() it first to reuse it, or create a new cache")
         config = model.config.get_text_config(decoder=True)
-        self._check_model(model, config)
-        layer_types = _layer_types(config)
+        specs = layer_specs(config)
+        self._check_attention(model)
         if self.bounded:
-            rope = getattr(config, "rope_parameters", None) or {}
-            nested = is_nested(rope)
             try:
-                self.rotary = [RotaryParams.from_config(config, layer_type=t if nested else None) for t in layer_types]
+                self.rotary = [None if s.rope is None else RotaryParams.from_config(config, layer_type=s.rope or None)
+                               for s in specs]
             except ValueError as e:
                 raise ValueError(f"{e}. Bounded positions (limit={self.limit}) re-rotate rotary keys exactly; with "
                                  "limit=None the cache keeps positions unbounded and takes this model") from None
         if not self.layers:
             self.layers = self._new_layers(model)
-        elif len(self.layers) != len(layer_types):
-            raise ValueError(f"this cache holds {len(self.layers)} layers; the model has {len(layer_types)}")
+        elif describe(specs) != self.layout:
+            raise ValueError(f"this cache holds the layers {_short(self.layout)}; the model has {_short(describe(specs))}")
         if self.store is not None:
             from ..tiers import model_fingerprint
 
@@ -185,28 +186,36 @@ class EvictionCache(DynamicCache):
             self.spill.generation, self.spill.saved_keys = old.generation, old.saved_keys
 
     def _new_layers(self, model) -> list:
-        """One empty ``layer_class`` layer per decoder layer of ``model``."""
-        config = model.config.get_text_config(decoder=True)
-        return [self.layer_class(keep_reference=self.bounded, budget=self.budget) for _ in _layer_types(config)]
+        """One empty layer per decoder layer of ``model``, of the layer's kind (``pace_hf.cache.layout``):
+        ``layer_class`` for full attention (it evicts), ``WindowLayer`` for a sliding window,
+        ``RecurrentLayer`` for linear attention. Reference keys are kept where positions are bounded
+        and the layer has a rotary embedding."""
+        specs = layer_specs(model.config)
+        self.layout = describe(specs)
+        return [self._new_layer(spec) for spec in specs]
+
+    def _new_layer(self, spec: LayerSpec):
+        reference = self.bounded and spec.rope is not None
+        if spec.kind == "full":
+            return self.layer_class(keep_reference=reference, budget=self.budget)
+        if spec.kind == "sliding":
+            return WindowLayer(spec.window, keep_reference=reference)
+        return RecurrentLayer()
 
     @staticmethod
-    def _check_model(model, config) -> None:
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is None and getattr(config, "sliding_window", None) is not None:
-            raise NotImplementedError(
-                f"pace_hf caches support full-attention layers only; this config sets sliding_window="
-                f"{config.sliding_window} (a sliding window counted over evicted positions would be wrong). "
-                "Set config.sliding_window = None if the model was trained without one."
-            )
-        if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise NotImplementedError(
-                f"pace_hf caches support full-attention layers only; this model has {sorted(set(layer_types))}"
-            )
+    def _check_attention(model) -> None:
         impl = model.config._attn_implementation
-        if impl not in ("sdpa", None, attention.ATTN_NAME):
+        if impl not in ("sdpa", "eager", None, attention.ATTN_NAME):
             raise NotImplementedError(
-                f"pace_hf scores attention alongside SDPA; load the model with attn_implementation='sdpa' (got {impl!r})"
+                f"pace_hf scores attention alongside SDPA; load the model with attn_implementation='sdpa' (or "
+                f"'eager' where the model has no SDPA) (got {impl!r})"
             )
+
+    @property
+    def evicting_layers(self) -> list[tuple[int, EvictingLayer]]:
+        """``(index, layer)`` of the layers that evict (full attention): where scores, foresight, spill
+        and restore run. Sliding windows and linear-attention states are carried as the model keeps them."""
+        return [(i, layer) for i, layer in enumerate(self.layers) if layer.evicts]
 
     def unbind(self) -> None:
         """Release the model: when no other cache is bound to it, its hooks, wrappers and attention
@@ -237,7 +246,14 @@ class EvictionCache(DynamicCache):
         )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].cumulative_length if self.layers else 0
+        """Tokens seen. Every layer has seen them all; a linear-attention layer counts none, so its
+        answer is the first attention layer's (as transformers' ``Cache`` does)."""
+        if not self.layers:
+            return 0
+        seen = getattr(self.layers[layer_idx], "cumulative_length", None)
+        if seen is None:
+            seen = next((layer.cumulative_length for layer in self.layers if hasattr(layer, "cumulative_length")), 0)
+        return seen
 
     def reset(self) -> None:
         """Forget every token, as a new cache would, keeping the binding, the policy and the buffers:
@@ -263,7 +279,14 @@ class EvictionCache(DynamicCache):
         return layer.logical, layer.physical
 
     def resident_count(self) -> int:
-        return self.layers[0].resident_count if self.layers else 0
+        """Tokens held by the evicting (full-attention) layers; for a model with none, by its windows."""
+        counts = [layer.resident_count for _, layer in self.evicting_layers]
+        return counts[0] if counts else self.positions_held()
+
+    def positions_held(self) -> int:
+        """Consecutive rotary positions the resident tokens need: the most that any layer holds (a
+        sliding window may hold more than the budget)."""
+        return max((layer.resident_count for layer in self.layers), default=0)
 
     @property
     def next_position(self) -> int:
@@ -273,9 +296,10 @@ class EvictionCache(DynamicCache):
     def residency(self, positions) -> float:
         """Fraction of the given logical positions that are resident, over every layer and KV head."""
         positions = _logical(positions)
-        if positions.numel() == 0 or not self.layers or self.layers[0].logical is None:
+        layers = [layer for _, layer in self.evicting_layers if layer.logical is not None]
+        if positions.numel() == 0 or not layers:
             return 0.0 if positions.numel() else 1.0
-        hits = [torch.isin(layer.logical.cpu(), positions).sum(-1) for layer in self.layers if layer.logical is not None]
+        hits = [torch.isin(layer.logical.cpu(), positions).sum(-1) for layer in layers]
         return float(torch.cat(hits).float().mean() / positions.unique().numel())
 
     def rotary_gap(self, positions) -> int | None:
@@ -283,7 +307,7 @@ class EvictionCache(DynamicCache):
         of the given logical positions; None when none of them is resident."""
         positions = _logical(positions)
         nearest = None
-        for layer in self.layers:
+        for _, layer in self.evicting_layers:
             if layer.logical is None:
                 continue
             hit = torch.isin(layer.logical.cpu(), positions)
@@ -305,7 +329,7 @@ class EvictionCache(DynamicCache):
                              "longer; pass generate the whole conversation so far (the cache holds its first "
                              f"{seen} tokens), or reset() the cache to start over")
         self.restores.apply_due(self)
-        n = self.resident_count()
+        n = self.positions_held()
         if q_len == 1 and self.blueprint is not None:  # decoding: the prompt ends at seen
             self.blueprint.warn_past(seen)
         elif self.blueprint is not None:
@@ -320,33 +344,39 @@ class EvictionCache(DynamicCache):
                 self.renumber()
         elif not self.bounded:
             self.next_physical = seen
+        for layer in self.layers:
+            layer.begin_forward()
         self._chunk = (seen, self.next_physical)
         return self.next_physical
 
     def renumber(self) -> None:
-        """Physical positions become ``0..n-1`` in logical order in every layer (keys re-rotated)."""
+        """Physical positions become ``0..n-1`` in logical order, with ``n`` the most tokens a layer holds,
+        and every key is re-rotated from its reference, in every layer kind: a full layer renumbers its
+        residents (gaps collapse), a sliding window shifts whole (its distances stay exactly as they were),
+        a layer with fewer tokens ends at ``n - 1`` too, and NoPE and linear layers move no key."""
+        top = self.positions_held()
         for layer, params in zip(self.layers, self.rotary):
             if layer.is_initialized:
-                layer.renumber(params)
-        self.next_physical = self.resident_count()
+                layer.renumber(params, top)
+        self.next_physical = top
         self.renumbers += 1
 
     def abort_forward(self) -> None:
-        logical_start, _ = self._chunk
         self._chunk = None
         for layer in self.layers:
-            if layer.is_initialized and layer.cumulative_length > logical_start:
-                layer.drop_last(layer.cumulative_length - logical_start)
+            layer.abort_forward()
 
     def end_forward(self, q_len: int) -> None:
         self._chunk = None
+        for layer in self.layers:
+            layer.end_forward()
         self.next_physical += q_len
         if self.progress is not None and q_len > 1:
             self.progress.update(q_len)
         if self._held == "holding":
             return
         compressing, self._held = self._held == "pending", None
-        for layer_idx, layer in enumerate(self.layers):
+        for layer_idx, layer in self.evicting_layers:
             if layer.is_initialized and layer.resident_count > self.budget:
                 evicted = layer.keep(self._keep_index(layer), collect=self.spill is not None)
                 if evicted is not None:
@@ -368,7 +398,7 @@ class EvictionCache(DynamicCache):
         try:
             yield self
         finally:
-            over = any(layer.is_initialized and layer.resident_count > self.budget for layer in self.layers)
+            over = any(layer.is_initialized and layer.resident_count > self.budget for _, layer in self.evicting_layers)
             self._held = "pending" if over else None
 
     def evicted(self, layer_idx: int, tokens: dict[str, torch.Tensor]) -> None:
@@ -438,14 +468,19 @@ class EvictionCache(DynamicCache):
                                session_id=session_id, prefetch_steps=m["prefetch_steps"],
                                spill_tokens=m["spill"]["page_tokens"], spill_cap_bytes=m["spill"]["cap_bytes"])
         cache.bind(model)
-        if len(m["layers"]) != len(cache.layers):
+        if m.get("layout", cache.layout) != cache.layout or len(m["layers"]) != len(cache.layers):
             cache.unbind()
-            raise ValueError(f"session {session_id!r} has {len(m['layers'])} layers; the model has {len(cache.layers)}")
+            raise ValueError(f"session {session_id!r} was saved with the layers {_short(m.get('layout') or m['layers'])}; "
+                             f"the model has {_short(cache.layout)}")
         for i, (tensors, meta) in states.items():
             cache.layers[i].load({k: v.to(model.device) for k, v in tensors.items()}, meta["seen"])
         cache.spill.load(m["spill"], m["generation"])
         cache._step, cache.renumbers, cache.next_physical = m["step"], m["renumbers"], m["next_physical"]
         return cache
+
+    def scores_layer(self, layer_idx: int) -> bool:
+        """Only the layers that evict are scored: a sliding window never pays the score pass."""
+        return self.layers[layer_idx].evicts
 
     def score_query_window(self, q_len: int) -> int | None:
         return self.scoring.query_window(q_len) if self.scoring.needs_attention else 0
@@ -489,8 +524,15 @@ def _logical(positions) -> torch.Tensor:
     return positions.to(torch.long).flatten()
 
 
-def _layer_types(config) -> list[str]:
-    return getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+def _short(layout: list) -> str:
+    """A layout for an error message: runs of one kind counted (``6 x sliding:512, full, ...``)."""
+    runs: list[list] = []
+    for kind in layout:
+        if runs and runs[-1][0] == kind:
+            runs[-1][1] += 1
+        else:
+            runs.append([kind, 1])
+    return ", ".join(f"{n} x {k}" if n > 1 else str(k) for k, n in runs)
 
 
 __all__ = ["DEFAULT_RECENT", "DEFAULT_SINKS", "EvictionCache"]

@@ -81,8 +81,11 @@ class EvictingLayer(DynamicLayer):
       these strided views as on contiguous copies.
     """
 
+    evicts = True
+
     def __init__(self, keep_reference: bool, budget: int):
         super().__init__()
+        self._before = None
         self.keep_reference = keep_reference
         self.budget = budget
         self.cumulative_length = self.resident_count = self.scored = 0
@@ -336,11 +339,33 @@ class EvictingLayer(DynamicLayer):
             self.ref_pos.copy_(self.physical)
         return {k: torch.cat([p[k] for p in pushed]) for k in pushed[0]}
 
-    def renumber(self, params: RotaryParams) -> None:
-        """Physical positions become 0..n-1 in logical order; keys are re-rotated from the reference."""
-        self.physical.copy_(torch.arange(self.resident_count, device=self.device).expand_as(self.physical))
-        self.keys.copy_(rerotate(self.ref_keys, self.ref_pos[None], self.physical[None], params,
-                                 out_dtype=self.keys.dtype))
+    def renumber(self, params: RotaryParams | None, top: int) -> None:
+        """Physical positions become ``top - n .. top - 1`` in logical order (``0..n-1`` when this layer
+        holds the most tokens); keys are re-rotated from the reference. A NoPE layer (``params`` None)
+        moves only its positions: its keys carry none."""
+        n = self.resident_count
+        self.physical.copy_(torch.arange(top - n, top, device=self.device).expand_as(self.physical))
+        if params is not None and self.keep_reference:
+            self.keys.copy_(rerotate(self.ref_keys, self.ref_pos[None], self.physical[None], params,
+                                     out_dtype=self.keys.dtype))
+
+    # -- the forward bracket: a failed forward's partial writes are the newest tokens
+    def begin_forward(self) -> None:
+        self._before = self.cumulative_length
+
+    def end_forward(self) -> None:
+        self._before = None
+
+    def abort_forward(self) -> None:
+        if self._before is not None and self.is_initialized and self.cumulative_length > self._before:
+            self.drop_last(self.cumulative_length - self._before)
+        self._before = None
+
+    def can_drop_last(self, count: int) -> bool:
+        """Whether the last ``count`` tokens are all still resident in every KV head (a rewind forgets them)."""
+        if not self.is_initialized or count == 0:
+            return True
+        return bool(((self.logical >= self.cumulative_length - count).sum(-1) == count).all())
 
 
 class CompactingLayer(EvictingLayer):

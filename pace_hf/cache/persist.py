@@ -127,6 +127,7 @@ def save(cache, attachments: dict | None = None) -> str:
         manifest = {
             "format": SAVE_FORMAT, "generation": gen, "serial": serial, "class": type(cache).__name__,
             "model_fingerprint": fp, "layers": [layer.is_initialized for layer in cache.layers],
+            "layout": cache.layout,
             "entries": entries, "attachments": sorted(attachments), "budget": cache.budget,
             "sinks": cache.sinks, "recent": cache.recent, "limit": cache.limit,
             "scoring": describe(cache.scoring), "step": cache.step, "renumbers": cache.renumbers,

@@ -27,7 +27,7 @@ class Restores:
         """Fetch, in the background, every planned span whose next reader is within
         ``cache.prefetch_steps`` steps and that is not fully resident."""
         blueprint = cache.blueprint
-        if cache.spill is None or blueprint is None or not cache.layers or not cache.layers[0].is_initialized:
+        if cache.spill is None or blueprint is None or not any(layer.is_initialized for _, layer in cache.evicting_layers):
             return
         seen = cache.get_seq_length()
         for span in blueprint.due(cache.step, cache.prefetch_steps):
@@ -62,6 +62,7 @@ class Restores:
             for layer_idx, part in tokens.items():
                 by_layer.setdefault(layer_idx, []).append(part)
         restored, inserted = 0, False
+        first = min(by_layer, default=None)  # the first evicting layer that spilled: its count is the reading
         for layer_idx, parts in sorted(by_layer.items()):
             layer, tokens = cache.layers[layer_idx], concat(parts)
             if not layer.is_initialized or tokens["logical"].numel() == 0:
@@ -71,7 +72,7 @@ class Restores:
             pushed = layer.insert(tokens, cache.scoring, cache.step, cache.budget, cache.sinks, cache.recent)
             cache.spill.settle(layer_idx, pages, layer.logical)  # what came back leaves the spill ...
             cache.evicted(layer_idx, pushed)  # ... and what it pushed out is spilled
-            if layer_idx == 0:  # tokens (logical positions) back in any KV head, not (token, head) pairs
+            if layer_idx == first:  # tokens (logical positions) back in any KV head, not (token, head) pairs
                 back = [new[~torch.isin(new, old)] for new, old in zip(layer.logical, before)]
                 restored = int(torch.unique(torch.cat(back)).numel())
         if cache.bounded and inserted:

@@ -1,0 +1,100 @@
+"""What each decoder layer of a model is, read from its config as transformers reads it.
+
+A cache is a list of layers, one per decoder layer, and the kind of each decides what the cache may do
+there (see ``EvictionCache``):
+
+- ``full``: full attention. It holds every token it keeps, so eviction, foresight, bounded positions,
+  spill and restore all run here.
+- ``sliding``: a sliding window of ``window`` tokens. It keeps exactly the model's window, as
+  transformers' ``DynamicSlidingWindowLayer`` does; nothing it drops could ever be read again, so no
+  policy runs and nothing is spilled.
+- ``linear``: linear attention (a recurrent and a conv state, no tokens): carried unchanged.
+
+``rope`` names the layer's rotary embedding: the key of ``config.rope_parameters`` when the config
+nests one RoPE per layer type (Gemma 3), ``""`` for the one RoPE of a flat config, and None for a NoPE
+layer (no rotary embedding: its keys carry no position and are never re-rotated).
+
+Layer kinds are read with transformers' own ``get_layer_types_and_kwargs`` (``layer_types``, or
+``sliding_window`` when a config sets it without them). Kinds no pace_hf cache handles are refused by
+name, before anything is bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from ..rope.params import is_nested
+
+KINDS = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear"}
+
+# Why each transformers layer type that is not handled is refused (the error names it).
+REFUSED = {
+    "chunked_attention": "chunked attention (Llama 4) restarts its window at fixed chunk boundaries of the "
+                         "positions, which renumbering would move",
+    "indexed_attention": "a sparse indexer (DeepSeek V3.2, GLM DSA) keeps its own key cache per token",
+    "hybrid": "a layer that holds both a linear-attention state and full-attention KV",
+    "hybrid_sliding": "a layer that holds both a linear-attention state and a sliding window",
+    "conv": "a convolution-state layer (LFM2)",
+    "dummy": "a layer that reads another layer's KV (KV sharing, as in Gemma 3n / 4) or holds none",
+}
+
+# Model types whose full-attention layers carry no rotary embedding when the model also has sliding
+# layers (the modeling code applies RoPE only where the layer slides).
+ROPE_ONLY_WHERE_SLIDING = frozenset({"cohere2", "exaone4"})
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: its kind, its window (sliding only) and its rotary embedding (None: NoPE)."""
+
+    kind: str
+    window: int | None = None
+    rope: str | None = ""
+
+    @property
+    def evicts(self) -> bool:
+        return self.kind == "full"
+
+
+def layer_specs(config) -> list[LayerSpec]:
+    """One ``LayerSpec`` per decoder layer of ``config`` (a model config; its text config is used).
+    Raises ``NotImplementedError`` naming a layer kind no pace_hf cache handles."""
+    config = config.get_text_config(decoder=True)
+    types, kwargs = get_layer_types_and_kwargs(config)
+    refused = sorted({t for t in types if t not in KINDS})
+    if refused:
+        why = "; ".join(f"{t!r}: {REFUSED.get(t, 'a layer kind pace_hf does not know')}" for t in refused)
+        raise NotImplementedError(
+            f"pace_hf caches handle full-attention, sliding-window and linear-attention layers; this model "
+            f"({config.model_type}) also has {why}")
+    rope = getattr(config, "rope_parameters", None) or {}
+    nested = is_nested(rope)
+    sliding = any(t == "sliding_attention" for t in types)
+    no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3, Llama 4: 1 = this layer uses RoPE
+    specs = []
+    for i, (t, kw) in enumerate(zip(types, kwargs)):
+        kind = KINDS[t]
+        if kind == "linear":
+            specs.append(LayerSpec(kind, rope=None))
+            continue
+        uses_rope = True
+        if no_rope is not None:
+            uses_rope = bool(no_rope[i])
+        elif config.model_type in ROPE_ONLY_WHERE_SLIDING and sliding:
+            uses_rope = kind == "sliding"
+        specs.append(LayerSpec(kind, window=kw.get("sliding_window"), rope=(t if nested else "") if uses_rope else None))
+    return specs
+
+
+def describe(specs: list[LayerSpec]) -> list[str]:
+    """The layout as the manifest and the docs write it: ``full``, ``sliding:512``, ``full:nope``, ``linear``."""
+    out = []
+    for s in specs:
+        name = s.kind + (f":{s.window}" if s.window else "")
+        out.append(name + (":nope" if s.rope is None and s.kind != "linear" else ""))
+    return out
+
+
+__all__ = ["KINDS", "LayerSpec", "describe", "layer_specs"]
