@@ -55,6 +55,14 @@ RESULTS=${RESULTS:-bench/results/ruler}
 EXTRA=${EXTRA:-}
 export NICE=${NICE:-19}
 PY=${PY:-.venv/bin/python}
+DTYPE=${DTYPE:-float32}
+# PLAN=hybrid: the hybrid-attention table (issue 39) instead of stages 1-8: the NIAH tasks at SHORT's first
+# length with HYBRID_SAMPLES contexts, then at its second with one, with ARMS; e.g. on Gemma 3 270M:
+#   PLAN=hybrid MODEL=gemma3-270m ARMS=full,h2o,snapkv,pace_retrieval DTYPE=auto \
+#   EXTRA="--budget 1024 --limit 4096 --chunk 2048" OUT=runs/ruler_gemma3 RESULTS=bench/results/ruler_gemma3 \
+#   bash bench/run_ruler.sh
+PLAN=${PLAN:-all}
+HYBRID_SAMPLES=${HYBRID_SAMPLES:-2}
 
 bank() {  # OUT's table, figures and records (every question answered so far) into RESULTS
     mkdir -p "$RESULTS"
@@ -76,13 +84,19 @@ stage() {  # stage SETTING ARGS... (a --samples among ARGS wins over SAMPLES)
     echo "run_ruler.sh: $(date -u +%FT%TZ) stage: $setting $*"
     # shellcheck disable=SC2086  # EXTRA is a list of arguments
     "$PY" -m pace_bench --suite ruler --model "$MODEL" --settings "$setting" --samples "$SAMPLES" --needles "$NEEDLES" \
-        --dtype float32 --no-progress --resume --out "$OUT" "$@" $EXTRA
+        --dtype "$DTYPE" --no-progress --resume --out "$OUT" "$@" $EXTRA
     bank
 }
 # A checkout whose OUT is gone (a new machine) starts from the records that RESULTS holds: --resume keeps
 # them, so nothing that landed is answered again.
 if [ ! -s "$OUT/probes.jsonl" ] && [ -s "$RESULTS/probes.jsonl" ]; then
     cp "$RESULTS/probes.jsonl" "$OUT/"
+fi
+if [ "$PLAN" = "hybrid" ]; then
+    stage session --tasks "$NIAH" --lengths "${SHORT%%,*}" --arms "$ARMS" --samples "$HYBRID_SAMPLES"
+    stage session --tasks "$NIAH" --lengths "${SHORT#*,}" --arms "$ARMS" --samples 1
+    echo "run_ruler.sh: $(date -u +%FT%TZ) done: $RESULTS/table.md"
+    exit 0
 fi
 stage session --tasks "$NIAH" --lengths "$SHORT" --arms "$ARMS"
 stage session --tasks "$OTHER" --lengths "$SHORT" --arms "$ARMS"

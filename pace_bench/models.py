@@ -133,6 +133,26 @@ _ALIASES = {
 }
 
 
+# A base model (Gemma 3 270M) ships no chat template. Sessions, RULER's session setting and pace-serve
+# speak in messages, so such a tokenizer gets this plain transcript, which a base model continues as
+# text: prefix-stable (each message only appends), with a "tool" role for tool outputs.
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'tool' %}Tool output:\n{{ m['content'] }}\n\n"
+    "{% else %}Assistant:\n{{ m['content'] }}\n\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:\n{% endif %}"
+)
+
+
+def with_chat_template(tokenizer):
+    """``tokenizer``, given :data:`PLAIN_CHAT_TEMPLATE` when it has no chat template of its own."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    return tokenizer
+
+
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """Where reassembled models live: ``cache_dir``, else ``$PACE_HF_CACHE``, else
     ``~/.cache/pace_hf/models``."""
@@ -413,7 +433,7 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL, cache_dir: str | os.PathLi
     tdir = cache_root(cache_dir) / f"{Path(filename).stem}.tokenizer.{key}"
     if (tdir / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(tdir)
+            return with_chat_template(AutoTokenizer.from_pretrained(tdir))
         except Exception:
             import shutil
 
@@ -432,7 +452,7 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL, cache_dir: str | os.PathLi
             raise
     except OSError:
         pass
-    return tokenizer
+    return with_chat_template(tokenizer)
 
 
 def load_model(
@@ -462,7 +482,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs)
     model.eval()
-    return model, tokenizer
+    return model, with_chat_template(tokenizer) if _is_packaged(name_or_path) else tokenizer
 
 
 def _main(argv: list[str]) -> None:  # python -m pace_bench.models [name]
