@@ -1,0 +1,218 @@
+"""Perplexity against position, StreamingLLM style: the field's first figure for a KV cache.
+
+A long real text streams through the model in chunks of H tokens; each arm's cache applies its policy
+as the text streams (evicting at every chunk's end), and every token's negative log-likelihood is
+recorded. The report bins the NLL by position (PPL per bin and overall) for each arm, measured in one
+run on the same tokens, and plots log-PPL against position. Arms:
+
+- ``full``: DynamicCache (the model's own cache: on a hybrid model its sliding layers keep their window);
+- ``h2o``: H2O, positions unbounded;
+- ``snapkv``: SnapKV's observation window, positions unbounded;
+- ``bounded``: H2O with bounded positions (``limit``), the positions-only arm;
+- ``pace``: PACECache with no plan (so H2O under bounded positions, as PACE runs between plans).
+
+The text is prose that ships with CPython: the documentation topics of ``pydoc_data.topics`` (about
+465K characters), followed, for longer runs, by the license texts of the installed packages. Usage:
+
+    python bench/perplexity.py --model gemma3-270m --tokens 32768 --chunk 2048 --budget 1024 --limit 4096 \\
+        --arms full,h2o,snapkv,pace --out runs/ppl-gemma3          # --resume skips the arms already done
+
+``--out`` holds ``ppl.jsonl`` (one record per arm: the per-token NLL sums per bin), ``table.md`` and
+``ppl.png``. Logits are computed a slice at a time from the decoder's hidden states, so a 262K-token
+vocabulary (Gemma 3) never needs a ``[chunk, vocab]`` fp32 tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ARMS = ("full", "h2o", "snapkv", "bounded", "pace")
+LOGIT_SLICE = 256
+
+
+def prose(tokenizer, n: int) -> torch.Tensor:
+    """``[1, n]`` token ids of real prose: CPython's documentation topics, then installed license texts."""
+    import importlib.metadata
+
+    from pydoc_data.topics import topics
+
+    parts = [topics[k] for k in sorted(topics)]
+    licenses = (f for dist in importlib.metadata.distributions() for f in (dist.files or [])
+                if "LICENSE" in f.name.upper() or "COPYING" in f.name.upper())
+    while True:
+        ids = tokenizer("\n\n".join(parts), return_tensors="pt", add_special_tokens=False).input_ids
+        if ids.shape[1] >= n:
+            return ids[:, :n]
+        more = []
+        for f in licenses:
+            try:
+                more.append(f.read_text(errors="replace"))
+            except OSError:
+                continue
+            if len(more) == 32:
+                break
+        if not more:
+            raise ValueError(f"only {ids.shape[1]} tokens of prose available here, {n} asked")
+        parts += more
+
+
+def make_cache(arm: str, model, budget: int, limit: int):
+    from transformers import DynamicCache
+
+    from pace_hf import Blueprint, H2OCache, PACECache, SnapKVCache
+
+    if arm == "full":
+        return DynamicCache(config=model.config)
+    if arm == "h2o":
+        return H2OCache(model, budget=budget)
+    if arm == "snapkv":
+        return SnapKVCache(model, budget=budget)
+    if arm == "bounded":
+        return H2OCache(model, budget=budget, limit=limit)
+    return PACECache(Blueprint(), model, budget=budget, limit=limit)
+
+
+def token_nll(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """NLL (fp32) of ``targets`` ``[n]`` under the logits of ``hidden`` ``[1, n, d]``, a slice at a time."""
+    head = model.get_output_embeddings()
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    out = []
+    for start in range(0, targets.numel(), LOGIT_SLICE):
+        logits = head(hidden[0, start:start + LOGIT_SLICE]).float()
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        out.append(torch.nn.functional.cross_entropy(logits, targets[start:start + LOGIT_SLICE], reduction="none"))
+    return torch.cat(out)
+
+
+def stream(model, ids: torch.Tensor, cache, chunk: int) -> tuple[torch.Tensor, list[float]]:
+    """Every token's NLL (the first one has none: ``[n - 1]``) and each chunk's seconds."""
+    decoder = model.get_decoder()
+    nll, seconds, carry = [], [], None  # carry: the last hidden state of the previous chunk
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            piece = ids[:, start:start + chunk]
+            t0 = time.perf_counter()
+            hidden = decoder(input_ids=piece, cache=cache, use_cache=True).last_hidden_state
+            seconds.append(time.perf_counter() - t0)
+            if carry is None:  # the text's first token is predicted by nothing
+                states, targets = hidden[:, :-1], piece[0, 1:]
+            else:
+                states, targets = torch.cat([carry, hidden[:, :-1]], 1), piece[0]
+            nll.append(token_nll(model, states, targets))
+            carry = hidden[:, -1:]
+    return torch.cat(nll), seconds
+
+
+def bins(nll: torch.Tensor, width: int) -> list[dict]:
+    """Per bin of ``width`` positions (position = the predicted token's index): tokens, NLL sum, PPL."""
+    out = []
+    for start in range(0, nll.numel() + 1, width):  # token i's NLL is nll[i - 1]
+        part = nll[max(0, start - 1):start + width - 1]
+        if part.numel():
+            out.append({"start": start, "tokens": part.numel(), "nll_sum": float(part.double().sum()),
+                        "ppl": math.exp(float(part.double().mean()))})
+    return out
+
+
+def table(records: list[dict]) -> str:
+    run = records[0]
+    lines = [f"model {run['model']} ({run['dtype']}), {run['tokens']:,} tokens of CPython's documentation prose, "
+             f"chunk H={run['chunk']:,}, B={run['budget']:,}, L={run['limit']:,}; PPL per bin of positions",
+             "", "| positions | " + " | ".join(r["arm"] for r in records) + " |",
+             "|---|" + "---|" * len(records)]
+    for i, b in enumerate(records[0]["bins"]):
+        end = b["start"] + run["bin"]
+        lines.append(f"| {b['start']:,}-{end:,} | " + " | ".join(f"{r['bins'][i]['ppl']:.2f}" for r in records) + " |")
+    lines.append("| **all** | " + " | ".join(f"**{r['ppl']:.3f}**" for r in records) + " |")
+    full = next((r for r in records if r["arm"] == "full"), None)
+    if full is not None:
+        lines.append("| ratio to full | " + " | ".join(f"{r['ppl'] / full['ppl']:.4f}" for r in records) + " |")
+    lines.append("| seconds | " + " | ".join(f"{sum(r['seconds']):.0f}" for r in records) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in records:
+        xs = [b["start"] + r["bin"] / 2 for b in r["bins"]]
+        ax.plot(xs, [math.log(b["ppl"]) for b in r["bins"]], marker="o", label=f"{r['arm']} ({r['ppl']:.2f})")
+    ax.set_xlabel("position (tokens)")
+    ax.set_ylabel("log perplexity")
+    ax.set_title(f"{records[0]['model']}: log-PPL against position (B={records[0]['budget']:,}, L={records[0]['limit']:,})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gemma3-270m", help="a packaged model name or a local directory")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--limit", type=int, default=4096)
+    ap.add_argument("--bin", type=int, default=4096, help="positions per reported bin")
+    ap.add_argument("--arms", default="full,h2o,snapkv,pace")
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", action="store_true", help="keep the arms already in OUT/ppl.jsonl")
+    args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    bad = [a for a in arms if a not in ARMS]
+    if bad or args.tokens < 2 * args.chunk or args.limit <= args.budget + args.chunk:
+        ap.error(f"unknown arm(s) {bad} (known: {', '.join(ARMS)})" if bad else
+                 "--tokens must hold two chunks, and --limit must exceed --budget + --chunk")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "ppl.jsonl"
+    settings = {k: getattr(args, k) for k in ("model", "tokens", "chunk", "budget", "limit", "bin")}
+    done = {}
+    if args.resume and path.exists():
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if all(r.get(k) == v for k, v in settings.items()):
+                done[r["arm"]] = r
+    else:
+        path.write_text("")
+
+    from pace_bench.models import load_model, preferred_dtype
+
+    dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, tokenizer = load_model(args.model, dtype=dtype)
+    ids = prose(tokenizer, args.tokens)
+    for arm in arms:
+        if arm in done:
+            continue
+        cache = make_cache(arm, model, args.budget, args.limit)
+        nll, seconds = stream(model, ids, cache, args.chunk)
+        if hasattr(cache, "unbind"):
+            cache.unbind()
+        record = {**settings, "arm": arm, "dtype": str(dtype).removeprefix("torch."), "ppl": math.exp(float(nll.double().mean())),
+                  "bins": bins(nll, args.bin), "seconds": [round(s, 3) for s in seconds]}
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        done[arm] = record
+        print(f"{arm}: PPL {record['ppl']:.3f} in {sum(seconds):.0f} s", flush=True)
+    records = [done[a] for a in arms]
+    (out / "table.md").write_text(table(records))
+    figure(records, out / "ppl.png")
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
