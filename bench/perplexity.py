@@ -111,6 +111,19 @@ def stream(model, ids: torch.Tensor, cache, chunk: int) -> tuple[torch.Tensor, l
     return torch.cat(nll), seconds
 
 
+def bytes_by_kind(model, cache) -> dict[str, int]:
+    """The cache's bytes (``cache_nbytes``) per layer kind of ``model`` (full, sliding, linear)."""
+    from types import SimpleNamespace
+
+    from pace_hf.cache import cache_nbytes
+    from pace_hf.cache.layout import layer_specs
+
+    out: dict[str, int] = {}
+    for spec, layer in zip(layer_specs(model.config), getattr(cache, "layers", [])):
+        out[spec.kind] = out.get(spec.kind, 0) + cache_nbytes(SimpleNamespace(layers=[layer]))
+    return out
+
+
 def bins(nll: torch.Tensor, width: int) -> list[dict]:
     """Per bin of ``width`` positions (position = the predicted token's index): tokens, NLL sum, PPL."""
     out = []
@@ -135,6 +148,9 @@ def table(records: list[dict]) -> str:
     full = next((r for r in records if r["arm"] == "full"), None)
     if full is not None:
         lines.append("| ratio to full | " + " | ".join(f"{r['ppl'] / full['ppl']:.4f}" for r in records) + " |")
+    for kind in sorted({k for r in records for k in r.get("cache_bytes", {})}):
+        lines.append(f"| cache MiB, {kind} layers | " + " | ".join(
+            f"{r.get('cache_bytes', {}).get(kind, 0) / 2**20:.1f}" for r in records) + " |")
     lines.append("| seconds | " + " | ".join(f"{sum(r['seconds']):.0f}" for r in records) + " |")
     return "\n".join(lines) + "\n"
 
@@ -199,10 +215,11 @@ def main(argv=None) -> int:
             continue
         cache = make_cache(arm, model, args.budget, args.limit)
         nll, seconds = stream(model, ids, cache, args.chunk)
+        held = bytes_by_kind(model, cache)
         if hasattr(cache, "unbind"):
             cache.unbind()
         record = {**settings, "arm": arm, "dtype": str(dtype).removeprefix("torch."), "ppl": math.exp(float(nll.double().mean())),
-                  "bins": bins(nll, args.bin), "seconds": [round(s, 3) for s in seconds]}
+                  "bins": bins(nll, args.bin), "seconds": [round(s, 3) for s in seconds], "cache_bytes": held}
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         done[arm] = record
