@@ -103,3 +103,42 @@ def test_a_session_of_another_layout_is_refused(tmp_path):
     else:
         raise AssertionError("a session of another layout resumed")
     store.close()
+
+
+def test_an_agent_session_on_a_hybrid_plans_restores_and_resumes(tmp_path):
+    """PACESession on Gemma 3: a planned definition is evicted from the full layer, restored from the
+    disk tier when its step comes, and a resumed session continues exactly as the uninterrupted one."""
+    from pace_bench.models import load_tokenizer
+    from pace_hf.session import PACESession
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    model = build(tf.Gemma3TextConfig(**{**C, "num_hidden_layers": 6, "vocab_size": len(tokenizer)}, head_dim=16,
+                                      sliding_window=64, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                                      rope_parameters=ROPE))
+
+    def play(session, text):
+        session.add("user", text)
+        return session.generate(max_new_tokens=8, min_new_tokens=8)
+
+    turns = ["Define VAULT_CODE = 4471 and the class Ledger.", "Notes about trains and the weather. " * 20,
+             "More notes on lunch and rivers. " * 20, "Now return VAULT_CODE."]
+    replies = {}
+    for interrupted in (False, True):
+        store = TieredStore([DiskTier(tmp_path / f"kv{interrupted}")])
+        session = PACESession(model, tokenizer, budget=48, limit=200, recent=8, store=store, session_id="s", chunk=32)
+        play(session, turns[0])
+        play(session, turns[1])
+        play(session, turns[2])
+        first = session.messages[1]  # the first reply: evicted by H2O (the definition itself stays, a heavy hitter)
+        assert session.cache.residency(range(first.start, first.end)) < 1.0  # evicted from the full layer
+        session.plan(first, readers=[session.step + 1])  # the next turn reads it: restored when it starts
+        if interrupted:
+            session.save()
+            store.close()
+            store = TieredStore([DiskTier(tmp_path / f"kv{interrupted}")])
+            session = PACESession.resume("s", model, tokenizer, store=store)
+        replies[interrupted] = play(session, turns[3])
+        assert session.cache.tier_stats["restores"] >= 1 and session.cache.tier_stats["restored_tokens"] > 0
+        assert session.cache.residency(range(first.start, first.end)) == 1.0
+        store.close()
+    assert replies[True] == replies[False]

@@ -61,8 +61,7 @@ class Restores:
             pages.update(whole)
             for layer_idx, part in tokens.items():
                 by_layer.setdefault(layer_idx, []).append(part)
-        restored, inserted = 0, False
-        first = min(by_layer, default=None)  # the first evicting layer that spilled: its count is the reading
+        restored, inserted = None, False
         for layer_idx, parts in sorted(by_layer.items()):
             layer, tokens = cache.layers[layer_idx], concat(parts)
             if not layer.is_initialized or tokens["logical"].numel() == 0:
@@ -72,9 +71,11 @@ class Restores:
             pushed = layer.insert(tokens, cache.scoring, cache.step, cache.budget, cache.sinks, cache.recent)
             cache.spill.settle(layer_idx, pages, layer.logical)  # what came back leaves the spill ...
             cache.evicted(layer_idx, pushed)  # ... and what it pushed out is spilled
-            if layer_idx == first:  # tokens (logical positions) back in any KV head, not (token, head) pairs
+            if restored is None:  # the first layer given tokens back gives the reading:
+                # tokens (logical positions) back in any KV head, not (token, head) pairs
                 back = [new[~torch.isin(new, old)] for new, old in zip(layer.logical, before)]
                 restored = int(torch.unique(torch.cat(back)).numel())
+        restored = restored or 0
         if cache.bounded and inserted:
             cache.renumber()
         stats = self.stats
