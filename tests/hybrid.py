@@ -85,6 +85,13 @@ def bounded(model, limit: int = 160, budget: int = 48, n: int = 400, new: int = 
             torch.isin(torch.tensor(planned), head).all() for head in layer.logical)
         assert held, f"the planned span left full layer {i}"
         assert int(layer.physical.max()) < limit
+    # the positions a model computes come from get_seq_length() of layer 0 (sliding in Gemma 3 and gpt-oss,
+    # linear in Qwen3-Next), the mask sizes from the first layer of each kind: all must count tokens seen
+    assert all(cache.get_seq_length(i) == total for i in range(len(cache.layers)))
+    for i, layer in enumerate(cache.layers):
+        if hasattr(layer, "cumulative_length"):
+            held = layer.resident_count
+            assert cache.get_mask_sizes(1, i) == (held + 1, total - held)
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
             assert layer.resident_count == min(total, layer.sliding_window - 1)

@@ -37,6 +37,16 @@ def test_bounded_positions_keep_the_plan_and_the_window():
     assert cache.rotary[0].inv_freq[1] != cache.rotary[5].inv_freq[1]
 
 
+def test_only_the_full_layers_pay_the_score_pass():
+    model = gemma3()
+    cache = PACECache(Blueprint(), model=model, budget=48, limit=160, recent=16)
+    scored = []
+    record = cache.record_attention
+    cache.record_attention = lambda i, sums: (scored.append(i), record(i, sums))
+    model.generate(random_ids(100), cache=cache, max_new_tokens=5, do_sample=False, prefill_chunk_size=32)
+    assert set(scored) == {5} and len(scored) == 4 + 4  # 4 prefill chunks, then 4 decode steps (the last token is not fed back)
+
+
 def test_window_keys_are_the_models_own_keys_after_renumbering():
     """Layer 0 is a sliding layer whose keys depend only on the token and its position: after every
     renumber, its stored keys are exactly the model's keys at their new physical positions."""
