@@ -1,4 +1,4 @@
-"""Does page retrieval (``pace_hf.retrieval.PageRetriever``) find an evicted definition on real code?
+"""Does page retrieval (``pace_hf.memory.retrieval.PageRetriever``) find an evicted definition on real code?
 
 Why: the RULER recall table (README) is measured on RULER's own generators, whose needles are prose
 sentences with rare numbers. An agent's evicted context is mostly code that nobody here wrote, and
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pace_bench.models import load_tokenizer  # noqa: E402
 from pace_bench.repo import build_repo_session  # noqa: E402
-from pace_hf.retrieval import PageRetriever  # noqa: E402
+from pace_hf.memory.retrieval import PageRetriever  # noqa: E402
 
 SPLITS = {"dev": ("requests", "tqdm", "typer", "rich", "markdown_it"),
           "held-out": ("click", "jinja2", "packaging", "starlette", "yaml", "urllib3", "attr")}

@@ -8,7 +8,7 @@ H2O evicts both the newest unprotected tokens and old heavy hitters: scattered e
 token is spilled to a disk tier. Then spans are restored one after another (each planned at its own
 step): ``--spans`` spans of 128 positions (the retriever's page) and as many of 32.
 
-New (``pace_hf.spill``): measured, for each page size in ``--pages``: the disk tier's own byte counters
+New (``pace_hf.memory.spill``): measured, for each page size in ``--pages``: the disk tier's own byte counters
 (headers included) around each restore, and around the whole session for writes.
 
 Old (the log before issue 25): evicted tokens grouped by time, one entry per layer per 256 tokens per KV

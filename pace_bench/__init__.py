@@ -1,7 +1,7 @@
 """The paper's benchmarks, beside the library (``pip install pace_hf[bench]``): pace_hf never imports them.
 
 ``load_sessions`` generates the coding sessions as a ``datasets.Dataset``; the ``pace_coding`` metric
-(``pace_hf.metrics.PACE_CODING``) scores the answers. Modules: ``arms`` (the registry of composed caches),
+(``pace_bench.metrics.PACE_CODING``) scores the answers. Modules: ``arms`` (the registry of composed caches),
 ``runner`` (``pace-bench``: plays sessions per arm), ``ruler`` (``pace-bench --suite ruler``),
 ``readings`` (what a run reads from a cache), ``progress`` (the phase bar), ``records`` (the JSONL log),
 ``figures`` (the tables and figures), ``cli`` (shared argument types), ``models`` (offline models), and the

@@ -2,7 +2,7 @@
 
 A 1M-token session prefills for hours. With ``pace-bench --checkpoint-every N`` the pair's cache and
 the runner's place in the session are saved every ``N`` prefill chunks, as ONE save
-(``pace_hf.cache.persist``: the runner's state is an attachment of the cache's generation, so a kill can
+(``pace_hf.memory.persist``: the runner's state is an attachment of the cache's generation, so a kill can
 never leave a cache of one save with the runner state of another). ``--resume`` continues the pair
 from its last save instead of from scratch.
 
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from pace_hf.cache import cache_nbytes, persist
+from pace_hf.cache import cache_nbytes
+from pace_hf.memory import persist
 from pace_hf.tiers import TierUnavailable
 
 from .records import pair_key

@@ -268,7 +268,7 @@ def reference_for(records: list[dict], reference_arm: str | None) -> str | None:
 def summarize(records: list[dict], reference_arm: str | None) -> str:
     """A Markdown table in the shape of the paper's Table 2. Probes with nothing resident have no rotary
     gap: they are left out of the mean and counted as missing, never taken as 0."""
-    from pace_hf.metrics.pace_coding.pace_coding import paired_comparison
+    from pace_bench.metrics.pace_coding.pace_coding import paired_comparison
 
     reference_arm = reference_for(records, reference_arm)
     arms = list(dict.fromkeys(r["arm"] for r in records))

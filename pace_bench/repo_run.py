@@ -10,7 +10,7 @@ in that style, mapped to definition-level token spans through the chat template 
 budget), ``pace_rehydrate`` (PACE with no plan; before each probe the evicted definitions its
 prompt names are restored from a host tier) and ``pace_retrieval`` (PACE with no plan; before each
 probe the evicted pages its prompt's words rank first are restored, within ``budget // 4``:
-:mod:`pace_hf.retrieval`, no identifier matching).
+:mod:`pace_hf.memory.retrieval`, no identifier matching).
 
 Per probe the record holds what the coding suite's does (answer, pass, recall, the needed tokens'
 residency and rotary gap at the probe's first query, peak KV) and the plan's footprint: the tokens
@@ -143,7 +143,7 @@ def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, sto
     messages = session_messages(row) if spec.rehydrate == "symbols" else None
     retriever = None
     if spec.rehydrate == "pages":
-        from pace_hf.retrieval import PageRetriever
+        from pace_hf.memory.retrieval import PageRetriever
 
         retriever = PageRetriever(tokenizer)
     needed_of = Blueprint.from_dicts(row["blueprint"])

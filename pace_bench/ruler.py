@@ -30,7 +30,7 @@ arms the retrieval step comes between the two).
 
 Arms: ``full`` (DynamicCache), ``h2o``, ``snapkv``, ``snapkv_bounded`` (SnapKV with bounded
 positions), ``streaming`` (StreamingLLM), ``pace_retrieval`` (PACE with no plan; each question's turn
-restores the evicted pages it matches, ``pace_hf.retrieval``), ``pace_follow`` (the same, also following
+restores the evicted pages it matches, ``pace_hf.memory.retrieval``), ``pace_follow`` (the same, also following
 the links of what it restores: ``PageRetriever(follow=True)``) and ``pace_plan`` (PACE given the
 questions as its plan: the context pages they match lexically are planned before the context arrives).
 
@@ -433,7 +433,7 @@ def play(model, tokenizer, template, sample: dict, setting: str, arm: str, s: Ru
     prefilled once and saved, and each question resumes the saved state. ``progress``: a bar of the
     prefilled tokens that names the phase (:class:`pace_bench.progress.SessionProgress`)."""
     from pace_hf import EvictionCache
-    from pace_hf.retrieval import PageRetriever
+    from pace_hf.memory.retrieval import PageRetriever
 
     started = time.perf_counter()
     prompt = build_prompt(sample, setting, template, s)

@@ -122,7 +122,7 @@ def _score(metric, text: str, probe) -> dict:
     try:
         return metric.compute(predictions=[text], references=[probe["reference"]])["details"][0]
     except Exception as e:  # noqa: BLE001 - one probe's scoring failure must not end a long run
-        from pace_hf.metrics.pace_coding.sandbox import CodeExecutionNotAllowed, SandboxUnavailable
+        from pace_bench.metrics.pace_coding.sandbox import CodeExecutionNotAllowed, SandboxUnavailable
 
         if isinstance(e, (CodeExecutionNotAllowed, SandboxUnavailable)):
             raise  # no probe can be scored on this machine: stop now, not hours later
@@ -464,7 +464,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     check_args(ap, args)
 
-    from pace_hf.metrics.pace_coding.sandbox import CodeExecutionNotAllowed, SandboxUnavailable, opted_in
+    from pace_bench.metrics.pace_coding.sandbox import CodeExecutionNotAllowed, SandboxUnavailable, opted_in
 
     if not opted_in():
         raise SystemExit("pace-bench: the checks execute model-generated code; opt in with PACE_ALLOW_CODE_EVAL=1 "
@@ -496,7 +496,7 @@ def _run(args) -> int:
     from pace_bench.build import SYSTEM_PROMPT
     from pace_bench.models import load_model, load_tokenizer, preferred_dtype
     from pace_hf.chat import ChatTemplate
-    from pace_hf.metrics import PACE_CODING
+    from pace_bench.metrics import PACE_CODING
 
     state = process_state()
     sharded = state.num_processes > 1

@@ -65,7 +65,7 @@ class PACEModel(Model):
             the session is planned *and* rehydrated (evicted definitions that a new turn names come
             back); a rebuilt session gets the id ``f"{session_id}.{n}"``.
         retrieval: with a store, each user turn also restores the evicted pages its text matches
-            (``True``, the default; or a ``pace_hf.retrieval.PageRetriever``; ``False``: off).
+            (``True``, the default; or a ``pace_hf.memory.retrieval.PageRetriever``; ``False``: off).
         max_new_tokens: the default reply length (``generate(max_new_tokens=...)`` overrides it).
 
     ``last`` holds the accounting of the last call: ``prompt_tokens``, ``reused_tokens`` (history

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .blueprint import Span, as_index, as_steps
-from .cache import PACECache, persist
+from .cache import PACECache
+from .memory import persist
 from .chat import DEFAULT_SYSTEM, ChatTemplate
 
 SESSION_KEY = "session"  # the conversation, an attachment of each save
@@ -54,7 +55,7 @@ class PACESession:
             (see ``pace_hf.planner``).
         rehydrate: restore evicted spans whose identifiers the new user turn names (needs a planner
             with ``identifiers(text)`` and a store).
-        retrieval: ``True`` or a ``pace_hf.retrieval.PageRetriever``: each user turn restores the evicted
+        retrieval: ``True`` or a ``pace_hf.memory.retrieval.PageRetriever``: each user turn restores the evicted
             pages its text matches, before it is prefilled (a no-op without a store).
         cache_kwargs: passed to ``PACECache`` (sinks, recent, phi, prefetch_steps, ...).
     """
@@ -78,7 +79,7 @@ class PACESession:
                                 "not to the session: give them to PACECache(...) instead")
         budget = 2048 if budget is None else budget
         if retrieval not in (None, False, True) and not callable(getattr(retrieval, "rehydrate", None)):
-            raise TypeError(f"retrieval is True, False or a pace_hf.retrieval.PageRetriever, got {retrieval!r}")
+            raise TypeError(f"retrieval is True, False or a pace_hf.memory.retrieval.PageRetriever, got {retrieval!r}")
         chunk = as_index(chunk, "chunk") if chunk is not None else None
         if chunk is not None and chunk < 1:
             raise ValueError(f"chunk (tokens per prefill forward) must be >= 1, got {chunk}")
@@ -97,7 +98,7 @@ class PACESession:
             raise ValueError("rehydrate=True needs a planner (to read identifiers) and a store (to restore from)")
         self.ids: list[int] = list(self.template.system_ids)
         if retrieval is True:
-            from .retrieval import PageRetriever
+            from .memory.retrieval import PageRetriever
 
             retrieval = PageRetriever(tokenizer)
         self.retrieval = retrieval or None
@@ -183,7 +184,7 @@ class PACESession:
     # -- persistence --------------------------------------------------------------------------------
     def save(self) -> str:
         """Save the cache and the conversation to the store as one generation, all or nothing (see
-        ``pace_hf.cache.persist``): returns the generation, or raises and the previous save stays whole."""
+        ``pace_hf.memory.persist``): returns the generation, or raises and the previous save stays whole."""
         if self.cache.store is None:
             raise ValueError("save needs a session with a store")
         meta = {"messages": [asdict(m) for m in self.messages], "step": self.step, "system": self.system,

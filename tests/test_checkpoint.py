@@ -113,9 +113,9 @@ def test_a_pair_stopped_at_any_save_resumes_to_the_same_records(tmp_path, monkey
     from pace_bench.checkpoint import STATE_KEY
     from pace_bench.models import load_tokenizer
     from pace_hf import Blueprint
-    from pace_hf.cache import persist
+    from pace_hf.memory import persist
     from pace_hf.chat import ChatTemplate
-    from pace_hf.metrics import PACE_CODING
+    from pace_bench.metrics import PACE_CODING
 
     monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
     metric = evaluate.load(PACE_CODING)  # the real metric: answers run in its sandbox
@@ -248,7 +248,7 @@ def test_a_checkpoint_of_other_settings_is_refused_and_kept(model_dir, tmp_path,
             raise KeyboardInterrupt  # as a Ctrl-C in the middle of the prefill
         return real(*args, **kwargs)
 
-    from pace_hf.cache import persist
+    from pace_hf.memory import persist
 
     real = persist.save
     monkeypatch.setattr(persist, "save", stop_after_two_saves)
@@ -317,7 +317,7 @@ def test_a_checkpoint_that_cannot_be_saved_warns_and_the_run_goes_on(tmp_path):
     ``SaveFailed`` in ``persist.save``; a checkpoint only warns: the previous one stands whole, the next
     one tries again, and hours of prefill are not thrown away (the 1M run died this way once)."""
     from pace_bench.checkpoint import PairCheckpoint
-    from pace_hf.cache import persist
+    from pace_hf.memory import persist
 
     (tmp_path / "file").write_bytes(b"x")
     store = TieredStore([DiskTier(tmp_path / "file" / "kv")])

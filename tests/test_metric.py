@@ -5,8 +5,8 @@ import pytest
 
 from pace_bench import facts as S
 from pace_bench.sessions import build_session, reference_solution
-from pace_hf.metrics import PACE_CODING
-from pace_hf.metrics.pace_coding import pace_coding as M
+from pace_bench.metrics import PACE_CODING
+from pace_bench.metrics.pace_coding import pace_coding as M
 from pace_bench.models import load_tokenizer
 
 
@@ -102,7 +102,7 @@ def test_recall_on_handcrafted_answers():
 
 
 def test_expected_value_matching():
-    from pace_hf.metrics.pace_coding.sandbox import CallResult
+    from pace_bench.metrics.pace_coding.sandbox import CallResult
 
     dec = {"__decimal__": "1.30"}
     assert M.check_passed(dec, CallResult("ok", value={"__decimal__": "1.3"}))
@@ -167,7 +167,7 @@ def test_paired_through_score(rows):
 
 
 def test_no_opt_in_refuses(monkeypatch, rows):
-    from pace_hf.metrics.pace_coding.sandbox import CodeExecutionNotAllowed
+    from pace_bench.metrics.pace_coding.sandbox import CodeExecutionNotAllowed
 
     monkeypatch.delenv("PACE_ALLOW_CODE_EVAL")
     monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
@@ -218,7 +218,7 @@ def test_no_check_passes_for_functions_that_return_a_constant(rows):
     they are evaluated here, without the sandbox."""
     from decimal import Decimal
 
-    from pace_hf.metrics.pace_coding.sandbox import CallResult, decode_value
+    from pace_bench.metrics.pace_coding.sandbox import CallResult, decode_value
 
     for row in rows:
         for probe in row["probes"]:
@@ -326,7 +326,7 @@ def test_random_results_and_references_raise_only_documented_errors(monkeypatch)
     import os
     import random
 
-    from pace_hf.metrics.pace_coding import sandbox as S
+    from pace_bench.metrics.pace_coding import sandbox as S
 
     rng = random.Random(13)
 
@@ -420,7 +420,7 @@ def test_runner_records_a_probe_whose_scoring_fails_and_goes_on(monkeypatch, row
 
     class Refusing(Metric):
         def compute(self, predictions, references):
-            from pace_hf.metrics.pace_coding.sandbox import CodeExecutionNotAllowed
+            from pace_bench.metrics.pace_coding.sandbox import CodeExecutionNotAllowed
             raise CodeExecutionNotAllowed("opt in")
 
     with pytest.raises(Exception, match="opt in"):  # no probe can be scored: stop at once

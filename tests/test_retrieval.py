@@ -6,7 +6,7 @@ import transformers as tf
 from session_worker import session_model
 
 from pace_hf import H2OCache
-from pace_hf.retrieval import PageRetriever, layer0_projections, words_of
+from pace_hf.memory.retrieval import PageRetriever, layer0_projections, words_of
 from pace_hf.rope import RotaryParams, rerotate
 from pace_hf.session import PACESession
 from pace_hf.tiers import HostTier, TieredStore

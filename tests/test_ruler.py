@@ -125,7 +125,7 @@ def test_a_context_carries_k_needles_from_lm_evals_generator_each_asked_and_scor
 
 def _answer_fresh(model, tokenizer, template, sample, j, arm, s, stop_ids):
     """Question ``j`` answered without save and resume: a fresh prefill of the context, (retrieve,) answer."""
-    from pace_hf.retrieval import PageRetriever
+    from pace_hf.memory.retrieval import PageRetriever
     from pace_hf.tiers import HostTier, TieredStore
 
     prompt = ruler.build_prompt(sample, "session", template, s)

@@ -211,7 +211,7 @@ def test_nothing_resident_is_a_missing_gap_not_zero():
 
 
 def test_the_table_uses_the_metrics_paired_comparison(monkeypatch):
-    from pace_hf.metrics.pace_coding import pace_coding as M
+    from pace_bench.metrics.pace_coding import pace_coding as M
 
     calls = []
     monkeypatch.setattr(M, "paired_comparison", lambda a, b: calls.append((a, b)) or
@@ -282,7 +282,7 @@ def metric(monkeypatch, code_eval_allowed):
     """The suite's metric, loaded as the runner loads it; it runs the answers' code in its sandbox."""
     import evaluate
 
-    from pace_hf.metrics import PACE_CODING
+    from pace_bench.metrics import PACE_CODING
 
     monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
     return evaluate.load(PACE_CODING)

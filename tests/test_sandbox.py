@@ -1,4 +1,4 @@
-"""Tests for pace_hf.metrics.pace_coding.sandbox: correct code round-trips as plain data, and escape attempts are both
+"""Tests for pace_bench.metrics.pace_coding.sandbox: correct code round-trips as plain data, and escape attempts are both
 contained (the host is unharmed) and scored as not passing."""
 
 import os
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pace_hf.metrics.pace_coding.sandbox import (
+from pace_bench.metrics.pace_coding.sandbox import (
     CallResult,
     CodeExecutionNotAllowed,
     SandboxLimits,
@@ -743,7 +743,7 @@ def test_a_result_nested_700_deep_is_a_failed_call_not_a_crash():
     """Defect 2: the parent validates a result's shape and size itself (a forged report line, or
     a child that does not check) and turns anything else into an error."""
     import json
-    from pace_hf.metrics.pace_coding import sandbox as S
+    from pace_bench.metrics.pace_coding import sandbox as S
 
     rfd, wfd = os.pipe()
     sent = []
@@ -957,7 +957,7 @@ def test_inputs_are_refused_not_reinterpreted():
 def test_no_write_wall_means_no_code_runs(monkeypatch):
     """Defect 1: without Landlock (a read-only root alone is not enough) the child runs nothing and run_calls says
     why instead of running the code half-confined (isolation_layers still reports)."""
-    from pace_hf.metrics.pace_coding import sandbox as S
+    from pace_bench.metrics.pace_coding import sandbox as S
 
     for layers in (b'["netns", "rlimits", "seccomp allowlist"]', b'["netns", "read-only root", "rlimits"]'):
         run_ = S._Run(["1"], os.getpid(), -1)  # a read-only root walls writes, not reads of the host

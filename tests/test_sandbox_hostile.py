@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pace_hf.metrics.pace_coding.sandbox import SandboxLimits, run_calls
+from pace_bench.metrics.pace_coding.sandbox import SandboxLimits, run_calls
 
 from host_objects import mqueue_exists, sysv_objects
 from test_sandbox import _gone

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import pytest
 
-from pace_hf.metrics.pace_coding import sandbox as S
+from pace_bench.metrics.pace_coding import sandbox as S
 
 from host_objects import mqueue_exists, sysv_objects
 

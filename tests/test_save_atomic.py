@@ -14,7 +14,7 @@ import torch
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, CumulativeAttention, PACECache
-from pace_hf.cache.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY, SAVE_FORMAT, IncompleteSave, SaveFailed
+from pace_hf.memory.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY, SAVE_FORMAT, IncompleteSave, SaveFailed
 from pace_hf.session import PACESession
 from pace_hf.tiers import DiskTier, HostTier, LeaseHeld, TieredStore, TierUnavailable, ValkeyTier, WriterConflict, encode
 

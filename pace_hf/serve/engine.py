@@ -120,7 +120,7 @@ class Engine:
         # a budget, limit or chunk the cache cannot take fails here, at startup, not as a 500 on every turn
         PACESession(model, tokenizer, planner=SymbolPlanner(), **self.session_kwargs).cache.unbind()
         self.max_context, self.max_tokens = max_context, max_tokens
-        self.retrieval = retrieval  # each user turn restores the evicted pages its text matches (pace_hf.retrieval)
+        self.retrieval = retrieval  # each user turn restores the evicted pages its text matches (pace_hf.memory.retrieval)
         self.max_resident, self.idle_ttl_s = max_resident, idle_ttl_s
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.metrics = Metrics()

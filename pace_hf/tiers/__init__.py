@@ -12,11 +12,11 @@ Modules: ``base`` (``Tier``: what a backend implements, and the capabilities the
 of its class), ``entry`` (the self-verifying byte format), ``store`` (background writes, ordered verified
 reads, promotion, demotion, health, leases, the size report), one module per tier (``host``, ``disk``,
 ``valkey_tier``), ``spec`` (a store spelled on a command line, as ``pace-serve --store`` and
-``python -m pace_hf.tiers`` take it), ``fingerprint`` (``model_fingerprint``). Each module's docstring
+``python -m pace_hf.memory`` take it), ``fingerprint`` (``model_fingerprint``). Each module's docstring
 says why it is built the way it is.
 
 A store keeps what it is given until it is deleted: ``TieredStore.usage()`` reports entries, bytes and
-save generations per session and tier, and ``python -m pace_hf.tiers list|inspect|delete --store SPEC``
+save generations per session and tier, and ``python -m pace_hf.memory list|inspect|delete --store SPEC``
 is the same report, and the cleanup, from a shell.
 """
 

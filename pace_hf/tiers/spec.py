@@ -1,6 +1,6 @@
 """One spelling of a store on a command line: ``host:BYTES,disk:PATH,valkey://HOST:PORT/DB``.
 
-The server (``pace-serve --store``) and the cleanup command (``python -m pace_hf.tiers --store``) both
+The server (``pace-serve --store``) and the cleanup command (``python -m pace_hf.memory --store``) both
 read it here, so a store named for one is named the same way for the other.
 """
 

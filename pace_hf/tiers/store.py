@@ -136,7 +136,7 @@ class Lease:
     ``count_error(tier name)``: called when a tier fails to take the lease (not when another writer
     holds it). The store counts it in the tier's ``errors``, as any failed request: a save that sees the
     count grow rewrites its spill entries to every durable tier, since a tier that failed may have come
-    back without them (``pace_hf.cache.persist``)."""
+    back without them (``pace_hf.memory.persist``)."""
 
     def __init__(self, tiers: list, name: str, ttl_s: float, unreleased: dict, count_error):
         self.name, self.ttl_s, self.token = name, ttl_s, secrets.token_hex(8)
@@ -486,8 +486,8 @@ class TieredStore:
         """The size report: ``{session_id: {tier name: {"entries", "bytes", "generations"}}}``, largest
         session first. ``generations`` are the save generations found in the keys (``persist``); a
         session keeps one, more are what crashed saves left (the next save deletes them). Spill entries
-        (evicted KV, the bulk of a long session) belong to no generation (``pace_hf.spill`` says what
-        bounds them). A session's entries go with ``delete_session`` (``python -m pace_hf.tiers delete``)
+        (evicted KV, the bulk of a long session) belong to no generation (``pace_hf.memory.spill`` says what
+        bounds them). A session's entries go with ``delete_session`` (``python -m pace_hf.memory delete``)
         or expire with ``ValkeyTier(ttl_s=...)``."""
         out: dict[str, dict[str, dict]] = {}
         for sid, tier, key, nbytes in self.scan(session_id):

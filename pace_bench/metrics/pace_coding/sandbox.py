@@ -11,7 +11,7 @@ from the moment it loads, so is the child's whole interpreter: the program may r
   and every later one. A value is plain data decoded from bytes here (JSON, with
   ``decimal.Decimal`` as ``{"__decimal__": str(x)}``); its types, depth and size are checked here;
   nothing is unpickled or evaluated. Exception types come back as names, compared here.
-* **The kernel confines.** The child (``pace_hf/metrics/pace_coding/_sandbox_child.py``) runs the
+* **The kernel confines.** The child (``pace_bench/metrics/pace_coding/_sandbox_child.py``) runs the
   program as pid 2 of new pid, IPC, UTS, network and mount namespaces (no pid counter, System V
   object, POSIX queue, abstract socket or host name shared with the host or another run; whatever
   is left dies with the namespace), under a minimal read-only root with a fresh ``/proc`` and a scratch
@@ -103,7 +103,7 @@ def require_opt_in() -> None:
     if not opted_in():
         raise CodeExecutionNotAllowed(
             "Executing model-generated code is disabled by default: the code is untrusted and, "
-            "although pace_hf.metrics.pace_coding.sandbox confines it, no sandbox is perfect. Run it only on a "
+            "although pace_bench.metrics.pace_coding.sandbox confines it, no sandbox is perfect. Run it only on a "
             f"machine you can afford to lose. To opt in, set the environment variable "
             f"{OPT_IN_ENV}=1 (e.g. `export {OPT_IN_ENV}=1`, or os.environ['{OPT_IN_ENV}'] = '1'); "
             "HF_ALLOW_CODE_EVAL=1, as for HF's code_eval, is accepted too."

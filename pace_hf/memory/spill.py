@@ -37,7 +37,7 @@ Cap. ``cap_bytes`` bounds the spilled bytes a session holds (payload bytes; the 
 entry): past it, the least recently used logical page (written to or restored last) is dropped from every
 layer. A restore that asks for a dropped page brings back what is left, counts the page in
 ``stats["capped_requests"]`` and warns once; it never fails. A dropped version that the session's current
-save indexes stays in the store until the next save replaces that one (``pace_hf.cache.persist`` deletes it
+save indexes stays in the store until the next save replaces that one (``pace_hf.memory.persist`` deletes it
 then): the save stays whole. So between saves the store can hold up to twice the cap (what the last save
 indexes, plus what was written since), and more by the entries' headers: the 1M run's spill folder
 reached 1.8 GB against a 1 GiB cap, with a save every 32K tokens.
@@ -57,7 +57,7 @@ from concurrent.futures import Future
 
 import torch
 
-from .tiers.entry import digest
+from ..tiers.entry import digest
 
 FIELDS = ("head", "logical", "ref_pos", "score", "ref_key", "value")
 LEDGER = ("head", "logical", "ref_pos")  # stored as int32, handed back as int64

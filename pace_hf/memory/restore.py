@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ..spill import concat
+from .spill import concat
 
 
 class Restores:

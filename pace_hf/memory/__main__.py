@@ -1,14 +1,14 @@
-"""See and clean what a store holds: ``python -m pace_hf.tiers list|inspect|delete --store SPEC``.
+"""See and clean what a store holds: ``python -m pace_hf.memory list|inspect|delete --store SPEC``.
 
 A session's store grows with every token its cache evicts (the spill: key and value per layer and KV
 head, about 24 KB a token on SmolLM2-135M in bf16) and keeps it after the session ends, until the
 session is deleted or its Valkey entries expire (``ValkeyTier(ttl_s=...)``). This command is the size report and
 the cleanup::
 
-    python -m pace_hf.tiers list --store disk:runs/kv                 # sessions, entries, bytes per tier
-    python -m pace_hf.tiers inspect agent-42 --store valkey://127.0.0.1:6379 --keys
-    python -m pace_hf.tiers delete agent-42 old-7 --store disk:runs/kv,valkey://127.0.0.1:6379
-    python -m pace_hf.tiers delete --all --store disk:runs/kv
+    python -m pace_hf.memory list --store disk:runs/kv                 # sessions, entries, bytes per tier
+    python -m pace_hf.memory inspect agent-42 --store valkey://127.0.0.1:6379 --keys
+    python -m pace_hf.memory delete agent-42 old-7 --store disk:runs/kv,valkey://127.0.0.1:6379
+    python -m pace_hf.memory delete --all --store disk:runs/kv
 
 ``--store`` takes the spelling ``pace-serve --store`` takes (``pace_hf.tiers.spec``), but only tiers
 shared across processes: host memory belongs to the process that holds it. ``delete`` takes each
@@ -22,9 +22,9 @@ import argparse
 import json
 import sys
 
-from ..cache.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
-from .errors import IntegrityError, TierError, WriterConflict
-from .spec import SPELLINGS, parse_store
+from .persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
+from ..tiers.errors import IntegrityError, TierError, WriterConflict
+from ..tiers.spec import SPELLINGS, parse_store
 
 
 def _size(n: int) -> str:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--store", required=True, help=f"the tiers, comma-separated: {SPELLINGS}")
     common.add_argument("--json", action="store_true", help="print the report as JSON")
-    p = argparse.ArgumentParser(prog="python -m pace_hf.tiers", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pace_hf.memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", parents=[common], help="every session: entries, bytes and generations per tier")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                     "processes (disk:PATH, valkey://...)")
         return {"list": cmd_list, "inspect": cmd_inspect, "delete": cmd_delete}[args.command](store, args)
     except TierError as e:
-        print(f"python -m pace_hf.tiers: {e}", file=sys.stderr)
+        print(f"python -m pace_hf.memory: {e}", file=sys.stderr)
         return 1
     finally:
         store.close()

@@ -2,7 +2,7 @@
 
 ``PACE_CODING`` is the path of the ``pace_coding`` metric folder, for
 ``evaluate.load(PACE_CODING)``. Its scoring functions can also be imported directly
-from ``pace_hf.metrics.pace_coding.pace_coding``.
+from ``pace_bench.metrics.pace_coding.pace_coding``.
 """
 
 import os

@@ -4,7 +4,7 @@ Generations. Each save is a generation (``g17-3fa2c1``: a serial number and a ra
 saves, writers or retries ever share a key). Its entries -- every layer's state and the caller's
 attachments (a ``PACESession``'s conversation) -- are written under keys of their own
 (``L3/state@g17-3fa2c1``), never over an older save's. The spill entries a save indexes were written
-once, under keys no writer reuses (``pace_hf.spill``: one entry per version of a logical page). The
+once, under keys no writer reuses (``pace_hf.memory.spill``: one entry per version of a logical page). The
 manifest is written last, under the one key ``manifest``: it names the generation and holds the digest
 (``tiers.entry.digest``) of every entry it covers, layer states, attachments and spill page versions.
 
@@ -46,7 +46,7 @@ import secrets
 from concurrent.futures import Future
 
 from ..scoring import describe
-from ..spill import versions_of
+from .spill import versions_of
 from ..tiers.entry import digest, digest_algorithm
 from ..tiers.errors import IntegrityError, TierError, TierUnavailable, WriterConflict
 from ..tiers.store import TieredStore

@@ -73,9 +73,9 @@ from typing import NamedTuple
 import torch
 from bm25s.stopwords import STOPWORDS_EN
 
-from .blueprint import Span, as_index
-from .binding import decoder_of
-from .planner.prose import bm25_index, split_name
+from ..blueprint import Span, as_index
+from ..binding import decoder_of
+from ..planner.prose import bm25_index, split_name
 
 SIGNALS = ("lexical", "digest", "both")
 STAT_KEYS = ("retrieval_pages_scored", "retrieval_pages_restored", "retrieval_tokens_restored",

@@ -1,7 +1,7 @@
-"""Child side of :mod:`pace_hf.metrics.pace_coding.sandbox`: confine a process, run the program in it,
+"""Child side of :mod:`pace_bench.metrics.pace_coding.sandbox`: confine a process, run the program in it,
 report plain data.
 
-Started by ``pace_hf.metrics.pace_coding.sandbox`` as ``python -I -S -B _sandbox_child.py JOB_FD CALL_FD
+Started by ``pace_bench.metrics.pace_coding.sandbox`` as ``python -I -S -B _sandbox_child.py JOB_FD CALL_FD
 REPORT_FD``. It uses the standard library only: the isolated interpreter sees neither site-packages
 nor ``pace_hf``.
 

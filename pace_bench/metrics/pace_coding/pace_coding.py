@@ -9,7 +9,7 @@ from decimal import Decimal, InvalidOperation
 import datasets
 import evaluate
 
-from pace_hf.metrics.pace_coding.sandbox import SandboxLimits, decode_value, plain_data_error, run_calls
+from pace_bench.metrics.pace_coding.sandbox import SandboxLimits, decode_value, plain_data_error, run_calls
 
 _CITATION = """\
 @software{pace_hf,
@@ -53,8 +53,8 @@ Raises:
         (e.g. not JSON, a list, no "checks" list, a check without "expected").
     MetricInputError (a ValueError; InvalidReference's base): other bad arguments (predictions
         that are not str, unequal lengths, a timeout_s outside (0, 3600]).
-    pace_hf.metrics.pace_coding.sandbox.CodeExecutionNotAllowed: without the opt-in;
-    pace_hf.metrics.pace_coding.sandbox.SandboxUnavailable: where the sandbox cannot wall off the
+    pace_bench.metrics.pace_coding.sandbox.CodeExecutionNotAllowed: without the opt-in;
+    pace_bench.metrics.pace_coding.sandbox.SandboxUnavailable: where the sandbox cannot wall off the
         host's files.
 Returns:
     checks_passed, checks_total, check_pass_rate: hidden checks over all answers.
@@ -67,8 +67,8 @@ Returns:
     paired (with baseline_predictions): better, worse, tied, p_value; and baseline: the reference
         arm's own totals.
 Examples:
-    >>> import evaluate, pace_hf.metrics
-    >>> metric = evaluate.load(pace_hf.metrics.PACE_CODING)
+    >>> import evaluate, pace_bench.metrics
+    >>> metric = evaluate.load(pace_bench.metrics.PACE_CODING)
     >>> metric.compute(predictions=[answer], references=[probe["reference"]])  # doctest: +SKIP
 """
 
