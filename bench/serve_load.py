@@ -35,9 +35,8 @@ from pathlib import Path
 import openai
 
 ROOT = Path(__file__).resolve().parents[1]
-# pace-serve with the model zoo's loader, whether or not its entry point is installed
-LAUNCH = ("import sys; from pace_bench.models import load_model; from pace_hf.serve.__main__ import main; "
-          "main(sys.argv[1:], loader=load_model)")
+# pace-serve with the model zoo's loader
+LAUNCH = "import sys; from pace_hf.serve.__main__ import main; main(sys.argv[1:], loader='pace_bench.models:load_model')"
 WORDS = ("ledger settle record amount balance owner rate fee invoice account deposit withdraw total "
          "customer order refund audit journal entry posting credit debit period close report").split()
 

@@ -527,3 +527,17 @@ def test_a_budget_the_cache_cannot_take_fails_at_startup(tiny_dir, tmp_path):
             Engine(model, tiny_dir[1], store, "tiny", budget=200, limit=1024, chunk=2000)
     finally:
         store.close()
+
+
+def test_a_model_that_cannot_be_found_or_a_bad_loader_is_a_clear_error(tmp_path, capsys):
+    """No entry point reaches the benchmark's zoo: a name needs --loader MODULE:FUNCTION, and a name that
+    is neither a directory nor a Hub id, or a loader that does not import, says so in one line."""
+    from pace_hf.serve.__main__ import load, main
+
+    with pytest.raises(SystemExit, match="no local model directory, and no Hub model"):
+        main(["--model", str(tmp_path / "nosuchmodel"), "--store", f"disk:{tmp_path / 'kv'}"])
+    with pytest.raises(SystemExit, match="expected MODULE:FUNCTION"):
+        load("smollm2", loader="pace_bench.models:no_such_loader")
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "(default: 2048)" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""``pace-serve --model smollm2 --host 127.0.0.1 --port 8000 --store disk:runs/serve``."""
+"""``pace-serve --model smollm2 --loader pace_bench.models:load_model --host 127.0.0.1 --port 8000``."""
 
 from __future__ import annotations
 
@@ -10,36 +10,48 @@ from pathlib import Path
 from ..tiers.spec import SPELLINGS, parse_store  # the spelling the cleanup command reads too
 
 
-LOADERS = "pace_hf.model_loaders"  # entry points: name_or_path, dtype=... -> (model, tokenizer)
-
-
 def load(name_or_path: str, dtype: str = "auto", loader=None):
-    """``(model, tokenizer)``: from ``loader``, else from a loader another package registers under the
-    entry-point group ``pace_hf.model_loaders`` (this project's model zoo registers its named models
-    there), else ``from_pretrained`` of a local directory."""
+    """``(model, tokenizer)``: from ``loader`` (a callable ``(name_or_path, dtype=...)``, or its
+    ``"module:function"`` spelling, e.g. ``pace_bench.models:load_model`` for a packaged model's name),
+    else ``from_pretrained`` of a local directory or a Hub id."""
     import torch
 
     torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
-    if loader is None:
-        from importlib.metadata import entry_points
-
-        found = list(entry_points(group=LOADERS))
-        loader = found[0].load() if found else None
+    if isinstance(loader, str):
+        loader = _import_loader(loader)
     if loader is not None:
         return loader(name_or_path, dtype=torch_dtype)
-    if not Path(name_or_path).is_dir():
-        raise SystemExit(f"pace-serve: {name_or_path!r} is no local model directory, and no model loader is "
-                         f"registered under the entry-point group {LOADERS!r} to resolve it by name")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype or "auto")
-    return model.eval(), AutoTokenizer.from_pretrained(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype or "auto")
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except OSError as e:
+        raise SystemExit(f"pace-serve: --model {name_or_path!r} is no local model directory, and no Hub model "
+                         f"could be loaded under that name ({str(e).splitlines()[0]}); pass a directory, a Hub id, "
+                         "or --loader MODULE:FUNCTION for named models") from None
+    return model.eval(), tokenizer
+
+
+def _import_loader(spec: str):
+    """``"module:function"`` -> the function."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise SystemExit(f"pace-serve: --loader {spec!r}: {e} (expected MODULE:FUNCTION)") from None
 
 
 def main(argv: list[str] | None = None, loader=None) -> None:
-    """The command; ``loader`` replaces the registered model loader (see ``load``)."""
-    p = argparse.ArgumentParser(prog="pace-serve", description=__doc__)
-    p.add_argument("--model", required=True, help="a model name a registered loader knows (smollm2, qwen2.5-coder-0.5b) or a local path")
+    """The command; ``loader`` (a callable) replaces ``--loader`` (see ``load``)."""
+    p = argparse.ArgumentParser(prog="pace-serve", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="a local model directory or a Hub id (or a name --loader knows)")
+    p.add_argument("--loader", default=None, metavar="MODULE:FUNCTION",
+                   help="loads --model by name, e.g. pace_bench.models:load_model for the packaged models "
+                        "(smollm2, qwen2.5-coder-0.5b, gemma3-270m)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--store", default="disk:runs/serve", help=f"tiers, fastest first, comma-separated: {SPELLINGS}")
@@ -77,7 +89,7 @@ def main(argv: list[str] | None = None, loader=None) -> None:
         store = parse_store(args.store)
     except ValueError as e:
         raise SystemExit(f"pace-serve: --store: {e}") from None
-    model, tokenizer = load(args.model, args.dtype, loader)
+    model, tokenizer = load(args.model, args.dtype, loader or args.loader)
     names = args.served_name or [args.model]
     try:
         engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit or None,
@@ -87,6 +99,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     except ValueError as e:
         raise SystemExit(f"pace-serve: --budget/--limit/--chunk: {e}") from None
     app = create_app(engine, names, max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout)
+    print(f"pace-serve: serving {names[0]} on http://{args.host}:{args.port}/v1 (store: {args.store})",
+          file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
