@@ -210,3 +210,14 @@ def test_the_import_check_sees_relative_and_absolute_imports(tmp_path, monkeypat
     found = {rel: _forbidden(imported_modules(fake / rel)) for rel in lines}
     assert all(found[rel] for rel in lines if "ok" not in rel), found
     assert not found["ok.py"] and not found["rope/ok.py"]
+
+
+def test_no_entry_point_of_the_core_reaches_the_benchmark():
+    """A plugin group the core reads (as pace-serve once read ``pace_hf.model_loaders``) must not resolve to
+    benchmark code: the benchmark's loader is named explicitly (``pace-serve --loader``)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    for group, points in project.get("entry-points", {}).items():
+        assert not [t for t in points.values() if t.split(":")[0].split(".")[0] == "pace_bench"], group
+    assert all(not line.strip().startswith("entry_points(") for p in core_modules() for line in p.read_text().splitlines())
