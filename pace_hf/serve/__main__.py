@@ -1,4 +1,4 @@
-"""``pace-serve --model smollm2 --loader pace_bench.models:load_model --host 127.0.0.1 --port 8000``."""
+"""``pace-serve --model PATH_OR_HUB_ID --host 127.0.0.1 --port 8000 --store disk:runs/serve``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ..tiers.spec import SPELLINGS, parse_store  # the spelling the cleanup comm
 
 def load(name_or_path: str, dtype: str = "auto", loader=None):
     """``(model, tokenizer)``: from ``loader`` (a callable ``(name_or_path, dtype=...)``, or its
-    ``"module:function"`` spelling, e.g. ``pace_bench.models:load_model`` for a packaged model's name),
+    ``"module:function"`` spelling, for models known by a name: see the README's server section),
     else ``from_pretrained`` of a local directory or a Hub id."""
     import torch
 
@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="a local model directory or a Hub id (or a name --loader knows)")
     p.add_argument("--loader", default=None, metavar="MODULE:FUNCTION",
-                   help="loads --model by name, e.g. pace_bench.models:load_model for the packaged models "
-                        "(smollm2, qwen2.5-coder-0.5b, gemma3-270m)")
+                   help="a function (name_or_path, dtype=...) -> (model, tokenizer) that loads --model by name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--store", default="disk:runs/serve", help=f"tiers, fastest first, comma-separated: {SPELLINGS}")
