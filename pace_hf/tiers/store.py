@@ -61,10 +61,12 @@ holds one: two writers never interleave the entries of one save.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import secrets
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
@@ -196,6 +198,23 @@ class _TierState:
         self.last_error: str | None = None
 
 
+_OPEN: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
+
+
+def _close_open_stores() -> None:
+    """At interpreter exit, close every store still open: its queued writes land, and its writer thread
+    stops before the runtime is torn down under it (a daemon thread inside a tensor copy at that moment
+    aborted the process with SIGABRT: 'terminate called without an active exception')."""
+    for store in list(_OPEN):
+        try:
+            store.close(timeout_s=30)
+        except Exception as e:  # noqa: BLE001 - exiting: report, never raise
+            log.warning("pace_hf.tiers: closing a store at exit failed: %s", e)
+
+
+atexit.register(_close_open_stores)  # runs while daemon threads still run, before the runtime goes
+
+
 class TieredStore:
     """Verified KV entries over a stack of tiers, written in the background, read top first.
 
@@ -265,6 +284,7 @@ class TieredStore:
         self._prefetch_pool = ThreadPoolExecutor(2, thread_name_prefix="pace-tier-prefetch")
         self._writer = threading.Thread(target=self._write_loop, name="pace-tier-writer", daemon=True)
         self._writer.start()
+        _OPEN.add(self)
 
     # -- public API --------------------------------------------------------------------------------
     def put(self, key: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None = None, *,
