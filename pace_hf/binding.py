@@ -47,8 +47,12 @@ class ForwardBracket(Protocol):
     @property
     def in_forward(self) -> bool: ...
 
-    def begin_forward(self, q_len: int) -> int:
-        """Prepare for ``q_len`` new tokens; return the first rotary position they get."""
+    def begin_forward(self, q_len: int, ids=None) -> int:
+        """Prepare for ``q_len`` new tokens (their ``ids`` ``[1, q_len]``, or None for embeddings);
+        return the first rotary position they get."""
+
+    def check_prompt(self, input_ids) -> None:
+        """Before ``generate``: refuse an input that does not continue what the cache holds."""
 
     def end_forward(self, q_len: int) -> None:
         """The forward finished: evict at the chunk boundary."""
@@ -144,7 +148,7 @@ class Binding:
             raise NotImplementedError(
                 f"pace_hf caches hold one sequence (batch size 1, num_beams=1); got batch size {batch}"
             )
-        start = cache.begin_forward(q_len)
+        start = cache.begin_forward(q_len, kwargs.get("input_ids"))
         kwargs["position_ids"] = torch.arange(start, start + q_len, device=tokens.device)[None]
         self.active_tokens[-1] = attention.ACTIVE_CACHE.set(cache)
         return args, kwargs
@@ -177,6 +181,10 @@ class Binding:
                     raise ValueError(f"prefill_chunk_size must be a whole number of tokens >= 1 (or None: one "
                                      f"forward for the whole prompt), got {kwargs['prefill_chunk_size']!r}")
                 kwargs["prefill_chunk_size"] = chunk
+            if _is_pace_cache(cache):
+                prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+                if torch.is_tensor(prompt) and not prompt.is_floating_point():
+                    cache.check_prompt(prompt)
             model = self.model_ref()
             max_positions = getattr(model.config, "max_position_embeddings", None) if model is not None else None
             bounded = (_is_pace_cache(cache) and cache.limit is not None and max_positions is not None

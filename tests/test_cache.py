@@ -384,8 +384,11 @@ def test_a_prompt_no_longer_than_what_the_cache_saw_gets_a_clear_error():
     ids = prompt(64)
     model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, prefill_chunk_size=32)
     seen = cache.get_seq_length()
-    with pytest.raises(ValueError, match=f"no new tokens: this cache has seen {seen} tokens.*whole conversation"):
+    with pytest.raises(ValueError, match=fr"already seen these 20 tokens \(it holds {seen}\).*conversation so far"):
         model.generate(ids[:, :20], cache=cache, max_new_tokens=3, do_sample=False, prefill_chunk_size=32)
+    assert cache.get_seq_length() == seen and not cache.in_forward
+    with pytest.raises(ValueError, match=f"no new tokens: this cache has seen {seen} tokens.*whole conversation"), torch.no_grad():
+        model(ids[:, :0], cache=cache)  # a forward of nothing, not through generate
     assert cache.get_seq_length() == seen and not cache.in_forward
 
 
@@ -660,3 +663,26 @@ def test_holding_refuses_a_nested_hold_and_a_save_before_the_compressing_forward
     with cache.holding():  # a hold with nothing over the budget leaves nothing pending
         pass
     cache.save()
+
+
+def test_a_repeated_or_edited_prompt_is_refused_not_prefilled_again():
+    """A re-run notebook cell or a retried turn gives generate the same prompt again: the cache would
+    prefill it on top of itself (515 -> 1,023 tokens seen) and answer differently. Refused, naming why;
+    an edited earlier token is refused too (its old KV would be reused); a continuation goes on."""
+    model = tiny_model("llama")
+    ids = prompt(200)
+    cache = PACECache(Blueprint(), model=model, budget=64, limit=400, recent=16)
+    out = model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False, prefill_chunk_size=64)
+    seen = cache.get_seq_length()
+    for again in (ids, ids[:, :150], out[:, :-1]):
+        with pytest.raises(ValueError, match="already seen these"):
+            model.generate(again, cache=cache, max_new_tokens=5, do_sample=False)
+    edited = out.clone()
+    edited[0, 17] = (edited[0, 17] + 1) % 128
+    with pytest.raises(ValueError, match="differs from what this cache holds at token 17"):
+        model.generate(torch.cat([edited, prompt(5, seed=1)], 1), cache=cache, max_new_tokens=5, do_sample=False)
+    assert cache.get_seq_length() == seen  # nothing was prefilled by the refused calls
+    more = model.generate(torch.cat([out, prompt(5, seed=1)], 1), cache=cache, max_new_tokens=5, do_sample=False)
+    assert cache.get_seq_length() == more.shape[1] - 1
+    cache.reset()
+    assert model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False).shape[1] == 205  # a reset cache starts over

@@ -109,6 +109,7 @@ class EvictionCache(DynamicCache):
         self._filled_by = None  # the model whose KV the layers hold (a weak reference)
         self._chunk = None
         self._held = None  # None, "holding" (inside ``holding()``) or "pending" (the next forward compresses)
+        self.tokens: TokenLog | None = TokenLog()  # the ids seen (None: unknown, e.g. fed embeddings or resumed)
         self.progress = None  # optional: anything with update(n), told of every prefilled chunk
         # As DynamicCache does, build the layers and hand them to Cache (its own __init__ would build
         # DynamicLayers); without a model, bind builds them.
@@ -264,6 +265,7 @@ class EvictionCache(DynamicCache):
         for layer in self.layers:
             layer.reset()
         self._step = self.renumbers = self.next_physical = 0
+        self.tokens = TokenLog()
         self.restores.pending.clear()
         if self.spill is not None:
             self._new_spill()
@@ -321,7 +323,28 @@ class EvictionCache(DynamicCache):
     def in_forward(self) -> bool:
         return self._chunk is not None
 
-    def begin_forward(self, q_len: int) -> int:
+    def check_prompt(self, input_ids) -> None:
+        """``generate`` is given the whole conversation and prefills what the cache has not seen: refuse an
+        input that does not continue what the cache holds, instead of prefilling it again on top (a re-run
+        notebook cell, a retried turn) or reusing the KV of tokens that were edited since."""
+        seen = self.get_seq_length()
+        if not seen or self.tokens is None or input_ids.shape[0] != 1:
+            return
+        n = input_ids.shape[-1]
+        held = self.tokens.ids(seen)
+        given = input_ids[0, :seen].to(held.device, held.dtype)
+        differs = (given != held[:n]).nonzero()
+        fix = ("reset() the cache (or create a new one) to start over, or keep the conversation in a "
+               "PACESession, whose sync() rewinds it to its first change")
+        if differs.numel():
+            raise ValueError(f"the input differs from what this cache holds at token {int(differs[0])} of the {seen} "
+                             f"it has seen: its KV is of the old tokens and cannot be reused for edited ones; {fix}")
+        if n <= seen:
+            raise ValueError(f"this cache has already seen these {n} tokens (it holds {seen}): generate would prefill "
+                             f"them again on top of themselves. Pass the conversation so far plus the new tokens, or "
+                             f"{fix}")
+
+    def begin_forward(self, q_len: int, ids=None) -> int:
         """Prepare for a forward of ``q_len`` new tokens; return the first physical position."""
         seen = self.get_seq_length()
         if q_len < 1:  # generate slices off what the cache has seen: the input was no longer than that
@@ -346,6 +369,8 @@ class EvictionCache(DynamicCache):
             self.next_physical = seen
         for layer in self.layers:
             layer.begin_forward()
+        if self.tokens is not None:
+            self.tokens = None if ids is None else self.tokens.append(seen, ids)
         self._chunk = (seen, self.next_physical)
         return self.next_physical
 
@@ -476,6 +501,7 @@ class EvictionCache(DynamicCache):
             cache.layers[i].load({k: v.to(model.device) for k, v in tensors.items()}, meta["seen"])
         cache.spill.load(m["spill"], m["generation"])
         cache._step, cache.renumbers, cache.next_physical = m["step"], m["renumbers"], m["next_physical"]
+        cache.tokens = None  # a save keeps no ids: a resumed cache cannot check a prompt against them
         return cache
 
     def scores_layer(self, layer_idx: int) -> bool:
@@ -513,6 +539,27 @@ class EvictionCache(DynamicCache):
         elif getattr(self, "retriever", None) is None:
             self.retriever = PageRetriever(tokenizer)
         return self.retriever.rehydrate(self, text, ids)
+
+
+class TokenLog:
+    """The ids a cache has seen, in a buffer that grows geometrically (decode appends one per step).
+    Positions past ``seen`` (a failed forward, a rewind) are overwritten by the next append."""
+
+    def __init__(self):
+        self._buffer = torch.empty(0, dtype=torch.int64)
+
+    def append(self, seen: int, ids) -> "TokenLog":
+        ids = ids.reshape(-1).to("cpu", torch.int64)
+        end = seen + ids.numel()
+        if end > self._buffer.numel():
+            grown = torch.empty(max(end, 2 * self._buffer.numel()), dtype=torch.int64)
+            grown[:seen] = self._buffer[:seen]
+            self._buffer = grown
+        self._buffer[seen:end] = ids
+        return self
+
+    def ids(self, seen: int) -> torch.Tensor:
+        return self._buffer[:seen]
 
 
 def _logical(positions) -> torch.Tensor:
