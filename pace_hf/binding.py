@@ -83,6 +83,21 @@ def decoder_of(model):
     return model.get_decoder() if hasattr(model, "get_decoder") else model
 
 
+COMPILED = ("pace_hf caches do not run under torch.compile, and this model's forward is compiled "
+            "(torch.compile(model.forward) or model.compile()): the hooks, the cache and the score pass break the "
+            "graph at every layer and the cache's counters change every forward, so a compiled forward gains "
+            "nothing and recompiles (or fails inside torch). Run the model uncompiled while a pace_hf cache is "
+            "bound to it")
+
+
+def check_not_compiled(model) -> None:
+    """Refuse a model whose forward (or its decoder's) was compiled, in pace_hf's own words."""
+    for module in (model, decoder_of(model)):
+        if getattr(module.forward, "_torchdynamo_orig_callable", None) is not None or \
+                getattr(module, "_compiled_call_impl", None) is not None:
+            raise NotImplementedError(COMPILED)
+
+
 class Binding:
     """The hooks, wrappers and attention switch of one model, shared by the caches bound to it."""
 
@@ -136,6 +151,8 @@ class Binding:
         cache = cache_from_kwargs(kwargs)
         if not _is_pace_cache(cache):
             return None
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(COMPILED)
         if cache.binding is not self:
             raise RuntimeError(
                 f"this {type(cache).__name__} is not bound to this model"
@@ -182,6 +199,7 @@ class Binding:
                                      f"forward for the whole prompt), got {kwargs['prefill_chunk_size']!r}")
                 kwargs["prefill_chunk_size"] = chunk
             if _is_pace_cache(cache):
+                check_not_compiled(self.model_ref())
                 prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
                 if torch.is_tensor(prompt) and not prompt.is_floating_point():
                     cache.check_prompt(prompt)

@@ -686,3 +686,18 @@ def test_a_repeated_or_edited_prompt_is_refused_not_prefilled_again():
     assert cache.get_seq_length() == more.shape[1] - 1
     cache.reset()
     assert model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False).shape[1] == 205  # a reset cache starts over
+
+
+def test_a_compiled_model_gets_pace_hfs_own_error():
+    """torch.compile(model.forward) crashed deep inside torch ('sources must not be empty for symbol'),
+    with a large log: now a bound cache says it does not run compiled, at bind and at generate."""
+    model = tiny_model("llama")
+    cache = PACECache(Blueprint(), model=model, budget=64, limit=400, recent=16)
+    model.forward = torch.compile(model.forward, backend="eager")
+    with pytest.raises(NotImplementedError, match="do not run under torch.compile"):
+        model.generate(prompt(50), cache=cache, max_new_tokens=3, do_sample=False)
+    assert cache.get_seq_length() == 0
+    with pytest.raises(NotImplementedError, match="do not run under torch.compile"):
+        H2OCache(model, budget=64, recent=16)
+    del model.forward  # uncompiled again: it runs
+    assert model.generate(prompt(50), cache=cache, max_new_tokens=3, do_sample=False).shape[1] == 53

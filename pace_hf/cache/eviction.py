@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from .. import attention
-from ..binding import Binding
+from ..binding import Binding, check_not_compiled
 from ..blueprint import Blueprint, Span, as_index
 from ..rope import RotaryParams
 from ..scoring import CumulativeAttention, ScoringPolicy, rebuild
@@ -50,9 +50,9 @@ class EvictionCache(DynamicCache):
             its span covers); ``spill_cap_bytes``: the most spilled bytes the session holds (least
             recently used pages go first; see ``pace_hf.memory.spill``).
 
-    ``torch.compile(model.forward)`` is not supported: the hooks, the cache and ``pace_attention`` break
-    the graph at every layer, and the cache's counters change every forward, so a compiled forward
-    gains nothing and may recompile on each one. Run the model uncompiled.
+    A compiled model (``torch.compile(model.forward)``, ``model.compile()``) is refused, at bind and at
+    generate: the hooks, the cache and ``pace_attention`` break the graph at every layer, and the
+    cache's counters change every forward, so a compiled forward gains nothing. Run it uncompiled.
     """
 
     layer_class = EvictingLayer  # what ``bind`` builds the layers from
@@ -153,6 +153,7 @@ class EvictionCache(DynamicCache):
                              "which this model cannot read: reset() it first to reuse it, or create a new cache")
         config = model.config.get_text_config(decoder=True)
         specs = layer_specs(config)
+        check_not_compiled(model)
         self._check_attention(model)
         if self.bounded:
             try:
