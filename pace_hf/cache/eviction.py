@@ -42,7 +42,8 @@ class EvictionCache(DynamicCache):
         sinks / recent: the first ``sinks`` and the last ``recent`` tokens are never evicted.
         scoring: a ``pace_hf.scoring.ScoringPolicy`` (default ``CumulativeAttention()``, H2O).
         limit: keep every rotary position below ``limit`` by renumbering residents (None: unbounded).
-            It must exceed ``budget`` plus the largest chunk a forward brings.
+            It must be at least ``budget`` plus the largest chunk a forward brings (positions run
+            ``0..limit-1``); on a hybrid model, the most tokens any layer holds (a sliding window) plus it.
         store / session_id: a ``pace_hf.tiers.TieredStore``: every evicted token is spilled to it, and
             planned spans that are not resident are restored when their reader step comes (fetched
             ``prefetch_steps`` steps ahead, in the background). ``save()`` / ``resume()`` persist the
@@ -76,14 +77,15 @@ class EvictionCache(DynamicCache):
         if budget <= 0 or sinks < 0 or recent < 0:
             raise ValueError(f"budget must be > 0 and sinks, recent >= 0 (got {budget}, {sinks}, {recent})")
         if budget < sinks + recent:
-            raise ValueError(f"budget {budget} cannot hold the protected sinks + recent = {sinks} + {recent} tokens")
+            raise ValueError(f"budget {budget} cannot hold the protected sinks + recent = {sinks} + {recent} tokens: "
+                             f"pass a smaller recent= (the default is {DEFAULT_RECENT}), e.g. recent={max(0, budget // 4)}")
         scoring = scoring if scoring is not None else CumulativeAttention()
         if not isinstance(scoring, ScoringPolicy):
             raise TypeError(f"scoring must be a pace_hf.scoring.ScoringPolicy, got {type(scoring).__name__}")
         if limit is not None:
             limit = as_index(limit, "limit")
             if limit <= budget:
-                raise ValueError(f"limit {limit} must exceed budget {budget} plus the chunk size")
+                raise ValueError(f"limit {limit} must be at least budget {budget} plus the chunk size")
         if store is not None:
             persist.check_store(store, session_id)
         prefetch_steps, spill_tokens = as_index(prefetch_steps, "prefetch_steps"), as_index(spill_tokens, "spill_tokens")
@@ -362,7 +364,7 @@ class EvictionCache(DynamicCache):
             if n + q_len > self.limit:
                 raise ValueError(
                     f"a forward of {q_len} tokens on {n} resident tokens cannot stay below limit={self.limit}; "
-                    f"use limit > budget + chunk, e.g. prefill_chunk_size <= {self.limit - self.budget}"
+                    f"use limit >= {n} + chunk, e.g. prefill_chunk_size <= {self.limit - n}"
                 )
             if self.next_physical + q_len > self.limit:
                 self.renumber()

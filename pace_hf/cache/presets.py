@@ -19,9 +19,21 @@ class H2OCache(EvictionCache):
 class PACECache(EvictionCache):
     """PACE: foresight (a bonus for the blueprint's planned spans) around H2O, with bounded positions.
 
-    ``limit=None`` is the retention-only arm. ``scorer`` replaces H2O under the bonus (e.g.
-    ``ObservationWindow()`` for SnapKV with foresight); ``bonus`` replaces ``ForesightBonus(phi)``.
-    Set ``cache.step`` to the agent's current step.
+    Args:
+        blueprint: the planned spans and the steps that read them (``Blueprint()``: none yet).
+        model: the model to bind to (or call ``bind(model)`` later).
+        budget: resident tokens kept per full-attention layer and KV head after each forward.
+        limit: every rotary position stays below it (at least ``budget`` plus the largest chunk);
+            ``limit=None`` is the retention-only arm.
+        phi: the foresight bonus's scale (``ForesightBonus(phi)``); ``bonus`` replaces it whole.
+        scorer: the policy under the bonus (default H2O; ``ObservationWindow()`` for SnapKV with foresight).
+        **kwargs: the rest of ``EvictionCache``'s settings: ``sinks``, ``recent`` (128 by default, so a
+            budget under 132 needs a smaller ``recent``), ``store``, ``session_id``, ``prefetch_steps``,
+            ``spill_tokens``, ``spill_cap_bytes``.
+
+    Set ``cache.step`` to the agent's current step. ``get_seq_length()`` is the number of tokens seen
+    (what ``generate`` slices new input by), not the number resident: ``resident_count()`` and
+    ``ledger(layer)`` say what is held.
     """
 
     def __init__(
