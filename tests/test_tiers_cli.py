@@ -14,7 +14,7 @@ from tiny_models import tiny_model
 
 from pace_hf import Blueprint, PACECache
 from pace_hf.memory.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
-from pace_hf.tiers import DiskTier, parse_store
+from pace_hf.tiers import DiskTier, TieredStore, parse_store
 from pace_hf.memory.__main__ import main
 
 ROOT = Path(__file__).parents[1]
@@ -153,6 +153,7 @@ def test_the_command_refuses_bad_stores_and_arguments(tmp_path, capsys):
             main(argv)
         assert exited.value.code == 2, argv
         assert message in capsys.readouterr().err, argv
+    (tmp_path / "empty").mkdir()  # an empty store (a missing directory is an error: see below)
     assert main(["list", "--store", f"disk:{tmp_path / 'empty'}"]) == 0
     assert "no sessions" in capsys.readouterr().out
 
@@ -176,3 +177,22 @@ def test_the_server_and_the_command_read_one_spelling(tmp_path):
         store.close()
     with pytest.raises(ValueError, match="bad store part 'disk'"):
         parse_store("disk")
+
+
+def test_a_missing_store_directory_is_an_error_and_a_closed_pipe_is_not(tmp_path):
+    """``list --store disk:/nonexistent`` said "no sessions" and exited 0, so a mistyped path went
+    unnoticed; ``list | head`` ended in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pace_hf.memory", "list", "--store", f"disk:{tmp_path / 'nope'}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no such directory" in done.stderr and not (tmp_path / "nope").exists()
+    store = TieredStore([DiskTier(tmp_path / "kv")])
+    for i in range(200):
+        store.put(f"k{i}", {"x": torch.zeros(4)}, {}, fingerprint="f", session_id=f"session-{i:03d}")
+    store.close()
+    piped = subprocess.run(f"{sys.executable} -m pace_hf.memory list --store disk:{tmp_path / 'kv'} | head -n 2",
+                           shell=True, capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and "Traceback" not in piped.stderr, piped.stderr
+    assert len(piped.stdout.splitlines()) == 2

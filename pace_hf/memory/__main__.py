@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
@@ -156,7 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         if local:
             p.error(f"--store: tier(s) {local} live in one process's memory; name tiers shared across "
                     "processes (disk:PATH, valkey://...)")
+        missing = [t.root for t in store.tiers if getattr(t, "root", None) and not os.path.isdir(t.root)]
+        if missing:  # a mistyped path would read as an empty store
+            p.error(f"--store: no such directory {missing[0]!r}: no store was ever written there")
         return {"list": cmd_list, "inspect": cmd_inspect, "delete": cmd_delete}[args.command](store, args)
+    except BrokenPipeError:  # `list | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except TierError as e:
         print(f"python -m pace_hf.memory: {e}", file=sys.stderr)
         return 1
