@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo clean
+.PHONY: setup test test-fast demo clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q
+
+# For iteration: everything but the tests marked slow (real models, whole scripts). `make test` (CI) runs all.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 # One session of the coding benchmark on the default model (Qwen2.5-Coder-0.5B-Instruct), H2O against
 # PACE, definitions 8K tokens before the probes. It runs model-written code in the metric's sandbox, so it

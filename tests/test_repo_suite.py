@@ -271,6 +271,7 @@ def test_with_tiers_planned_spans_the_budget_pushed_out_come_back_before_their_s
     assert "evicting arms spill to a host tier" in (tmp_path / "run1" / "table.md").read_text()
 
 
+@pytest.mark.slow  # the whole repository script at small sizes: about 3 minutes
 def test_the_repo_script_plays_its_stages_and_a_tier_changes_none_of_h2os_answers(tmp_path):
     """bench/run_repo.sh's own stages, scaled down to the tiny model. The tier stage copies H2O's records from
     the 64K run without tiers (H2O never restores); here ``COPY_H2O=0`` plays H2O again with a tier, and the

@@ -250,6 +250,7 @@ def test_wilson_interval():
     assert torch.isclose(torch.tensor(sum(ruler.wilson(0.3, 50))), torch.tensor(2 * 0.3), atol=0.05)
 
 
+@pytest.mark.slow  # the whole RULER script at small sizes: about 8 minutes on 2 busy cores
 def test_the_ruler_script_plays_its_stages_into_one_table(model_dir, tmp_path):
     """bench/run_ruler.sh's own stages (its nine pace-bench invocations into one folder, each --resume),
     scaled down to the tiny model: the table covers every stage, and each setting has its own table."""
