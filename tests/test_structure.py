@@ -221,3 +221,30 @@ def test_no_entry_point_of_the_core_reaches_the_benchmark():
     for group, points in project.get("entry-points", {}).items():
         assert not [t for t in points.values() if t.split(":")[0].split(".")[0] == "pace_bench"], group
     assert all(not line.strip().startswith("entry_points(") for p in core_modules() for line in p.read_text().splitlines())
+
+
+def _private_fields_of_eviction_cache() -> set[str]:
+    """The ``self._x`` names ``EvictionCache`` assigns or defines: its private state and helpers."""
+    tree = ast.parse((ROOT / "cache" / "eviction.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EvictionCache")
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")
+             and not n.name.startswith("__")}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            names.add(node.attr)
+    return names
+
+
+def test_only_the_cache_and_the_memory_wing_read_the_caches_private_fields():
+    private = _private_fields_of_eviction_cache()
+    assert {"_step", "_held", "_chunk", "_keep_index"} <= private
+    outside = [p for p in core_modules() if p.relative_to(ROOT).parts[0] not in ("cache", "memory")]
+    outside += sorted(BENCH.rglob("*.py")) + sorted((ROOT.parent / "bench").rglob("*.py"))
+    hits = []
+    for path in outside:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in private and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                hits.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    assert not hits, hits
