@@ -541,3 +541,30 @@ def test_a_model_that_cannot_be_found_or_a_bad_loader_is_a_clear_error(tmp_path,
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0 and "(default: 2048)" in capsys.readouterr().out
+
+
+def test_a_server_with_retention_keeps_its_store_under_the_cap(tiny_dir, tmp_path):
+    """20 one-shot requests left 2.5 GB on disk with no word. With --retain-mb the server deletes whole
+    parked sessions, least recently saved first, after each turn, with their index entries; the one it
+    serves stays. The startup line says what retention is on."""
+    from pace_hf.serve.engine import INDEX_SESSION
+    from pace_hf.tiers import DiskTier, TieredStore
+
+    store_dir = tmp_path / "store"
+    srv = Server(tiny_dir[0], store_dir, "--max-resident", "1", "--retain-mb", "0.001")
+    try:
+        client = srv.client()
+        for i in range(4):
+            ask(client, srv.name, [{"role": "user", "content": f"Conversation {i}: " + "words and more words " * 20}])
+            srv.wait_metric("pace_saves_total", i + 1)
+        srv.wait_metric("pace_retired_sessions_total", 3)
+    finally:
+        srv.stop()
+    assert b"retention: 0.001 MB" in Path(str(store_dir) + ".log").read_bytes()
+    store = TieredStore([DiskTier(store_dir)])
+    try:
+        usage = store.usage()
+        assert len([sid for sid in usage if sid != INDEX_SESSION]) == 1  # the session served last
+        assert usage[INDEX_SESSION]["disk"]["entries"] == 1  # its index entry; the retired ones' went with them
+    finally:
+        store.close()

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import time
 from concurrent.futures import Future
 
 from ..scoring import describe
@@ -132,6 +133,7 @@ def save(cache, attachments: dict | None = None) -> str:
             "sinks": cache.sinks, "recent": cache.recent, "limit": cache.limit,
             "scoring": describe(cache.scoring), "step": cache.step, "renumbers": cache.renumbers,
             "next_physical": cache.next_physical, "prefetch_steps": cache.prefetch_steps, "spill": spill.state(),
+            "saved_at": time.time(),  # what retention (pace_hf.memory.retention) orders sessions by
         }
         done = _put(store, sid, MANIFEST_KEY, {}, manifest)
         store.flush()

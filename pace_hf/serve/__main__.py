@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                    help="seconds a request body may take to arrive (more: 408; a slow client holds no connection)")
     p.add_argument("--spill-cap-mb", type=float, default=512.0,
                    help="spilled KV a session may keep in the store (least recently used pages go first; 0: none)")
+    p.add_argument("--retain-mb", type=float, default=0.0,
+                   help="the most the store may hold: whole sessions go, least recently saved first (0: no cap)")
+    p.add_argument("--retain-hours", type=float, default=0.0,
+                   help="sessions not saved for this long are deleted (0: kept until deleted)")
     p.add_argument("--retrieval", action=argparse.BooleanOptionalAction, default=True,
                    help="each user turn restores the evicted pages its text matches (pace_hf.memory.retrieval)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     args = p.parse_args(argv)
     if args.spill_cap_mb < 0:
         p.error(f"--spill-cap-mb must be >= 0, got {args.spill_cap_mb}")
+    if args.retain_mb < 0 or args.retain_hours < 0:
+        p.error("--retain-mb and --retain-hours must be >= 0 (0: off)")
     if args.max_body_mb <= 0 or args.body_timeout <= 0:
         p.error("--max-body-mb and --body-timeout must be > 0")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
@@ -94,11 +100,14 @@ def main(argv: list[str] | None = None, loader=None) -> None:
         engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit or None,
                         chunk=args.chunk, max_context=args.max_context, max_tokens=args.max_tokens,
                         max_resident=args.max_resident, idle_ttl_s=args.idle_ttl, queue_size=args.queue_size,
-                        spill_cap_bytes=int(args.spill_cap_mb * 2**20), retrieval=args.retrieval)
+                        spill_cap_bytes=int(args.spill_cap_mb * 2**20), retrieval=args.retrieval,
+                        retain_bytes=int(args.retain_mb * 2**20) or None, retain_age_s=args.retain_hours * 3600 or None)
     except ValueError as e:
         raise SystemExit(f"pace-serve: --budget/--limit/--chunk: {e}") from None
     app = create_app(engine, names, max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout)
-    print(f"pace-serve: serving {names[0]} on http://{args.host}:{args.port}/v1 (store: {args.store})",
+    retention = (f"retention: {args.retain_mb:g} MB, {args.retain_hours:g} h" if args.retain_mb or args.retain_hours
+                 else "no retention: saved sessions stay until deleted (--retain-mb, --retain-hours)")
+    print(f"pace-serve: serving {names[0]} on http://{args.host}:{args.port}/v1 (store: {args.store}; {retention})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 

@@ -37,13 +37,15 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from ..chat import DEFAULT_SYSTEM
 from ..planner import SymbolPlanner
 from ..session import PACESession
-from ..tiers import TierUnavailable
+from ..memory.retention import retain
+from ..tiers import TierError, TierUnavailable
 from .metrics import Metrics
 from .protocol import APIError
 
 log = logging.getLogger("pace_hf.serve")
 
 INDEX_SESSION, INDEX_FINGERPRINT = "pace-serve-index", "pace-serve-chain"
+MAX_KNOWN = 1 << 16  # conversation hashes kept in memory; the store's index holds them all
 MAX_SESSION_NAME = 128
 
 
@@ -111,7 +113,7 @@ class Engine:
     def __init__(self, model, tokenizer, store, model_name: str, *, budget: int = 2048, limit: int | None = 8192,
                  chunk: int | None = None, max_context: int = 32768, max_tokens: int = 512, max_resident: int = 4,
                  idle_ttl_s: float = 600.0, queue_size: int = 16, spill_cap_bytes: int | None = 512 << 20,
-                 retrieval: bool = True):
+                 retrieval: bool = True, retain_bytes: int | None = None, retain_age_s: float | None = None):
         if store is None:
             raise ValueError("pace-serve needs a store: sessions are saved and parked there")
         self.model, self.tokenizer, self.store, self.model_name = model, tokenizer, store, model_name
@@ -127,7 +129,9 @@ class Engine:
         self.metrics.queue_depth.set_function(self.queue.qsize)
         self.resident: OrderedDict[str, Resident] = OrderedDict()
         self.parked: set[str] = set()
-        self.known: dict[str, str] = {}  # conversation hash -> session id
+        self.known: OrderedDict[str, str] = OrderedDict()  # conversation hash -> session id (the newest MAX_KNOWN)
+        # retention: whole sessions go, least recently saved first, past this many bytes or this age
+        self.retain_bytes, self.retain_age_s = retain_bytes, retain_age_s
         self.metrics.resident.set_function(lambda: len(self.resident))
         self.metrics.parked.set_function(lambda: len(self.parked))
         self.saver = ThreadPoolExecutor(1, thread_name_prefix="pace-serve-save")
@@ -180,6 +184,29 @@ class Engine:
                 turn.send("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
             self.turn_seconds = 0.8 * self.turn_seconds + 0.2 * (time.perf_counter() - started)
             self._park_idle()
+            self._retain()
+
+    def _retain(self) -> None:
+        """Keep the store under its cap and age (``pace_hf.memory.retention``): parked sessions whose
+        saves are done may go, the resident ones and the index stay. A retired session's index entries go
+        with it, so a later turn of its conversation starts afresh instead of finding a deleted save."""
+        if self.retain_bytes is None and self.retain_age_s is None:
+            return
+        for held in self.resident.values():  # a save still in flight would be counted half
+            if held.saving is not None:
+                held.saving.result()
+        try:
+            gone = set(retain(self.store, max_bytes=self.retain_bytes, max_age_s=self.retain_age_s,
+                              keep={INDEX_SESSION, *self.resident}))
+        except TierError as e:
+            log.warning("pace-serve: retention could not run: %s", e)
+            return
+        if gone:
+            self.metrics.retired.inc(len(gone))
+            self.parked -= gone
+            for digest in [h for h, sid in self.known.items() if sid in gone]:
+                del self.known[digest]
+                self.store.delete(f"chain/{digest}", session_id=INDEX_SESSION)
 
     # -- sessions -----------------------------------------------------------------------------------
     def _new(self, system: str, session_id: str) -> PACESession:
@@ -319,6 +346,9 @@ class Engine:
         finish = "stop" if stopped or out_tokens < max_tokens else "length"
         full = chain(self.model_name, system, turn.messages + [("assistant", content)])[-1]
         self.known[full] = sid
+        self.known.move_to_end(full)
+        while len(self.known) > MAX_KNOWN:  # older conversations are found through the store's index
+            self.known.popitem(last=False)
         turn.send("done", {"session": sid, "content": content, "finish_reason": finish, "prompt_tokens": prompt,
                            "completion_tokens": out_tokens, "reused_tokens": reused,
                            "prefilled_tokens": prompt - reused})
