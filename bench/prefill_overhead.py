@@ -141,6 +141,16 @@ def write_report(report: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "prefill.json"), "w") as f:
         json.dump(report, f, indent=2)
+    lines = [f"{report['model']} ({report['dtype'].removeprefix('torch.')}), {report['tokens']:,} tokens in chunks of "
+             f"{report['chunk']:,}, B={report['budget']:,}, L={report['limit']:,}, {report['threads']} threads, "
+             f"median of {report['rounds']} alternated rounds", "", "| arm | seconds | tokens/s |", "|---|---|---|"]
+    lines += [f"| {name} | {arm['median_s']:.2f} | {arm['tokens_per_s']:.0f} |" for name, arm in report["arms"].items()]
+    lines += ["", "| ratio | time | last chunk |", "|---|---|---|"]
+    lines += [f"| {key.removesuffix('_time').replace('_over_', ' / ')} | {value:.3f} | "
+              f"{report['ratios'][key.removesuffix('_time') + '_last_chunk']:.3f} |"
+              for key, value in report["ratios"].items() if key.endswith("_time")]
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6.4, 4))
     h = report["chunk"]
     for name, arm in report["arms"].items():
@@ -171,7 +181,7 @@ def kept_set_agreement(model, ids, args) -> dict:
             cache = H2OCache(model, budget=args.budget)
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=1, do_sample=False, cache=cache, prefill_chunk_size=args.chunk)
-            kept[name] = [cache.ledger(i)[0].clone() for i in range(len(cache.layers))]
+            kept[name] = [cache.ledger(i)[0].clone() for i, _ in cache.evicting_layers]
         finally:
             attention.attention_with_column_sums = fast
     overlaps, exact = [], 0

@@ -152,3 +152,14 @@ def test_an_agent_session_on_a_hybrid_plans_restores_and_resumes(tmp_path):
         assert session.cache.residency(range(first.start, first.end)) == 1.0
         store.close()
     assert replies[True] == replies[False]
+
+
+def test_the_ledger_reads_every_layer_kind():
+    model = gemma3()
+    cache = PACECache(Blueprint(), model=model, budget=48, limit=160, recent=16)
+    prefill(model, cache, random_ids(200), 40)
+    logical, physical = cache.ledger(0)  # a window: the last 63 tokens, at the positions before the next query
+    assert torch.equal(logical[0], torch.arange(200 - 63, 200)) and logical.shape == physical.shape
+    assert int(physical.max()) == cache.next_physical - 1
+    logical, physical = cache.ledger(5)  # the full layer: its budget
+    assert logical.shape == (model.config.num_key_value_heads, 48)

@@ -276,12 +276,14 @@ class EvictionCache(DynamicCache):
     # -- public readings ---------------------------------------------------------------------------
     def ledger(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logical, physical) positions ``[kv_heads, n]`` of the resident tokens of ``layer_idx``, in
-        the order of that layer's stored keys."""
+        the order of that layer's stored keys (a sliding window: its last ``n`` tokens; a linear-attention
+        layer holds none)."""
         layer = self.layers[layer_idx]
-        if layer.logical is None:
+        if getattr(layer, "logical", None) is None:
             empty = torch.empty(0, 0, dtype=torch.long)
             return empty, empty
-        return layer.logical, layer.physical
+        physical = layer.physical
+        return layer.logical, physical if physical.dim() == 2 else physical.expand_as(layer.logical)
 
     def resident_count(self) -> int:
         """Tokens held by the evicting (full-attention) layers; for a model with none, by its windows."""

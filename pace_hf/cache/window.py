@@ -36,6 +36,15 @@ class WindowLayer(DynamicSlidingWindowLayer):
     def resident_count(self) -> int:
         return self.keys.shape[-2] if self.is_initialized else 0
 
+    @property
+    def logical(self) -> torch.Tensor | None:
+        """Logical positions ``[kv_heads, n]`` of the window: always the last ``n`` tokens seen."""
+        if not self.is_initialized:
+            return None
+        n = self.resident_count
+        return torch.arange(self.cumulative_length - n, self.cumulative_length, device=self.device).expand(
+            self.keys.shape[1], n)
+
     def lazy_initialization(self, key_states, value_states):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
