@@ -62,9 +62,13 @@ class WindowLayer(DynamicSlidingWindowLayer):
         full_keys, full_values = torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
         positions = torch.cat([self.physical, torch.arange(key_states.shape[-2], device=self.device) + physical_start])
         self.cumulative_length += key_states.shape[-2]
-        self.keys, self.values, self.physical = full_keys[:, :, -keep:], full_values[:, :, -keep:], positions[-keep:]
+        # a slice keeps its whole storage alive: after a prefill chunk, copy the window out, so the layer
+        # holds the window and not the chunk (a decode step's slice wastes one token: no copy)
+        hold = (lambda t: t.clone()) if key_states.shape[-2] > 1 else (lambda t: t)  # noqa: E731
+        self.keys, self.values = hold(full_keys[:, :, -keep:]), hold(full_values[:, :, -keep:])
+        self.physical = positions[-keep:]
         if self.keep_reference:  # keys arrive rotated at their physical position: that is the reference
-            self.ref_keys = torch.cat([self.ref_keys, key_states], -2)[:, :, -keep:]
+            self.ref_keys = hold(torch.cat([self.ref_keys, key_states], -2)[:, :, -keep:])
             self.ref_pos = self.physical
         return full_keys, full_values
 
