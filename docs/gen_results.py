@@ -128,6 +128,19 @@ def _demote(text: str) -> str:
     return re.sub(r"^(#{1,4}) ", r"##\1 ", text, flags=re.M)
 
 
+def _blank_before_tables(text: str) -> str:
+    """A blank line before a table that follows a line of text (a script's report may have none, and
+    Markdown then reads the table as part of the paragraph)."""
+    out, fence = [], False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fence = not fence
+        if not fence and line.startswith("|") and out and out[-1].strip() and not out[-1].startswith("|"):
+            out.append("")
+        out.append(line)
+    return "\n".join(out)
+
+
 def _command_block(text: str | None, where: str) -> str:
     if text is None:
         return ("The command that produced it was not recorded: put it in a `command` file in the folder "
@@ -168,7 +181,7 @@ def page(root: Path, rel: Path) -> tuple[str, list[Path]]:
         report_command, report_where = per_report[md.name]
         if report_command is not None:
             parts.append(_command_block(report_command, report_where))
-        parts.append(_demote(text.strip()) + "\n")
+        parts.append(_blank_before_tables(_demote(text.strip())) + "\n")
     images = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGES)
     shown = "\n".join(text for _, text in texts)
     figures = [p for p in images if f"]({p.name})" not in shown]
