@@ -155,7 +155,9 @@ def _settings(folder: Path) -> str:
         return ""
     if not isinstance(settings, dict):
         return ""
-    rows = "\n".join(f"| `{k}` | `{json.dumps(v)}` |" for k, v in settings.items() if k != "command")
+    rows = "\n".join("| `" + k + "` | `" + json.dumps(v).replace("|", "\\|") + "` |" for k, v in settings.items() if k != "command")
+    if not rows:
+        return ""
     return f'??? note "Settings (`run.json`)"\n\n    | setting | value |\n    |---|---|\n' + \
         "\n".join("    " + r for r in rows.splitlines()) + "\n"
 
