@@ -254,3 +254,25 @@ def test_rehydration_restores_a_missed_span_before_the_turns_first_forward():
     assert seen and seen[0] == 1.0  # resident before the turn's first forward
     assert any(s.start <= span.start and span.stop <= s.end and s.readers == (turn.step,)
                for s in session.cache.blueprint)
+
+
+def test_building_an_index_logs_nothing_below_the_roots_level():
+    """bm25s sets its logger to DEBUG at import: pace-serve's WARNING log (a root handler, as
+    ``logging.basicConfig`` installs) printed a DEBUG line per turn."""
+    import logging
+
+    from pace_hf.planner.prose import bm25_index
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    try:
+        bm25_index([["a", "b"], ["b", "c"]])
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    assert not [r for r in seen if r.name.startswith("bm25s")]

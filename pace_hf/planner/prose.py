@@ -17,12 +17,17 @@ readings turn such a step into the session's definitions:
 
 from __future__ import annotations
 
+import logging
 import re
 
 import bm25s
 import numpy as np
 
 from .extract import STOPWORDS, Definition
+
+# bm25s sets its own logger to DEBUG at import, so every index it builds printed a DEBUG line through
+# any root handler (pace-serve's default log showed one per turn): let the root level decide again.
+logging.getLogger("bm25s").setLevel(logging.NOTSET)
 
 KIND_WORDS = frozenset("""function functions method methods class classes constant constants helper helpers
 attribute attributes field fields property properties decorator decorators variable variables""".split())
