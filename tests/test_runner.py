@@ -147,7 +147,7 @@ def test_help_shows_defaults_choices_h_and_the_opt_in(capsys):
     (["--distance"], "--distance: expected at least one argument"),
     (["--sessions", "0"], "--sessions: must be >= 1, got 0"),
     (["--tokens", "-500"], "--tokens: must be >= 1"),
-    (["--model", "gpt2"], "unknown model 'gpt2': choose from qwen2.5-coder-0.5b, smollm2-135m"),
+    (["--model", "gpt2"], "unknown model 'gpt2': choose from gemma3-270m, qwen2.5-coder-0.5b, smollm2-135m"),
     (["--arms", "h2o,nonsense"], "unknown arm(s) nonsense"),
     (["--arms", "pace", "--budget", "4096", "--chunk", "4096"], "need --limit > --budget + --chunk"),
     # the cache's own refusal, named with the arm and the settings
