@@ -73,7 +73,7 @@ class Server:
         while time.time() < deadline:
             assert self.proc.poll() is None, "the server exited while starting"
             try:
-                if http("GET", self.url + "/v1/models", timeout=1)[0] == 200:
+                if http("GET", self.url + "/health", timeout=1)[0] == 200:  # no key needed
                     return
             except OSError:
                 time.sleep(0.3)
@@ -565,6 +565,97 @@ def test_a_server_with_retention_keeps_its_store_under_the_cap(tiny_dir, tmp_pat
     try:
         usage = store.usage()
         assert len([sid for sid in usage if sid != INDEX_SESSION]) == 1  # the session served last
-        assert usage[INDEX_SESSION]["disk"]["entries"] == 1  # its index entry; the retired ones' went with them
+        chains = [key for sid, _, key, _ in store.scan(INDEX_SESSION) if key.startswith("chain/")]
+        assert len(chains) == 1  # its index entry; the retired ones' went with them
     finally:
         store.close()
+
+
+KEYS = {"ada": "ada-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef"}
+
+
+@pytest.fixture(scope="module")
+def tenant_server(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tenants")
+    keys = root / "keys"
+    keys.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
+    srv = Server(tiny_dir[0], root / "store", "--api-keys", str(keys), "--max-context", "4096", "--max-resident", "8")
+    yield srv
+    srv.stop()
+
+
+def as_tenant(srv, tenant):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=60)
+
+
+def test_a_request_without_a_valid_key_gets_401(tenant_server):
+    for headers in ({}, {"Authorization": "Bearer wrong-key-0123456789abcdef"}, {"Authorization": "Basic " + KEYS["ada"]}):
+        req = urllib.request.Request(tenant_server.url + "/v1/models", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 401
+        assert json.loads(refused.value.read())["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        tenant_server.client().chat.completions.create(model=tenant_server.name, messages=[{"role": "user", "content": "hi"}])
+    assert as_tenant(tenant_server, "ada").models.list().data[0].id == tenant_server.name
+
+
+def test_a_tenant_never_continues_rewinds_or_wipes_anothers_session(tenant_server):
+    ada, bob, name = as_tenant(tenant_server, "ada"), as_tenant(tenant_server, "bob"), tenant_server.name
+    first = [{"role": "user", "content": "Ada's ledger: owner ada, balance 41. " * 8}]
+    reply, usage = ask(ada, name, first)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And the owner?"}]
+    # bob sends ada's exact conversation: a session of bob's own, nothing of ada's reused
+    _, usage = ask(bob, name, turn2)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    # ada continues hers: her session is untouched (bob neither rewound nor took it)
+    _, usage = ask(ada, name, turn2)
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    # by id: bob names ada's session with another system prompt; ada's is not wiped
+    named = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Remember 7312. " * 6}]
+    reply, _ = ask(ada, name, named, session="shared")
+    ask(bob, name, [{"role": "system", "content": "Another prompt."}, {"role": "user", "content": "hi"}], session="shared")
+    _, usage = ask(ada, name, named + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again?"}],
+                   session="shared")
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    # a cache_salt isolates inside a tenant
+    salted = [{"role": "user", "content": "Salted facts: the river is wide. " * 6}]
+    reply, _ = ask(ada, name, salted, extra_body={"cache_salt": "one"})
+    more = salted + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Wide?"}]
+    assert ask(ada, name, more, extra_body={"cache_salt": "two"})[1].prompt_tokens_details.cached_tokens == 0
+    assert ask(ada, name, more, extra_body={"cache_salt": "one"})[1].prompt_tokens_details.cached_tokens > 0
+
+
+def test_time_to_first_token_does_not_tell_a_tenant_what_another_sent(tenant_server):
+    """Tenant B times a prefix tenant A already sent against fresh prefixes of the same length (20 each):
+    the two are not separable, while A's own continuation of it is measurably faster (the test can see
+    reuse where there is some)."""
+    ada, bob, name = as_tenant(tenant_server, "ada"), as_tenant(tenant_server, "bob"), tenant_server.name
+    body = "Ledger line {i}: owner ada pays bob {i} euros for the lamp. " * 40
+    known = [{"role": "user", "content": body.format(i=0)}]
+    reply, _ = ask(ada, name, known, max_tokens=1)
+    known += [{"role": "assistant", "content": reply}]
+
+    def timed(client, messages):
+        t0 = time.perf_counter()
+        ask(client, name, messages, max_tokens=1)
+        return time.perf_counter() - t0
+
+    guess, fresh, own = [], [], []
+    for i in range(20):
+        question = [{"role": "user", "content": f"Question {i}?"}]
+        guess.append(timed(bob, known + question))
+        fresh.append(timed(bob, [{"role": "user", "content": body.format(i=i + 1)}, known[1]] + question))
+        own.append(timed(ada, known + question))
+    pairs = sum(g < f for g in guess for f in fresh) / (len(guess) * len(fresh))  # P(guess faster than fresh)
+    assert 0.2 < pairs < 0.8, (pairs, sorted(guess), sorted(fresh))
+    assert sorted(own)[10] < sorted(guess)[10]
+
+
+def test_a_public_host_without_keys_is_refused_unless_insecure(tiny_dir, capsys):
+    from pace_hf.serve.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_dir[0]), "--host", "0.0.0.0"])
+    assert "--api-keys" in capsys.readouterr().err

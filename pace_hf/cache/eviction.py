@@ -333,7 +333,7 @@ class EvictionCache(DynamicCache):
         input that does not continue what the cache holds, instead of prefilling it again on top (a re-run
         notebook cell, a retried turn) or reusing the KV of tokens that were edited since."""
         seen = self.get_seq_length()
-        if not seen or self.tokens is None or input_ids.shape[0] != 1:
+        if not seen or self.tokens is None or self.tokens.known < seen or input_ids.shape[0] != 1:
             return
         n = input_ids.shape[-1]
         held = self.tokens.ids(seen)
@@ -374,7 +374,7 @@ class EvictionCache(DynamicCache):
             self.next_physical = seen
         for layer in self.layers:
             layer.begin_forward()
-        if self.tokens is not None:
+        if self.tokens is not None:  # unknown from the first forward fed embeddings, or past a gap
             self.tokens = None if ids is None else self.tokens.append(seen, ids)
         self._chunk = (seen, self.next_physical)
         return self.next_physical
@@ -552,8 +552,13 @@ class TokenLog:
 
     def __init__(self):
         self._buffer = torch.empty(0, dtype=torch.int64)
+        self.known = 0  # ids logged: the first ``known`` tokens the cache saw
 
-    def append(self, seen: int, ids) -> "TokenLog":
+    def append(self, seen: int, ids) -> "TokenLog | None":
+        """Log ``ids`` after the first ``seen`` tokens; None (unknown from now on) when the log does not
+        hold all ``seen`` (the layers were filled another way, e.g. loaded)."""
+        if seen > self.known:
+            return None
         ids = ids.reshape(-1).to("cpu", torch.int64)
         end = seen + ids.numel()
         if end > self._buffer.numel():
@@ -561,6 +566,7 @@ class TokenLog:
             grown[:seen] = self._buffer[:seen]
             self._buffer = grown
         self._buffer[seen:end] = ids
+        self.known = end
         return self
 
     def ids(self, seen: int) -> torch.Tensor:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from ..tiers.spec import SPELLINGS, parse_store  # the spelling the cleanup command reads too
+from .tenants import Tenants
 
 
 def load(name_or_path: str, dtype: str = "auto", loader=None):
@@ -33,6 +35,18 @@ def load(name_or_path: str, dtype: str = "auto", loader=None):
     return model.eval(), tokenizer
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is reachable only from this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _import_loader(spec: str):
     """``"module:function"`` -> the function."""
     import importlib
@@ -52,6 +66,11 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     p.add_argument("--loader", default=None, metavar="MODULE:FUNCTION",
                    help="a function (name_or_path, dtype=...) -> (model, tokenizer) that loads --model by name")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--api-keys", default=os.environ.get("PACE_SERVE_API_KEYS"), metavar="FILE",
+                   help="'TENANT KEY' lines: every request needs a key, each tenant's sessions are its own "
+                        "(also $PACE_SERVE_API_KEYS)")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve a non-loopback --host without --api-keys (anyone who reaches it shares one namespace)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--store", default="disk:runs/serve", help=f"tiers, fastest first, comma-separated: {SPELLINGS}")
     p.add_argument("--served-name", action="append", help="a name requests may use for the model (default: --model)")
@@ -79,6 +98,15 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     args = p.parse_args(argv)
     if args.spill_cap_mb < 0:
         p.error(f"--spill-cap-mb must be >= 0, got {args.spill_cap_mb}")
+    tenants = None
+    if args.api_keys:
+        try:
+            tenants = Tenants.from_file(args.api_keys)
+        except (OSError, ValueError) as e:
+            p.error(f"--api-keys: {e}")
+    elif not _loopback(args.host) and not args.insecure:
+        p.error(f"--host {args.host} is reachable from other machines, and without --api-keys every client "
+                "would share (continue, rewind, time) every session: give --api-keys FILE, or --insecure")
     if args.retain_mb < 0 or args.retain_hours < 0:
         p.error("--retain-mb and --retain-hours must be >= 0 (0: off)")
     if args.max_body_mb <= 0 or args.body_timeout <= 0:
@@ -104,10 +132,14 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                         retain_bytes=int(args.retain_mb * 2**20) or None, retain_age_s=args.retain_hours * 3600 or None)
     except ValueError as e:
         raise SystemExit(f"pace-serve: --budget/--limit/--chunk: {e}") from None
-    app = create_app(engine, names, max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout)
+    app = create_app(engine, names, max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout,
+                     tenants=tenants)
     retention = (f"retention: {args.retain_mb:g} MB, {args.retain_hours:g} h" if args.retain_mb or args.retain_hours
                  else "no retention: saved sessions stay until deleted (--retain-mb, --retain-hours)")
-    print(f"pace-serve: serving {names[0]} on http://{args.host}:{args.port}/v1 (store: {args.store}; {retention})",
+    access = (f"API keys for {len(tenants.names)} tenant(s)" if tenants else
+              "no API keys: one namespace for every client" + ("" if _loopback(args.host) else " (--insecure)"))
+    print(f"pace-serve: serving {names[0]} on http://{args.host}:{args.port}/v1 ({access}; store: {args.store}; "
+          f"{retention})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 

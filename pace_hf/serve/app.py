@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, Turn
 from .protocol import APIError, ChatRequest
+from .tenants import Tenants
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -81,8 +82,18 @@ class BodyLimit:
 
 
 def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int = 16 << 20,
-               body_timeout_s: float = 60.0) -> FastAPI:
-    """The app around a (not yet started) engine; the app's lifespan starts and closes it."""
+               body_timeout_s: float = 60.0, tenants: Tenants | None = None) -> FastAPI:
+    """The app around a (not yet started) engine; the app's lifespan starts and closes it. With
+    ``tenants``, every ``/v1`` request needs a key, and its tenant's sessions are its own."""
+
+    def tenant_of(request: Request) -> str | None:
+        if tenants is None:
+            return None
+        tenant = tenants.tenant_of(request.headers.get("authorization"))
+        if tenant is None:
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer KEY' with a key this "
+                                "server was given (--api-keys)", type="invalid_request_error", code="invalid_api_key")
+        return tenant
 
     @asynccontextmanager
     async def lifespan(app):
@@ -121,7 +132,8 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
         return _error(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
-    async def models():
+    async def models(request: Request):
+        tenant_of(request)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "pace_hf"}
                                            for name in served_names]}
 
@@ -142,6 +154,7 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
             raise
 
     async def _chat(body: ChatRequest, request: Request):
+        tenant = tenant_of(request)
         if body.model not in served_names:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served_names}",
                            code="model_not_found", param="model")
@@ -151,6 +164,7 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
             sampling.update(do_sample=True, temperature=body.temperature, top_p=body.top_p or 1.0)
         turn = Turn(system=system, messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
                     stops=body.stops(), sampling=sampling, session_name=request.headers.get("x-session-id") or None,
+                    tenant=tenant, cache_salt=body.cache_salt,
                     loop=asyncio.get_running_loop())
         engine.submit(turn)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 import uuid
@@ -41,6 +42,7 @@ from ..memory.retention import retain
 from ..tiers import TierError, TierUnavailable
 from .metrics import Metrics
 from .protocol import APIError
+from .tenants import chain_seed, scoped, unscoped
 
 log = logging.getLogger("pace_hf.serve")
 
@@ -49,9 +51,10 @@ MAX_KNOWN = 1 << 16  # conversation hashes kept in memory; the store's index hol
 MAX_SESSION_NAME = 128
 
 
-def chain(model_name: str, system: str, messages) -> list[str]:
-    """``[h_0, h_1, ..., h_n]``: ``h_k`` names the conversation of the system prompt and the first k messages."""
-    h = hashlib.sha256(f"{model_name}\0{system}".encode()).hexdigest()
+def chain(model_name: str, system: str, messages, seed: str = "") -> list[str]:
+    """``[h_0, h_1, ..., h_n]``: ``h_k`` names the conversation of the system prompt and the first k messages,
+    in the namespace ``seed`` (a tenant's, see ``tenants.chain_seed``)."""
+    h = hashlib.sha256((f"{seed}\0" if seed else "").encode() + f"{model_name}\0{system}".encode()).hexdigest()
     out = [h]
     for role, content in messages:
         h = hashlib.sha256(f"{h}\0{role}\0{content}".encode()).hexdigest()
@@ -70,6 +73,8 @@ class Turn:
     sampling: dict
     session_name: str | None
     loop: asyncio.AbstractEventLoop
+    tenant: str | None = None  # None: the keyless server's one namespace
+    cache_salt: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -132,6 +137,7 @@ class Engine:
         self.known: OrderedDict[str, str] = OrderedDict()  # conversation hash -> session id (the newest MAX_KNOWN)
         # retention: whole sessions go, least recently saved first, past this many bytes or this age
         self.retain_bytes, self.retain_age_s = retain_bytes, retain_age_s
+        self.secret = self._secret()  # seeds every tenant's hash chain (tenants.chain_seed)
         self.metrics.resident.set_function(lambda: len(self.resident))
         self.metrics.parked.set_function(lambda: len(self.parked))
         self.saver = ThreadPoolExecutor(1, thread_name_prefix="pace-serve-save")
@@ -141,6 +147,17 @@ class Engine:
 
     def start(self) -> None:
         self._thread.start()
+
+    def _secret(self) -> bytes:
+        """The server's secret, kept in its store so that a restarted server (or another replica) finds the
+        same sessions: made once, at random, and never sent to a client."""
+        got = self.store.get("secret", fingerprint=INDEX_FINGERPRINT, session_id=INDEX_SESSION)
+        if got is not None and "secret" in got[0]:
+            return bytes(got[0]["secret"].tolist())
+        secret = torch.tensor(list(secrets.token_bytes(32)), dtype=torch.uint8)
+        self.store.put("secret", {"secret": secret}, {}, fingerprint=INDEX_FINGERPRINT, session_id=INDEX_SESSION,
+                       through=True).result()
+        return bytes(secret.tolist())
 
     def close(self) -> None:
         """Stop the worker, finish the saves, close the store."""
@@ -214,9 +231,9 @@ class Engine:
                            planner=SymbolPlanner(), rehydrate=True, retrieval=self.retrieval, **self.session_kwargs)
 
     def _find(self, turn: Turn, hashes: list[str]) -> str:
-        """The id of the session this turn continues (or a new id)."""
+        """The id of the session this turn continues (or a new id), in the turn's tenant's namespace."""
         if turn.session_name:
-            return turn.session_name
+            return scoped(turn.tenant, turn.session_name)
         for k in range(len(turn.messages), 0, -1):
             if hashes[k] in self.known:
                 return self.known[hashes[k]]
@@ -226,7 +243,7 @@ class Engine:
             got = self.store.get(f"chain/{hashes[k]}", fingerprint=INDEX_FINGERPRINT, session_id=INDEX_SESSION)
             if got is not None:
                 return got[1]["session"]
-        return uuid.uuid4().hex
+        return scoped(turn.tenant, uuid.uuid4().hex)
 
     def _session(self, session_id: str, system: str) -> PACESession:
         """The session, resident, resumed from the store, or new."""
@@ -281,7 +298,7 @@ class Engine:
     # -- one turn -----------------------------------------------------------------------------------
     def _run(self, turn: Turn) -> None:
         system = turn.system if turn.system is not None else DEFAULT_SYSTEM
-        hashes = chain(self.model_name, system, turn.messages)
+        hashes = chain(self.model_name, system, turn.messages, chain_seed(self.secret, turn.tenant, turn.cache_salt))
         sid = self._find(turn, hashes)
         session = self._session(sid, system)
         if session.system != system:  # a named session with another system prompt: start it over
@@ -312,7 +329,7 @@ class Engine:
         prompt = len(session.ids) + header
         reused = session.cache.get_seq_length()
         before = dict(session.cache.tier_stats)
-        turn.send("started", {"session": sid, "prompt_tokens": prompt})
+        turn.send("started", {"session": unscoped(turn.tenant, sid), "prompt_tokens": prompt})
         t0 = time.perf_counter()
         kwargs = dict(turn.sampling)
         if turn.stops:
@@ -344,12 +361,13 @@ class Engine:
             if stop in content:
                 content, stopped = content[:content.index(stop)], True
         finish = "stop" if stopped or out_tokens < max_tokens else "length"
-        full = chain(self.model_name, system, turn.messages + [("assistant", content)])[-1]
+        full = chain(self.model_name, system, turn.messages + [("assistant", content)],
+                     chain_seed(self.secret, turn.tenant, turn.cache_salt))[-1]
         self.known[full] = sid
         self.known.move_to_end(full)
         while len(self.known) > MAX_KNOWN:  # older conversations are found through the store's index
             self.known.popitem(last=False)
-        turn.send("done", {"session": sid, "content": content, "finish_reason": finish, "prompt_tokens": prompt,
+        turn.send("done", {"session": unscoped(turn.tenant, sid), "content": content, "finish_reason": finish, "prompt_tokens": prompt,
                            "completion_tokens": out_tokens, "reused_tokens": reused,
                            "prefilled_tokens": prompt - reused})
         held = self.resident[sid]

@@ -73,6 +73,7 @@ class ChatRequest(BaseModel):
     stop: _str_or_list(Text, "strings") | None = None
     n: int | None = Field(None, ge=1, le=1)
     seed: int | None = None
+    cache_salt: Text | None = Field(None, min_length=1, max_length=256)  # vLLM's: no reuse across salts
 
     def conversation(self) -> tuple[str | None, list[tuple[str, str]]]:
         """``(system prompt or None, [(role, text), ...])``; a system message is allowed only first."""
