@@ -659,3 +659,53 @@ def test_a_public_host_without_keys_is_refused_unless_insecure(tiny_dir, capsys)
     with pytest.raises(SystemExit):
         main(["--model", str(tiny_dir[0]), "--host", "0.0.0.0"])
     assert "--api-keys" in capsys.readouterr().err
+
+
+def test_two_replicas_alternate_a_conversations_turns_and_never_serve_a_stale_copy(tiny_dir, tmp_path, reference):
+    """Two pace-serve processes on one disk store, a load balancer's round robin: turn 1 on A, 2 on B, 3 on A,
+    4 on B. A still holds turn 1 in memory when turn 3 comes, but B saved turn 2 since: A resumes from the
+    store instead (pace_stale_sessions_total), every save lands, and the replies are one server's."""
+    store = tmp_path / "shared"
+    a, b = Server(tiny_dir[0], store), Server(tiny_dir[0], store)
+    try:
+        users = [DEFS, "And what is RATE?", "What does settle return for amount 3?", "Say RATE again."]
+        msgs, replies = [], []
+        for k, user in enumerate(users):
+            srv = (a, b)[k % 2]
+            msgs.append({"role": "user", "content": user})
+            reply, _ = ask(srv.client(), srv.name, msgs)
+            replies.append(reply)
+            msgs.append({"role": "assistant", "content": reply})
+            srv.wait_metric("pace_saves_total", k // 2 + 1)
+        assert replies == reference(users)
+        assert a.metric("pace_stale_sessions_total") >= 1 and b.metric("pace_stale_sessions_total") >= 1
+        assert a.metric("pace_save_failures_total") == 0 and b.metric("pace_save_failures_total") == 0
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_failed_resume_never_deletes_the_session(tiny_dir, tmp_path):
+    """A save that cannot be resumed (an entry damaged on disk) is an error to the client, 503 with
+    Retry-After, counted; the session's files stay for whoever can repair or inspect them."""
+    store = tmp_path / "store"
+    srv = Server(tiny_dir[0], store, "--max-resident", "1")
+    try:
+        c, m = srv.client(), srv.name
+        first = [{"role": "user", "content": DEFS}]
+        reply, _ = ask(c, m, first, session="precious")
+        srv.wait_metric("pace_saves_total", 1)
+        ask(c, m, [{"role": "user", "content": "Another conversation parks the first."}])
+        srv.wait_metric("pace_saves_total", 2)
+        states = sorted(p for p in store.rglob("*") if p.is_file() and "precious" in str(p) and "state" in str(p))
+        assert states
+        states[0].write_bytes(states[0].read_bytes()[:-16] + b"\0" * 16)  # damaged in place
+        files = sorted(p for p in store.rglob("*") if p.is_file() and "precious" in str(p))
+        with pytest.raises(openai.APIStatusError) as refused:
+            ask(c, m, first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "RATE?"}],
+                session="precious")
+        assert refused.value.status_code == 503 and "nothing was deleted" in str(refused.value)
+        assert srv.metric("pace_session_resume_failures_total") >= 1
+        assert sorted(p for p in store.rglob("*") if p.is_file() and "precious" in str(p)) == files
+    finally:
+        srv.stop()

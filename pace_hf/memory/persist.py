@@ -294,6 +294,15 @@ def resume(cls, session_id: str, *, store, model, scoring=None):
     return cache, attachments
 
 
+def current_generation(store, session_id: str) -> str | None:
+    """The generation of ``session_id``'s current save in ``store`` (None: it has none). Raises
+    ``TierUnavailable`` when no durable tier answers. A process that holds the session in memory compares
+    it with the generation its cache continues (``cache.spill.generation``): another writer (a second
+    replica) saved in between when they differ, and the copy in memory is stale."""
+    manifest = _read(store, session_id, MANIFEST_KEY)
+    return None if manifest is None else manifest.get("generation")
+
+
 def _names(cls) -> set[str]:
     """``cls`` and its subclasses, by name: the saves ``cls.resume`` continues (a base class continues any of them)."""
     return {cls.__name__}.union(*(_names(sub) for sub in cls.__subclasses__()))

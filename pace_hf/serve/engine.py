@@ -39,7 +39,8 @@ from ..chat import DEFAULT_SYSTEM
 from ..planner import SymbolPlanner
 from ..session import PACESession
 from ..memory.retention import retain
-from ..tiers import TierError, TierUnavailable
+from ..memory.persist import current_generation
+from ..tiers import TierError, TierUnavailable, WriterConflict
 from .metrics import Metrics
 from .protocol import APIError
 from .tenants import chain_seed, scoped, unscoped
@@ -251,20 +252,41 @@ class Engine:
         if held is not None:
             if held.saving is not None:
                 held.saving.result()  # its previous turn is still being written
-            self.resident.move_to_end(session_id)
-            return held.session
+            if self._fresh(session_id, held.session):
+                self.resident.move_to_end(session_id)
+                return held.session
+            self.metrics.stale.inc()  # another replica saved it since: never serve the copy in memory
+            self._drop(session_id)
         try:
             session = PACESession.resume(session_id, self.model, self.tokenizer, store=self.store,
                                          planner=SymbolPlanner(), rehydrate=True, retrieval=self.retrieval)
             self.metrics.resumes.inc()
-        except Exception as e:  # noqa: BLE001 - missing, corrupt, foreign or unreachable: start afresh from the messages
-            if not isinstance(e, KeyError):
-                log.warning("pace-serve: session %s could not be resumed (%s); starting it afresh", session_id, e)
-                self.metrics.resume_failures.inc()
-                if not isinstance(e, TierUnavailable):  # a save behind a tier that is down may be whole: keep it
-                    self.store.delete_session(session_id)
+        except KeyError:  # no such session: a new one, from the messages
             session = self._new(system, session_id)
+        except TierUnavailable as e:  # the save may be whole behind a tier that is down: keep it, serve afresh
+            log.warning("pace-serve: session %s cannot be resumed now (%s); serving it afresh", session_id, e)
+            self.metrics.resume_failures.inc()
+            session = self._new(system, session_id)
+        except WriterConflict as e:
+            self.metrics.resume_failures.inc()
+            raise APIError(409, f"session busy: {e}", type="server_error", code="session_busy",
+                           headers={"Retry-After": "1"}) from None
+        except Exception as e:  # noqa: BLE001 - corrupt, foreign, a save in flight: never delete it, say so
+            log.warning("pace-serve: session %s could not be resumed (%s); it is kept as it is", session_id, e)
+            self.metrics.resume_failures.inc()
+            raise APIError(503, f"this conversation's saved session could not be resumed ({type(e).__name__}: {e}); "
+                                "nothing was deleted: retry, or start a new conversation",
+                           type="server_error", code="session_unavailable", headers={"Retry-After": "1"}) from None
         return self._admit(session_id, session)
+
+    def _fresh(self, session_id: str, session: PACESession) -> bool:
+        """Whether the store's current save of ``session_id`` is the one this copy last wrote or resumed
+        (a session never saved must have none). Unknown (a tier down) counts as fresh: nothing newer can be
+        read either."""
+        try:
+            return current_generation(self.store, session_id) == session.cache.spill.generation
+        except TierError:
+            return True
 
     def _admit(self, session_id: str, session: PACESession) -> PACESession:
         """Make ``session`` resident, parking the least recently used first: the cap holds at every moment."""

@@ -26,6 +26,9 @@ class Metrics:
         self.stall = Counter("pace_stall_seconds", "Seconds forwards waited for restores", registry=r)
         self.saves = Counter("pace_saves", "Turns saved to the store", registry=r)
         self.save_failures = Counter("pace_save_failures", "Saves that failed", registry=r)
+        self.stale = Counter("pace_stale_sessions",
+                             "Sessions held in memory that another replica saved since: resumed from the store",
+                             registry=r)
         self.retired = Counter("pace_retired_sessions", "Sessions deleted from the store by retention", registry=r)
         self.cancelled = Counter("pace_cancelled", "Generations stopped by a client disconnect", registry=r)
         self.rejected = Counter("pace_rejected", "Requests refused because the queue was full", registry=r)
