@@ -14,7 +14,11 @@ The session is then synced with the request (``PACESession.sync``): edited histo
 reused, and only new messages are prefilled. At most ``max_resident`` sessions keep their cache in
 memory (LRU); the others, and any idle for ``idle_ttl_s``, are parked: their last turn is already
 saved, so parking only waits for that save and frees the layers. A parked session is resumed from the
-store; a missing or corrupt save starts a fresh session from the request's messages.
+store; a missing save starts a fresh session from the request's messages, and any other failure to resume
+is an error to the client that deletes nothing (another replica may be saving it). Before a resident
+session is used, the store's current save is checked against the one it continues: a session another
+replica saved since is resumed, never served stale. With API keys, everything above happens inside the
+tenant's namespace (``tenants``).
 """
 
 from __future__ import annotations
