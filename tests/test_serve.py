@@ -709,3 +709,34 @@ def test_a_failed_resume_never_deletes_the_session(tiny_dir, tmp_path):
         assert sorted(p for p in store.rglob("*") if p.is_file() and "precious" in str(p)) == files
     finally:
         srv.stop()
+
+
+def test_a_turn_whose_save_failed_is_never_silent(tiny_dir, tmp_path):
+    """The save runs behind the reply, so the turn after it says whether it landed: a failed save is counted,
+    and the next response carries X-Pace-Previous-Turn-Saved: false; that turn's save then holds both."""
+    store = tmp_path / "store"
+    srv = Server(tiny_dir[0], store)
+    try:
+        c, m = srv.client(), srv.name
+        msgs = [{"role": "user", "content": DEFS}]
+
+        def turn(text=None):
+            if text:
+                msgs.append({"role": "user", "content": text})
+            raw = c.chat.completions.with_raw_response.create(model=m, messages=msgs, max_tokens=6)
+            msgs.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+            return raw.headers
+
+        assert "x-pace-previous-turn-saved" not in turn()
+        srv.wait_metric("pace_saves_total", 1)
+        store.rename(tmp_path / "away")
+        store.write_text("the disk went away")  # every write fails
+        assert "x-pace-previous-turn-saved" not in turn("And what is RATE?")
+        srv.wait_metric("pace_save_failures_total", 1)
+        store.unlink()
+        (tmp_path / "away").rename(store)
+        assert turn("Say RATE again.")["x-pace-previous-turn-saved"] == "false"
+        srv.wait_metric("pace_saves_total", 2)
+        assert "x-pace-previous-turn-saved" not in turn("Once more?")
+    finally:
+        srv.stop()

@@ -177,6 +177,8 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
             raise payload
         sid = payload["session"]
         headers = {"X-Session-Id": sid}
+        if not payload.get("previous_turn_saved", True):  # never silent: that turn is not durable
+            headers["X-Pace-Previous-Turn-Saved"] = "false"
         if not body.stream:
             try:
                 while True:

@@ -142,6 +142,7 @@ class Engine:
         self.known: OrderedDict[str, str] = OrderedDict()  # conversation hash -> session id (the newest MAX_KNOWN)
         # retention: whole sessions go, least recently saved first, past this many bytes or this age
         self.retain_bytes, self.retain_age_s = retain_bytes, retain_age_s
+        self.unsaved: set[str] = set()  # sessions whose last turn's save failed, until their next turn says so
         self.secret = self._secret()  # seeds every tenant's hash chain (tenants.chain_seed)
         self.metrics.resident.set_function(lambda: len(self.resident))
         self.metrics.parked.set_function(lambda: len(self.parked))
@@ -355,7 +356,10 @@ class Engine:
         prompt = len(session.ids) + header
         reused = session.cache.get_seq_length()
         before = dict(session.cache.tier_stats)
-        turn.send("started", {"session": unscoped(turn.tenant, sid), "prompt_tokens": prompt})
+        saved = sid not in self.unsaved  # the previous turn's save (waited for by _session) landed
+        self.unsaved.discard(sid)
+        turn.send("started", {"session": unscoped(turn.tenant, sid), "prompt_tokens": prompt,
+                              "previous_turn_saved": saved})
         t0 = time.perf_counter()
         kwargs = dict(turn.sampling)
         if turn.stops:
@@ -431,3 +435,4 @@ class Engine:
         except Exception:  # noqa: BLE001 - the reply is out; the next turn resumes from the last good save
             log.exception("pace-serve: saving session %s failed", sid)
             self.metrics.save_failures.inc()
+            self.unsaved.add(sid)  # the next turn's response says so (X-Pace-Previous-Turn-Saved: false)
