@@ -182,14 +182,16 @@ class PACESession:
         return text
 
     # -- persistence --------------------------------------------------------------------------------
-    def save(self) -> str:
+    def save(self, lease=None) -> str:
         """Save the cache and the conversation to the store as one generation, all or nothing (see
-        ``pace_hf.memory.persist``): returns the generation, or raises and the previous save stays whole."""
+        ``pace_hf.memory.persist``): returns the generation, or raises and the previous save stays whole.
+        ``lease``: the session's writer lease when the caller already holds it (``store.lease(id)``)."""
         if self.cache.store is None:
             raise ValueError("save needs a session with a store")
         meta = {"messages": [asdict(m) for m in self.messages], "step": self.step, "system": self.system,
                 "chunk": self.chunk}
-        return persist.save(self.cache, {SESSION_KEY: ({"ids": torch.tensor(self.ids, dtype=torch.long)}, meta)})
+        return persist.save(self.cache, {SESSION_KEY: ({"ids": torch.tensor(self.ids, dtype=torch.long)}, meta)},
+                            lease=lease)
 
     @classmethod
     def resume(cls, session_id: str, model, tokenizer, *, store, planner=None, rehydrate: bool = False,

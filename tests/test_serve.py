@@ -740,3 +740,71 @@ def test_a_turn_whose_save_failed_is_never_silent(tiny_dir, tmp_path):
         assert "x-pace-previous-turn-saved" not in turn("Once more?")
     finally:
         srv.stop()
+
+
+def test_a_turn_on_another_replica_while_one_is_served_gets_409(tiny_dir, tmp_path):
+    """The writer lease is held for the whole turn: replica B, asked for a turn of a session that replica A
+    is still generating, answers 409 with Retry-After (never serving, saving or deleting it at once);
+    once A's turn is saved, B serves the next one."""
+    store = tmp_path / "shared"
+    a, b = Server(tiny_dir[0], store), Server(tiny_dir[0], store)
+    try:
+        msgs = [{"role": "user", "content": DEFS}]
+        reply, _ = ask(a.client(), a.name, msgs, session="busy")
+        a.wait_metric("pace_saves_total", 1)
+        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Write a long story."}]
+        done = {}
+        slow = threading.Thread(target=lambda: done.update(
+            reply=ask(a.client(), a.name, msgs, session="busy", max_tokens=400)))
+        slow.start()
+        deadline = time.time() + 30
+        while a.metric("pace_prefill_tokens_total") < 1 + len(DEFS) // 8 and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # A is generating now
+        status, headers, body = http("POST", b.url + "/v1/chat/completions",
+                                     {"model": b.name, "messages": msgs, "max_tokens": 4}, timeout=60)
+        slow.join(timeout=120)
+        assert status == 409, (status, body)
+        assert headers["Retry-After"] == "1" and json.loads(body)["error"]["code"] == "session_busy"
+        assert b.metric("pace_busy_sessions_total") == 1 and "reply" in done
+        a.wait_metric("pace_saves_total", 2)
+        more = msgs + [{"role": "assistant", "content": done["reply"][0]}, {"role": "user", "content": "Short now."}]
+        _, usage = ask(b.client(), b.name, more, session="busy")
+        assert usage.prompt_tokens_details.cached_tokens > 0  # B resumed A's last save
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_replica_killed_mid_turn_loses_only_that_turn(tiny_dir, tmp_path, reference):
+    """SIGKILL of replica A as soon as it starts turn 2: the client retries on B, which resumes the last
+    whole save (turn 1's, or turn 2's if A saved it first; the kernel dropped A's lease with its process),
+    prefills only what that save lacks and answers as one server would."""
+    store = tmp_path / "shared"
+    a, b = Server(tiny_dir[0], store), Server(tiny_dir[0], store)
+    try:
+        msgs = [{"role": "user", "content": DEFS}]
+        reply, u1 = ask(a.client(), a.name, msgs, session="killed")
+        a.wait_metric("pace_saves_total", 1)
+        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Write a long story."}]
+        before = a.metric("pace_prefill_tokens_total")
+
+        def doomed():
+            try:
+                http("POST", a.url + "/v1/chat/completions", {"model": a.name, "messages": msgs, "max_tokens": 400},
+                     timeout=60)
+            except OSError:  # the replica dies under it
+                pass
+
+        threading.Thread(target=doomed, daemon=True).start()
+        deadline = time.time() + 30
+        while a.metric("pace_prefill_tokens_total") == before and time.time() < deadline:
+            time.sleep(0.01)
+        a.kill9()
+        answer, usage = ask(b.client(), b.name, msgs, session="killed")
+        assert usage.prompt_tokens_details.cached_tokens >= u1.prompt_tokens + u1.completion_tokens - 1
+        assert [reply, answer] == reference([DEFS, "Write a long story."])
+        assert b.metric("pace_session_resume_failures_total") == 0
+    finally:
+        a.stop()
+        b.stop()

@@ -78,18 +78,26 @@ def check_store(store, session_id) -> None:
 
 
 # -- save --------------------------------------------------------------------------------------------
-def save(cache, attachments: dict | None = None) -> str:
+def save(cache, attachments: dict | None = None, lease=None) -> str:
     """Write a new generation of ``cache``'s session (see the module docstring); return its id.
 
-    ``attachments``: ``{name: (tensors, meta)}`` saved in the same generation (resume returns them)."""
+    ``attachments``: ``{name: (tensors, meta)}`` saved in the same generation (resume returns them).
+    ``lease``: the session's writer lease, already held by the caller (a server holds it for a whole
+    turn); the save renews it and leaves it held. Without one, the save takes and releases its own."""
     if cache.spill is None:
         raise ValueError("save needs a cache with a store (store=..., session_id=...) bound to a model")
     if cache.in_forward:
         raise RuntimeError("save cannot run inside a forward")
     store, sid, fp, spill = cache.store, cache.session_id, cache.fingerprint, cache.spill
-    with _fails_the_save(sid):
-        lease = store.lease(sid)
-    with lease:
+    if lease is None:
+        with _fails_the_save(sid):
+            lease = store.lease(sid)
+        held = lease
+    else:
+        with _fails_the_save(sid):
+            lease.renew()
+        held = contextlib.nullcontext()  # the caller's: it releases it
+    with held:
         with _fails_the_save(sid):
             current = _read(store, sid, MANIFEST_KEY)
             pending = (_read(store, sid, PENDING_KEY) or {}).get("pending", [])

@@ -52,6 +52,7 @@ from .tenants import chain_seed, scoped, unscoped
 log = logging.getLogger("pace_hf.serve")
 
 INDEX_SESSION, INDEX_FINGERPRINT = "pace-serve-index", "pace-serve-chain"
+TURN_LEASE_S = 600.0  # a turn's writer lease: renewed by its save, released once saved
 MAX_KNOWN = 1 << 16  # conversation hashes kept in memory; the store's index holds them all
 MAX_SESSION_NAME = 128
 
@@ -324,9 +325,34 @@ class Engine:
 
     # -- one turn -----------------------------------------------------------------------------------
     def _run(self, turn: Turn) -> None:
+        """One turn under the session's writer lease, held from before the session is read until its save
+        lands: a second replica that gets a turn of it meanwhile answers 409, and never serves, saves or
+        deletes it at the same time. A store that cannot take leases now serves the turn without one
+        (its save then fails, and the next response says so)."""
         system = turn.system if turn.system is not None else DEFAULT_SYSTEM
         hashes = chain(self.model_name, system, turn.messages, chain_seed(self.secret, turn.tenant, turn.cache_salt))
         sid = self._find(turn, hashes)
+        held = self.resident.get(sid)
+        if held is not None and held.saving is not None:
+            held.saving.result()  # this replica's previous turn of it releases the lease when saved
+        try:
+            lease = self.store.lease(sid, ttl_s=TURN_LEASE_S)
+        except WriterConflict:
+            self.metrics.busy.inc()
+            raise APIError(409, "session busy: another replica is serving a turn of this conversation; retry",
+                           type="server_error", code="session_busy", headers={"Retry-After": "1"}) from None
+        except TierError as e:
+            log.warning("pace-serve: session %s: no writer lease (%s); serving the turn without one", sid, e)
+            lease = None
+        handed = False
+        try:
+            handed = self._turn(turn, system, hashes, sid, lease)
+        finally:
+            if not handed and lease is not None:
+                lease.release()
+
+    def _turn(self, turn: Turn, system: str, hashes: list[str], sid: str, lease) -> bool:
+        """The turn itself; True once its save (which releases ``lease``) is queued."""
         session = self._session(sid, system)
         if session.system != system:  # a named session with another system prompt: start it over
             fresh = self._new(system, sid)
@@ -402,8 +428,9 @@ class Engine:
                            "prefilled_tokens": prompt - reused})
         held = self.resident[sid]
         held.last_used = time.monotonic()
-        held.saving = self.saver.submit(self._save, sid, session, full)
+        held.saving = self.saver.submit(self._save, sid, session, full, lease)
         self._park_idle(keep=sid)
+        return True
 
     def _fit(self, session: PACESession, turn: Turn) -> tuple[int, int]:
         """``(max_tokens, generation header length)``, or a 400 if the prompt and the reply exceed
@@ -424,10 +451,11 @@ class Engine:
                            code="context_length_exceeded", param=over)
         return max_tokens, header
 
-    def _save(self, sid: str, session: PACESession, full: str) -> None:
-        """Behind the reply: the turn, then the index entry that finds it after a restart."""
+    def _save(self, sid: str, session: PACESession, full: str, lease=None) -> None:
+        """Behind the reply: the turn, then the index entry that finds it after a restart; then the turn's
+        lease goes."""
         try:
-            session.save()
+            session.save(lease=lease)
             self.store.put(f"chain/{full}", {}, {"session": sid}, fingerprint=INDEX_FINGERPRINT,
                            session_id=INDEX_SESSION)
             self.store.flush()
@@ -436,3 +464,6 @@ class Engine:
             log.exception("pace-serve: saving session %s failed", sid)
             self.metrics.save_failures.inc()
             self.unsaved.add(sid)  # the next turn's response says so (X-Pace-Previous-Turn-Saved: false)
+        finally:
+            if lease is not None:
+                lease.release()

@@ -29,6 +29,8 @@ class Metrics:
         self.stale = Counter("pace_stale_sessions",
                              "Sessions held in memory that another replica saved since: resumed from the store",
                              registry=r)
+        self.busy = Counter("pace_busy_sessions",
+                            "Turns refused (409) because another replica held the session's lease", registry=r)
         self.retired = Counter("pace_retired_sessions", "Sessions deleted from the store by retention", registry=r)
         self.cancelled = Counter("pace_cancelled", "Generations stopped by a client disconnect", registry=r)
         self.rejected = Counter("pace_rejected", "Requests refused because the queue was full", registry=r)
