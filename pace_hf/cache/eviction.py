@@ -113,9 +113,8 @@ class EvictionCache(DynamicCache):
         self._held = None  # None, "holding" (inside ``holding()``) or "pending" (the next forward compresses)
         self.tokens: TokenLog | None = TokenLog()  # the ids seen (None: unknown, e.g. fed embeddings or resumed)
         self.progress = None  # optional: anything with update(n), told of every prefilled chunk
-        # As DynamicCache does, build the layers and hand them to Cache (its own __init__ would build
-        # DynamicLayers); without a model, bind builds them.
-        Cache.__init__(self, layers=self._new_layers(model) if model is not None else [])
+        # Cache's own __init__ would build DynamicLayers: hand it none; bind builds them from the model's layout.
+        Cache.__init__(self, layers=[])
         if model is not None:
             self.bind(model)
 
@@ -165,7 +164,7 @@ class EvictionCache(DynamicCache):
                 raise ValueError(f"{e}. Bounded positions (limit={self.limit}) re-rotate rotary keys exactly; with "
                                  "limit=None the cache keeps positions unbounded and takes this model") from None
         if not self.layers:
-            self.layers = self._new_layers(model)
+            self.layers = self._new_layers(specs)
         elif describe(specs) != self.layout:
             raise ValueError(f"this cache holds the layers {_short(self.layout)}; the model has {_short(describe(specs))}")
         if self.store is not None:
@@ -189,12 +188,11 @@ class EvictionCache(DynamicCache):
         if old is not None:
             self.spill.generation, self.spill.saved_keys = old.generation, old.saved_keys
 
-    def _new_layers(self, model) -> list:
-        """One empty layer per decoder layer of ``model``, of the layer's kind (``pace_hf.cache.layout``):
+    def _new_layers(self, specs: list[LayerSpec]) -> list:
+        """One empty layer per decoder layer, of the layer's kind (``pace_hf.cache.layout``):
         ``layer_class`` for full attention (it evicts), ``WindowLayer`` for a sliding window,
         ``RecurrentLayer`` for linear attention. Reference keys are kept where positions are bounded
         and the layer has a rotary embedding."""
-        specs = layer_specs(model.config)
         self.layout = describe(specs)
         return [self._new_layer(spec) for spec in specs]
 
