@@ -661,28 +661,46 @@ def test_a_public_host_without_keys_is_refused_unless_insecure(tiny_dir, capsys)
     assert "--api-keys" in capsys.readouterr().err
 
 
-def test_two_replicas_alternate_a_conversations_turns_and_never_serve_a_stale_copy(tiny_dir, tmp_path, reference):
+@pytest.fixture
+def replicas(tiny_dir, tmp_path):
+    """Two pace-serve processes on one disk store, as behind a load balancer."""
+    store = tmp_path / "shared"
+    a, b = Server(tiny_dir[0], store), Server(tiny_dir[0], store)
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def first_turn_saved(srv, session):
+    """Turn 1 on ``srv``, saved; returns the messages that ask for turn 2 (a long story), turn 1's reply and usage."""
+    msgs = [{"role": "user", "content": DEFS}]
+    reply, usage = ask(srv.client(), srv.name, msgs, session=session)
+    srv.wait_metric("pace_saves_total", 1)
+    return msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Write a long story."}], reply, usage
+
+
+def generating(srv, first_tokens_before, timeout=30):
+    """Wait until ``srv`` has produced the first token of its next turn: it is generating, under the lease."""
+    srv.wait_metric("pace_time_to_first_token_seconds_count", first_tokens_before + 1, timeout=timeout)
+
+
+def test_two_replicas_alternate_a_conversations_turns_and_never_serve_a_stale_copy(replicas, reference):
     """Two pace-serve processes on one disk store, a load balancer's round robin: turn 1 on A, 2 on B, 3 on A,
     4 on B. A still holds turn 1 in memory when turn 3 comes, but B saved turn 2 since: A resumes from the
     store instead (pace_stale_sessions_total), every save lands, and the replies are one server's."""
-    store = tmp_path / "shared"
-    a, b = Server(tiny_dir[0], store), Server(tiny_dir[0], store)
-    try:
-        users = [DEFS, "And what is RATE?", "What does settle return for amount 3?", "Say RATE again."]
-        msgs, replies = [], []
-        for k, user in enumerate(users):
-            srv = (a, b)[k % 2]
-            msgs.append({"role": "user", "content": user})
-            reply, _ = ask(srv.client(), srv.name, msgs)
-            replies.append(reply)
-            msgs.append({"role": "assistant", "content": reply})
-            srv.wait_metric("pace_saves_total", k // 2 + 1)
-        assert replies == reference(users)
-        assert a.metric("pace_stale_sessions_total") >= 1 and b.metric("pace_stale_sessions_total") >= 1
-        assert a.metric("pace_save_failures_total") == 0 and b.metric("pace_save_failures_total") == 0
-    finally:
-        a.stop()
-        b.stop()
+    a, b = replicas
+    users = [DEFS, "And what is RATE?", "What does settle return for amount 3?", "Say RATE again."]
+    msgs, replies = [], []
+    for k, user in enumerate(users):
+        srv = (a, b)[k % 2]
+        msgs.append({"role": "user", "content": user})
+        reply, _ = ask(srv.client(), srv.name, msgs)
+        replies.append(reply)
+        msgs.append({"role": "assistant", "content": reply})
+        srv.wait_metric("pace_saves_total", k // 2 + 1)
+    assert replies == reference(users)
+    assert a.metric("pace_stale_sessions_total") >= 1 and b.metric("pace_stale_sessions_total") >= 1
+    assert a.metric("pace_save_failures_total") == 0 and b.metric("pace_save_failures_total") == 0
 
 
 def test_a_failed_resume_never_deletes_the_session(tiny_dir, tmp_path):
@@ -742,69 +760,49 @@ def test_a_turn_whose_save_failed_is_never_silent(tiny_dir, tmp_path):
         srv.stop()
 
 
-def test_a_turn_on_another_replica_while_one_is_served_gets_409(tiny_dir, tmp_path):
+def test_a_turn_on_another_replica_while_one_is_served_gets_409(replicas):
     """The writer lease is held for the whole turn: replica B, asked for a turn of a session that replica A
     is still generating, answers 409 with Retry-After (never serving, saving or deleting it at once);
     once A's turn is saved, B serves the next one."""
-    store = tmp_path / "shared"
-    a, b = Server(tiny_dir[0], store), Server(tiny_dir[0], store)
-    try:
-        msgs = [{"role": "user", "content": DEFS}]
-        reply, _ = ask(a.client(), a.name, msgs, session="busy")
-        a.wait_metric("pace_saves_total", 1)
-        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Write a long story."}]
-        done = {}
-        slow = threading.Thread(target=lambda: done.update(
-            reply=ask(a.client(), a.name, msgs, session="busy", max_tokens=400)))
-        slow.start()
-        deadline = time.time() + 30
-        while a.metric("pace_prefill_tokens_total") < 1 + len(DEFS) // 8 and time.time() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # A is generating now
-        status, headers, body = http("POST", b.url + "/v1/chat/completions",
-                                     {"model": b.name, "messages": msgs, "max_tokens": 4}, timeout=60)
-        slow.join(timeout=120)
-        assert status == 409, (status, body)
-        assert headers["Retry-After"] == "1" and json.loads(body)["error"]["code"] == "session_busy"
-        assert b.metric("pace_busy_sessions_total") == 1 and "reply" in done
-        a.wait_metric("pace_saves_total", 2)
-        more = msgs + [{"role": "assistant", "content": done["reply"][0]}, {"role": "user", "content": "Short now."}]
-        _, usage = ask(b.client(), b.name, more, session="busy")
-        assert usage.prompt_tokens_details.cached_tokens > 0  # B resumed A's last save
-    finally:
-        a.stop()
-        b.stop()
+    a, b = replicas
+    msgs, _, _ = first_turn_saved(a, "busy")
+    first_tokens = a.metric("pace_time_to_first_token_seconds_count")
+    done = {}
+    slow = threading.Thread(target=lambda: done.update(reply=ask(a.client(), a.name, msgs, session="busy",
+                                                                 max_tokens=400)))
+    slow.start()
+    generating(a, first_tokens)
+    status, headers, body = http("POST", b.url + "/v1/chat/completions",
+                                 {"model": b.name, "messages": msgs, "max_tokens": 4}, timeout=60)
+    slow.join(timeout=120)
+    assert status == 409, (status, body)
+    assert headers["Retry-After"] == "1" and json.loads(body)["error"]["code"] == "session_busy"
+    assert b.metric("pace_busy_sessions_total") == 1 and "reply" in done
+    a.wait_metric("pace_saves_total", 2)
+    more = msgs + [{"role": "assistant", "content": done["reply"][0]}, {"role": "user", "content": "Short now."}]
+    _, usage = ask(b.client(), b.name, more, session="busy")
+    assert usage.prompt_tokens_details.cached_tokens > 0  # B resumed A's last save
 
 
-def test_a_replica_killed_mid_turn_loses_only_that_turn(tiny_dir, tmp_path, reference):
-    """SIGKILL of replica A as soon as it starts turn 2: the client retries on B, which resumes the last
-    whole save (turn 1's, or turn 2's if A saved it first; the kernel dropped A's lease with its process),
+def test_a_replica_killed_mid_turn_loses_only_that_turn(replicas, reference):
+    """SIGKILL of replica A while it generates turn 2: the client retries on B, which resumes the last whole
+    save (turn 1's, or turn 2's if A saved it first; the kernel dropped A's lease with its process),
     prefills only what that save lacks and answers as one server would."""
-    store = tmp_path / "shared"
-    a, b = Server(tiny_dir[0], store), Server(tiny_dir[0], store)
-    try:
-        msgs = [{"role": "user", "content": DEFS}]
-        reply, u1 = ask(a.client(), a.name, msgs, session="killed")
-        a.wait_metric("pace_saves_total", 1)
-        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Write a long story."}]
-        before = a.metric("pace_prefill_tokens_total")
+    a, b = replicas
+    msgs, reply, u1 = first_turn_saved(a, "killed")
+    first_tokens = a.metric("pace_time_to_first_token_seconds_count")
 
-        def doomed():
-            try:
-                http("POST", a.url + "/v1/chat/completions", {"model": a.name, "messages": msgs, "max_tokens": 400},
-                     timeout=60)
-            except OSError:  # the replica dies under it
-                pass
+    def doomed():
+        try:
+            http("POST", a.url + "/v1/chat/completions", {"model": a.name, "messages": msgs, "max_tokens": 400},
+                 timeout=60)
+        except OSError:  # the replica dies under it
+            pass
 
-        threading.Thread(target=doomed, daemon=True).start()
-        deadline = time.time() + 30
-        while a.metric("pace_prefill_tokens_total") == before and time.time() < deadline:
-            time.sleep(0.01)
-        a.kill9()
-        answer, usage = ask(b.client(), b.name, msgs, session="killed")
-        assert usage.prompt_tokens_details.cached_tokens >= u1.prompt_tokens + u1.completion_tokens - 1
-        assert [reply, answer] == reference([DEFS, "Write a long story."])
-        assert b.metric("pace_session_resume_failures_total") == 0
-    finally:
-        a.stop()
-        b.stop()
+    threading.Thread(target=doomed, daemon=True).start()
+    generating(a, first_tokens)
+    a.kill9()
+    answer, usage = ask(b.client(), b.name, msgs, session="killed")
+    assert usage.prompt_tokens_details.cached_tokens >= u1.prompt_tokens + u1.completion_tokens - 1
+    assert [reply, answer] == reference([DEFS, "Write a long story."])
+    assert b.metric("pace_session_resume_failures_total") == 0
