@@ -545,7 +545,7 @@ def test_a_model_that_cannot_be_found_or_a_bad_loader_is_a_clear_error(tmp_path,
 
 def test_a_server_with_retention_keeps_its_store_under_the_cap(tiny_dir, tmp_path):
     """20 one-shot requests left 2.5 GB on disk with no word. With --retain-mb the server deletes whole
-    parked sessions, least recently saved first, after each turn, with their index entries; the one it
+    parked sessions, least recently saved first, when idle, with their index entries; the one it
     serves stays. The startup line says what retention is on."""
     from pace_hf.serve.engine import INDEX_SESSION
     from pace_hf.tiers import DiskTier, TieredStore

@@ -52,6 +52,7 @@ from .tenants import chain_seed, scoped, unscoped
 log = logging.getLogger("pace_hf.serve")
 
 INDEX_SESSION, INDEX_FINGERPRINT = "pace-serve-index", "pace-serve-chain"
+RETAIN_IDLE_S, RETAIN_BUSY_S = 5.0, 60.0  # how often retention may scan the store: idle, and between turns
 TURN_LEASE_S = 600.0  # a turn's writer lease: renewed by its save, released once saved
 MAX_KNOWN = 1 << 16  # conversation hashes kept in memory; the store's index holds them all
 MAX_SESSION_NAME = 128
@@ -143,6 +144,7 @@ class Engine:
         self.known: OrderedDict[str, str] = OrderedDict()  # conversation hash -> session id (the newest MAX_KNOWN)
         # retention: whole sessions go, least recently saved first, past this many bytes or this age
         self.retain_bytes, self.retain_age_s = retain_bytes, retain_age_s
+        self._retained_at = -math.inf
         self.unsaved: set[str] = set()  # sessions whose last turn's save failed, until their next turn says so
         self.secret = self._secret()  # seeds every tenant's hash chain (tenants.chain_seed)
         self.metrics.resident.set_function(lambda: len(self.resident))
@@ -195,6 +197,7 @@ class Engine:
                 turn = self.queue.get(timeout=0.5)
             except queue.Empty:
                 self._park_idle()
+                self._retain(every_s=RETAIN_IDLE_S)
                 continue
             if turn.cancelled.is_set():  # the client left while it waited
                 continue
@@ -208,14 +211,20 @@ class Engine:
                 turn.send("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
             self.turn_seconds = 0.8 * self.turn_seconds + 0.2 * (time.perf_counter() - started)
             self._park_idle()
-            self._retain()
+            self._retain(every_s=RETAIN_BUSY_S)
 
-    def _retain(self) -> None:
+    def _retain(self, every_s: float) -> None:
         """Keep the store under its cap and age (``pace_hf.memory.retention``): parked sessions whose
         saves are done may go, the resident ones and the index stay. A retired session's index entries go
-        with it, so a later turn of its conversation starts afresh instead of finding a deleted save."""
+        with it, so a later turn of its conversation starts afresh instead of finding a deleted save.
+        It scans the store and waits for the saves in flight, so it runs when the queue is idle (at most
+        every ``RETAIN_IDLE_S``) and, under steady load, between turns at most every ``RETAIN_BUSY_S``."""
         if self.retain_bytes is None and self.retain_age_s is None:
             return
+        now = time.monotonic()
+        if now - self._retained_at < every_s:
+            return
+        self._retained_at = now
         for held in self.resident.values():  # a save still in flight would be counted half
             if held.saving is not None:
                 held.saving.result()
