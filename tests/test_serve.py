@@ -276,14 +276,15 @@ def test_bad_input_gets_openai_errors_and_the_server_lives(server, reference):
 
 def raw_request(port, head: bytes, pieces=(), gap: float = 0.0, timeout=30) -> bytes:
     """The response to a hand-written request over a socket: its head, then its body's ``pieces`` one per
-    ``gap`` seconds until the server answers."""
+    ``gap`` seconds until the server answers (no piece goes after the answer has arrived)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(head)
         for piece in pieces:
-            if select.select([s], [], [], 0)[0]:
-                break
             s.sendall(piece)
-            time.sleep(gap)
+            # wait for the answer while pausing: a piece sent after the server answered and closed would be
+            # reset, and the reset discards the answer before it is read
+            if select.select([s], [], [], gap)[0]:
+                break
         out = b""
         while chunk := s.recv(65536):
             out += chunk
@@ -326,7 +327,9 @@ def test_huge_and_slow_bodies_are_cut_off(server):
                       [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * 200, gap=0.02)
     assert out.startswith(b"HTTP/1.1 413"), out[:300]
     t = time.time()
-    out = raw_request(server.port, head + b"Content-Length: 100\r\n\r\n", [b" "] * 100, gap=0.5)
+    # a byte every 0.3 s (30 s for the body): no byte is due at the 2 s timeout itself, where one sent as the
+    # server answers and closes would be reset, and the reset would discard the 408 before it is read
+    out = raw_request(server.port, head + b"Content-Length: 100\r\n\r\n", [b" "] * 100, gap=0.3)
     assert out.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in out, out[:300]
     assert time.time() - t < 10
     assert ask(server.client(), server.name, [{"role": "user", "content": "still here?"}], max_tokens=2)[0]
