@@ -9,10 +9,18 @@ run on the same tokens, and plots log-PPL against position. Arms:
 - ``h2o``: H2O, positions unbounded;
 - ``snapkv``: SnapKV's observation window, positions unbounded;
 - ``bounded``: H2O with bounded positions (``limit``), the positions-only arm;
-- ``pace``: PACECache with no plan (so H2O under bounded positions, as PACE runs between plans).
+- ``streaming``: StreamingLLM (sinks plus the most recent tokens), positions unbounded;
+- ``streaming_bounded``: StreamingLLM with bounded positions, the StreamingLLM paper's own setting
+  (positions inside the cache, not in the text);
+- ``pace``: PACECache with no plan (so H2O under bounded positions, as PACE runs between plans);
+- ``pace_retrieval``: ``pace`` with a host tier: before each chunk, the evicted pages that the chunk
+  just read matches (``cache.rehydrate``, BM25) are restored. The query is the previous chunk, never the
+  one being predicted, so no token's NLL sees text after it.
 
-The text is prose that ships with CPython: the documentation topics of ``pydoc_data.topics`` (about
-465K characters), followed, for longer runs, by the license texts of the installed packages. Usage:
+The text (``--text``) is real text nobody here wrote that ships with CPython: ``prose``, the
+documentation topics of ``pydoc_data.topics`` (about 465K characters), followed, for longer runs, by the
+license texts of the installed packages; or ``code``, the standard library's own modules, whole files
+in sorted order. Usage:
 
     python bench/perplexity.py --model gemma3-270m --tokens 32768 --chunk 2048 --budget 1024 --limit 4096 \\
         --arms full,h2o,snapkv,pace --out runs/ppl-gemma3          # --resume skips the arms already done
@@ -33,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-ARMS = ("full", "h2o", "snapkv", "bounded", "pace")
+ARMS = ("full", "h2o", "snapkv", "bounded", "streaming", "streaming_bounded", "pace", "pace_retrieval")
+TEXTS = ("prose", "code")
 LOGIT_SLICE = 256
 
 
@@ -63,20 +72,37 @@ def prose(tokenizer, n: int) -> torch.Tensor:
         parts += more
 
 
+def code(tokenizer, n: int) -> torch.Tensor:
+    """``[1, n]`` token ids of real code: the standard library's modules, whole files in sorted order."""
+    import sysconfig
+
+    ids, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        piece = tokenizer(path.read_text(errors="replace") + "\n\n", return_tensors="pt", add_special_tokens=False).input_ids
+        ids.append(piece)
+        total += piece.shape[1]
+        if total >= n:
+            return torch.cat(ids, 1)[:, :n]
+    raise ValueError(f"only {total} tokens of standard-library code available here, {n} asked")
+
+
 def make_cache(arm: str, model, budget: int, limit: int):
     from transformers import DynamicCache
 
-    from pace_hf import Blueprint, H2OCache, PACECache, SnapKVCache
+    from pace_hf import H2OCache, PACECache, SnapKVCache, StreamingLLMCache
+    from pace_hf.tiers import HostTier, TieredStore
 
     if arm == "full":
         return DynamicCache(config=model.config)
-    if arm == "h2o":
-        return H2OCache(model, budget=budget)
+    if arm in ("h2o", "bounded"):
+        return H2OCache(model, budget=budget, limit=limit if arm == "bounded" else None)
     if arm == "snapkv":
         return SnapKVCache(model, budget=budget)
-    if arm == "bounded":
-        return H2OCache(model, budget=budget, limit=limit)
-    return PACECache(Blueprint(), model, budget=budget, limit=limit)
+    if arm in ("streaming", "streaming_bounded"):
+        return StreamingLLMCache(model, budget=budget, limit=limit if arm == "streaming_bounded" else None)
+    if arm == "pace_retrieval":
+        return PACECache(model=model, budget=budget, limit=limit, store=TieredStore([HostTier()]), session_id="ppl")
+    return PACECache(model=model, budget=budget, limit=limit)
 
 
 def token_nll(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -92,14 +118,17 @@ def token_nll(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return torch.cat(out)
 
 
-def stream(model, ids: torch.Tensor, cache, chunk: int) -> tuple[torch.Tensor, list[float]]:
-    """Every token's NLL (the first one has none: ``[n - 1]``) and each chunk's seconds."""
+def stream(model, ids: torch.Tensor, cache, chunk: int, tokenizer=None) -> tuple[torch.Tensor, list[float]]:
+    """Every token's NLL (the first one has none: ``[n - 1]``) and each chunk's seconds. With a
+    ``tokenizer``, each chunk after the first is preceded by a retrieval for the chunk before it."""
     decoder = model.get_decoder()
     nll, seconds, carry = [], [], None  # carry: the last hidden state of the previous chunk
     with torch.no_grad():
         for start in range(0, ids.shape[1], chunk):
             piece = ids[:, start:start + chunk]
             t0 = time.perf_counter()
+            if tokenizer is not None and start:
+                cache.rehydrate(tokenizer.decode(ids[0, start - chunk:start]), ids[0, :start], tokenizer)
             hidden = decoder(input_ids=piece, cache=cache, use_cache=True).last_hidden_state
             seconds.append(time.perf_counter() - t0)
             if carry is None:  # the text's first token is predicted by nothing
@@ -137,7 +166,8 @@ def bins(nll: torch.Tensor, width: int) -> list[dict]:
 
 def table(records: list[dict]) -> str:
     run = records[0]
-    lines = [f"model {run['model']} ({run['dtype']}), {run['tokens']:,} tokens of CPython's documentation prose, "
+    text = {"prose": "CPython's documentation prose", "code": "CPython's standard-library code"}[run.get("text", "prose")]
+    lines = [f"model {run['model']} ({run['dtype']}), {run['tokens']:,} tokens of {text}, "
              f"chunk H={run['chunk']:,}, B={run['budget']:,}, L={run['limit']:,}; PPL per bin of positions",
              "", "| positions | " + " | ".join(r["arm"] for r in records) + " |",
              "|---|" + "---|" * len(records)]
@@ -183,6 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=4096)
     ap.add_argument("--bin", type=int, default=4096, help="positions per reported bin")
     ap.add_argument("--arms", default="full,h2o,snapkv,pace")
+    ap.add_argument("--text", choices=TEXTS, default="prose")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", action="store_true", help="keep the arms already in OUT/ppl.jsonl")
@@ -195,12 +226,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "ppl.jsonl"
-    settings = {k: getattr(args, k) for k in ("model", "tokens", "chunk", "budget", "limit", "bin")}
+    settings = {k: getattr(args, k) for k in ("model", "text", "tokens", "chunk", "budget", "limit", "bin")}
     done = {}
     if args.resume and path.exists():
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            if all(r.get(k) == v for k, v in settings.items()):
+            if all(r.get(k, "prose" if k == "text" else None) == v for k, v in settings.items()):
                 done[r["arm"]] = r
     else:
         path.write_text("")
@@ -209,17 +240,19 @@ def main(argv=None) -> int:
 
     dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
-    ids = prose(tokenizer, args.tokens)
+    ids = (prose if args.text == "prose" else code)(tokenizer, args.tokens)
     for arm in arms:
         if arm in done:
             continue
         cache = make_cache(arm, model, args.budget, args.limit)
-        nll, seconds = stream(model, ids, cache, args.chunk)
+        nll, seconds = stream(model, ids, cache, args.chunk, tokenizer if arm == "pace_retrieval" else None)
         held = bytes_by_kind(model, cache)
+        restored = getattr(cache, "tier_stats", {}).get("retrieval_tokens_restored")
         if hasattr(cache, "unbind"):
             cache.unbind()
         record = {**settings, "arm": arm, "dtype": str(dtype).removeprefix("torch."), "ppl": math.exp(float(nll.double().mean())),
-                  "bins": bins(nll, args.bin), "seconds": [round(s, 3) for s in seconds], "cache_bytes": held}
+                  "bins": bins(nll, args.bin), "seconds": [round(s, 3) for s in seconds], "cache_bytes": held,
+                  **({"retrieval_tokens_restored": restored} if restored is not None else {})}
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         done[arm] = record

@@ -55,6 +55,21 @@ def test_streamed_full_cache_is_the_one_forward_nll_and_arms_run(ppl, model_dir,
     assert "| ratio to full |" in (out / "table.md").read_text()
 
 
+def test_every_arm_streams_code_and_retrieval_restores_pages(ppl, model_dir, tmp_path):
+    """The StreamingLLM arms and PACE with retrieval run on standard-library code; retrieval restores
+    evicted pages (its query is the chunk already read) and so predicts differently from plain PACE."""
+    out = tmp_path / "out"
+    args = ["--model", str(model_dir), "--text", "code", "--tokens", "1536", "--chunk", "256", "--budget", "192",
+            "--limit", "640", "--bin", "512", "--dtype", "float32", "--out", str(out),
+            "--arms", "streaming,streaming_bounded,pace,pace_retrieval"]
+    assert ppl.main(args) == 0
+    records = {r["arm"]: r for r in map(json.loads, (out / "ppl.jsonl").read_text().splitlines())}
+    assert all(r["text"] == "code" and math.isfinite(r["ppl"]) for r in records.values())
+    assert records["pace_retrieval"]["retrieval_tokens_restored"] > 0
+    assert records["pace_retrieval"]["ppl"] != records["pace"]["ppl"]
+    assert "standard-library code" in (out / "table.md").read_text()
+
+
 def test_bad_arguments_are_refused_before_loading(ppl, tmp_path):
     with pytest.raises(SystemExit):
         ppl.main(["--arms", "full,nope", "--out", str(tmp_path)])
