@@ -1,5 +1,8 @@
 """One spelling of a store on a command line: ``host:BYTES,disk:PATH,valkey://HOST:PORT/DB``.
 
+A Valkey Cluster is ``valkey+cluster://HOST:PORT,HOST:PORT,...``: the ``HOST:PORT`` parts that follow it
+are its nodes (so a node must not be spelled ``host:N`` or ``disk:...``; put such a node first).
+
 The server (``pace-serve --store``) and the cleanup command (``python -m pace_hf.memory --store``) both
 read it here, so a store named for one is named the same way for the other.
 """
@@ -13,8 +16,22 @@ from .disk import DiskTier
 from .host import HostTier
 from .store import TieredStore
 
-SPELLINGS = "host[:BYTES], disk:PATH or valkey://HOST:PORT/DB (also valkeys://, redis://, rediss://, unix://PATH)"
-VALKEY_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
+SPELLINGS = ("host[:BYTES], disk:PATH, valkey://HOST:PORT/DB (also valkeys://, redis://, rediss://, unix://PATH) "
+             "or valkey+cluster://HOST:PORT,HOST:PORT,...")
+VALKEY_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix", "valkey+cluster")
+
+
+def _parts(spec: str) -> list[str]:
+    """The comma-separated parts, a cluster URL's further ``HOST:PORT`` nodes joined back to it."""
+    parts: list[str] = []
+    for p in (p.strip() for p in spec.split(",") if p.strip()):
+        kind, _, arg = p.partition(":")
+        if (parts and parts[-1].startswith("valkey+cluster://") and arg.isdigit()
+                and kind not in ("host", "disk") and "/" not in kind):
+            parts[-1] += "," + p
+        else:
+            parts.append(p)
+    return parts
 
 
 def parse_tiers(spec: str) -> list[Tier]:
@@ -22,7 +39,7 @@ def parse_tiers(spec: str) -> list[Tier]:
     named ``disk2`` and so on. Raises ``ValueError`` naming the part it cannot read."""
     tiers: list[Tier] = []
     seen: Counter[str] = Counter()
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
+    for part in _parts(spec):
         kind, _, arg = part.partition(":")
         family = "valkey" if kind in VALKEY_SCHEMES else kind
         seen[family] += 1

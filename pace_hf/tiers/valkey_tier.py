@@ -33,6 +33,17 @@ lease expired can never extend or delete the next writer's.
 
 Eviction. A server under ``maxmemory`` with an eviction policy may drop any entry at any time; a dropped
 chunk is a miss, and a save's manifest names every entry it needs, so a resume that misses one refuses.
+
+Valkey Cluster (``valkey+cluster://host:port,host:port,...``: any reachable nodes; the client learns the
+rest and the slot map from them). A transaction must stay inside one hash slot, so the tier puts the
+quoted session id of every store key in a hash tag (``pace:{sid}:key``): a session's entries, chunks,
+manifest and lease all live in one slot, and ``put_many`` writes each session's entries in one
+MULTI/EXEC on the node that owns that slot (one transaction per session of the batch, not one for the
+batch). Reads are grouped by node and take the same fast path on each node's socket. A slot that moved
+(``MOVED``, a resharding) refreshes the slot map and is tried once more. A dead node is a
+``TierUnavailable`` for the sessions in its slots, within the timeout, as a dead single server is;
+sessions in the other nodes' slots go on being served when the cluster runs with
+``cluster-require-full-coverage no``.
 """
 
 from __future__ import annotations
@@ -47,12 +58,15 @@ from .errors import TierError, TierUnavailable
 
 try:
     import valkey
+    import valkey.cluster
     from valkey import exceptions as _vexc
     from valkey.backoff import NoBackoff
     from valkey.retry import Retry
 except ImportError:  # pragma: no cover
     valkey = None
     _vexc = None
+
+CLUSTER_SCHEME = "valkey+cluster://"
 
 _LEN = struct.Struct("<Q")
 # Compare-and-act on a lease: only the holder's token may extend or delete it.
@@ -68,6 +82,38 @@ def _glob_escape(b: bytes) -> bytes:
             out += b"\\"
         out.append(c)
     return bytes(out)
+
+
+def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict]:
+    """The ``(host, port)`` nodes and the credentials of ``valkey+cluster://[user:password@]h:p,h:p,...``."""
+    rest = url[len(CLUSTER_SCHEME):].rstrip("/")
+    auth, _, hosts = rest.rpartition("@")
+    nodes = []
+    for part in filter(None, (h.strip() for h in hosts.split(","))):
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"bad cluster node {part!r} in {url!r}: give {CLUSTER_SCHEME}host:port,host:port,...")
+        nodes.append((host.strip("[]"), int(port)))
+    if not nodes:
+        raise ValueError(f"{url!r} names no node: give {CLUSTER_SCHEME}host:port,host:port,...")
+    user, _, password = auth.partition(":") if ":" in auth else ("", "", auth)
+    from urllib.parse import unquote
+
+    return nodes, {k: unquote(v) for k, v in (("username", user), ("password", password)) if v}
+
+
+def hash_tagged(key: bytes) -> bytes:
+    """``pace:{sid}:key`` for the store's ``pace:sid:key`` (the store quotes ``sid``, so it holds no brace):
+    a session's keys share one cluster hash slot. Other keys (and prefixes without a session) unchanged."""
+    head, sep, rest = key.partition(b":")
+    sid, sep2, tail = rest.partition(b":")
+    return head + b":{" + sid + b"}:" + tail if sep and sep2 else key
+
+
+def hash_untagged(key: bytes) -> bytes:
+    head, sep, rest = key.partition(b":{")
+    sid, sep2, tail = rest.partition(b"}:")
+    return head + b":" + sid + b":" + tail if sep and sep2 else key
 
 
 def _cmd(*args: bytes) -> bytes:
@@ -172,7 +218,8 @@ class ValkeyTier(Tier):
 
     Args:
         url: the server, ``valkey://host:port/db``, ``redis://...``, ``valkeys://`` (TLS) or
-            ``valkey+unix:///path/to.sock``; a password goes in the URL.
+            ``valkey+unix:///path/to.sock``; a password goes in the URL. A Valkey Cluster:
+            ``valkey+cluster://host:port,host:port,...`` (see the module docstring).
         ttl_s: expire every entry this many seconds after it was written (``None``: never). A session
             whose entries expire cannot be resumed: resume refuses, naming the missing entry.
         timeout_s: seconds per request (connect, send, reply); ``None`` takes the store's ``timeout_s``.
@@ -198,10 +245,11 @@ class ValkeyTier(Tier):
             check_number(timeout_s, "ValkeyTier timeout_s", above=True)
         self.name = name
         self.url = url
+        self.cluster = url.startswith(CLUSTER_SCHEME)
         self.ttl_s = ttl_s
         self.chunk_bytes = int(chunk_bytes)
         self._fast_reads_wanted = fast_reads
-        self._raw: list[_RawReader] = []
+        self._raw: dict[tuple, list[_RawReader]] = {}  # per node: (host, port) or the socket path
         self._raw_lock = threading.Lock()
         self.client = None
         self._own_timeout = timeout_s is not None  # else the store's timeout, through set_default_timeout
@@ -219,26 +267,65 @@ class ValkeyTier(Tier):
         # One immediate retry on a *connection* error (a pooled connection that a server restart
         # closed, or a refused connect), never on a timeout: a restarted server answers at once, a hung
         # one costs one timeout, not two.
-        self.client = valkey.Valkey.from_url(
-            self.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-            retry_on_timeout=False, health_check_interval=0,
-            retry=Retry(NoBackoff(), 1), retry_on_error=[_vexc.ConnectionError])
-        kwargs = self.client.connection_pool.connection_kwargs
-        self.fast_reads = (self._fast_reads_wanted and not kwargs.get("ssl")
-                           and self.client.connection_pool.connection_class.__name__ in
-                           ("Connection", "UnixDomainSocketConnection"))
+        timeouts = {"socket_timeout": self.timeout_s, "socket_connect_timeout": self.timeout_s}
+        if self.cluster:
+            nodes, auth = cluster_nodes(self.url)
+            try:  # the client reads the slot map from the first node that answers
+                self.client = valkey.cluster.ValkeyCluster(
+                    startup_nodes=[valkey.cluster.ClusterNode(h, p) for h, p in nodes],
+                    cluster_error_retry_attempts=1, **timeouts, **auth)
+            except self._errors() as e:
+                raise TierUnavailable(f"valkey cluster {self.url}: no node answered: {e}") from e
+            self.fast_reads = self._fast_reads_wanted
+        else:
+            self.client = valkey.Valkey.from_url(
+                self.url, **timeouts, retry_on_timeout=False, health_check_interval=0,
+                retry=Retry(NoBackoff(), 1), retry_on_error=[_vexc.ConnectionError])
+            kwargs = self.client.connection_pool.connection_kwargs
+            self.fast_reads = (self._fast_reads_wanted and not kwargs.get("ssl")
+                               and self.client.connection_pool.connection_class.__name__ in
+                               ("Connection", "UnixDomainSocketConnection"))
         self._drop_raw()
         if old is not None:
             old.close()
 
     def _drop_raw(self) -> None:
         with self._raw_lock:
-            raws, self._raw = self._raw, []
-        for r in raws:
-            r.close()
+            raws, self._raw = self._raw, {}
+        for pool in raws.values():
+            for r in pool:
+                r.close()
 
     def _errors(self):
-        return (_vexc.ConnectionError, _vexc.TimeoutError, OSError, ConnectionError)
+        return (_vexc.ConnectionError, _vexc.TimeoutError, OSError, ConnectionError,
+                _vexc.ClusterError, _vexc.ValkeyClusterException)  # a cluster that cannot serve the slot
+
+    # -- keys and nodes: one server, or the node of each key's slot in a cluster ---------------------
+    def _key(self, key: str) -> bytes:
+        return hash_tagged(key.encode()) if self.cluster else key.encode()
+
+    def _node(self, key: bytes):
+        """The plain client that serves ``key``: the server, or the cluster node owning its slot."""
+        return self.client.get_valkey_connection(self.client.get_node_from_key(key)) if self.cluster else self.client
+
+    def _grouped(self, keys: list[bytes], by_slot: bool = False) -> list[tuple[object, list[int]]]:
+        """``(client, indices)`` of ``keys`` per node (``by_slot``: per hash slot, what a transaction needs)."""
+        if not self.cluster:
+            return [(self.client, list(range(len(keys))))]
+        groups: dict[object, list[int]] = {}
+        for i, k in enumerate(keys):
+            groups.setdefault(self.client.keyslot(k) if by_slot else self.client.get_node_from_key(k).name, []).append(i)
+        return [(self._node(keys[idx[0]]), idx) for idx in groups.values()]
+
+    def _on_nodes(self, call):
+        """``call()``, once more after refreshing the slot map if a slot moved (a resharding)."""
+        try:
+            return call()
+        except (_vexc.MovedError, _vexc.AskError):
+            if not self.cluster:
+                raise
+            self.client.nodes_manager.initialize()
+            return call()
 
     def _chunk_key(self, base: bytes, i: int) -> bytes:
         return base if i == 0 else base + _CHUNK_SEP + str(i).encode()
@@ -258,34 +345,43 @@ class ValkeyTier(Tier):
     def put_many(self, items: Iterable[tuple[str, object]]) -> list:
         """Every entry in one transaction (one round trip to learn the chunk counts of the values they
         replace, one for the transaction): all are written, or none and each gets the error."""
-        items = [(key.encode(), memoryview(data).cast("B")) for key, data in items]
+        items = [(self._key(key), memoryview(data).cast("B")) for key, data in items]
         if not items:
             return []
-        C = self.chunk_bytes
         what = items[0][0].decode(errors="replace") + (f" and {len(items) - 1} more" if len(items) > 1 else "")
+        out: list = [None] * len(items)
         try:
-            p = self.client.pipeline(transaction=False)
-            for base, _mv in items:
-                p.getrange(base, 0, _LEN.size - 1)
-            olds = p.execute()
-            p = self.client.pipeline(transaction=True)
-            chunks: dict[bytes, int] = {}  # a key given twice: the second replaces the first's chunks
-            for (base, mv), old in zip(items, olds):
-                n = self._n_chunks(len(mv))
-                old_n = chunks.get(base) or (self._n_chunks(_LEN.unpack(old)[0]) if len(old) == _LEN.size else 1)
-                chunks[base] = n
-                for i in range(old_n - 1, n - 1, -1):
-                    p.unlink(self._chunk_key(base, i))
-                for i in range(n - 1, 0, -1):
-                    p.set(self._chunk_key(base, i), mv[i * C:(i + 1) * C], **self._ex())
-                p.set(base, _LEN.pack(len(mv)) + bytes(mv[:C]), **self._ex())
-            p.execute()
+            for client, idx in self._grouped([k for k, _ in items], by_slot=True):
+                group = [items[i] for i in idx]
+                self._on_nodes(lambda: self._put_transaction(client, group))
         except self._errors() as e:
             raise TierUnavailable(f"valkey put {what!r}: {e}") from e
         except _vexc.ValkeyError as e:
             err = TierError(f"valkey put {what!r}: {e}")
             return [err] * len(items)
-        return [None] * len(items)
+        return out
+
+    def _put_transaction(self, client, items: list[tuple[bytes, memoryview]]) -> None:
+        """One session's entries (one slot) in one MULTI/EXEC: the chunk counts of the values they replace,
+        then the transaction."""
+        C = self.chunk_bytes
+        p = client.pipeline(transaction=False)
+        for base, _mv in items:
+            p.getrange(base, 0, _LEN.size - 1)
+        olds = p.execute()
+        p = client.pipeline(transaction=True)
+        chunks: dict[bytes, int] = {}  # a key given twice: the second replaces the first's chunks
+        for (base, mv), old in zip(items, olds):
+            n = self._n_chunks(len(mv))
+            old_n = chunks.get(base) or (self._n_chunks(_LEN.unpack(old)[0]) if len(old) == _LEN.size else 1)
+            chunks[base] = n
+            for i in range(old_n - 1, n - 1, -1):
+                p.unlink(self._chunk_key(base, i))
+            for i in range(n - 1, 0, -1):
+                p.set(self._chunk_key(base, i), mv[i * C:(i + 1) * C], **self._ex())
+            p.set(base, _LEN.pack(len(mv)) + bytes(mv[:C]), **self._ex())
+        p.execute()
+
 
     def get(self, key: str) -> bytearray | None:
         return self.get_many([key])[0]
@@ -293,17 +389,22 @@ class ValkeyTier(Tier):
     def get_many(self, keys: list[str]) -> list[bytearray | None]:
         if not keys:
             return []
+        bases = [self._key(k) for k in keys]
+        out: list[bytearray | None] = [None] * len(bases)
         try:
-            if self.fast_reads:
-                return self._get_many_raw([k.encode() for k in keys])
-            return self._get_many_client([k.encode() for k in keys])
+            for client, idx in self._grouped(bases):
+                group = [bases[i] for i in idx]
+                read = self._get_many_raw if self.fast_reads else self._get_many_client
+                for i, value in zip(idx, self._on_nodes(lambda: read(client, group))):
+                    out[i] = value
+            return out
         except self._errors() as e:
             raise TierUnavailable(f"valkey get: {e}") from e
         except _vexc.ValkeyError as e:
             raise TierError(f"valkey get: {e}") from e
 
-    def _get_many_client(self, bases: list[bytes]) -> list[bytearray | None]:
-        p = self.client.pipeline(transaction=False)
+    def _get_many_client(self, client, bases: list[bytes]) -> list[bytearray | None]:
+        p = client.pipeline(transaction=False)
         for b in bases:
             p.get(b)
         firsts = p.execute()
@@ -319,7 +420,7 @@ class ValkeyTier(Tier):
             buf[:len(head)] = head
             out.append(buf)
             plan.append((len(out) - 1, b, total))
-        p = self.client.pipeline(transaction=False)
+        p = client.pipeline(transaction=False)
         wanted = []
         for idx, b, total in plan:
             for i in range(1, self._n_chunks(total)):
@@ -340,22 +441,25 @@ class ValkeyTier(Tier):
             out[idx][i * C:i * C + expect] = r
         return out
 
-    def _take_raw(self) -> _RawReader:
+    def _take_raw(self, client) -> tuple[tuple, _RawReader]:
+        kwargs = client.connection_pool.connection_kwargs
+        where = (kwargs.get("path") or kwargs.get("unix_socket_path"), kwargs.get("host"), kwargs.get("port"))
         with self._raw_lock:
-            if self._raw:
-                return self._raw.pop()
-        return _RawReader(self.client.connection_pool.connection_kwargs, self.timeout_s)
+            if self._raw.get(where):
+                return where, self._raw[where].pop()
+        return where, _RawReader(kwargs, self.timeout_s)
 
-    def _give_raw(self, r: _RawReader) -> None:
+    def _give_raw(self, where: tuple, r: _RawReader) -> None:
         with self._raw_lock:
-            if len(self._raw) < 8:
-                self._raw.append(r)
+            pool = self._raw.setdefault(where, [])
+            if len(pool) < 8:
+                pool.append(r)
                 return
         r.close()
 
-    def _get_many_raw(self, bases: list[bytes]) -> list[bytearray | None]:
+    def _get_many_raw(self, client, bases: list[bytes]) -> list[bytearray | None]:
         for attempt in (0, 1):
-            r = self._take_raw()
+            where, r = self._take_raw(client)
             try:
                 out = self._raw_round(r, bases)
             except (ConnectionError, BrokenPipeError) as e:
@@ -369,7 +473,7 @@ class ValkeyTier(Tier):
             except BaseException:
                 r.close()
                 raise
-            self._give_raw(r)
+            self._give_raw(where, r)
             return out
         raise AssertionError("unreachable")
 
@@ -424,16 +528,20 @@ class ValkeyTier(Tier):
         return out
 
     def delete(self, key: str) -> None:
-        base = key.encode()
-        try:
-            old = self.client.getrange(base, 0, _LEN.size - 1)
+        base = self._key(key)
+
+        def unlink():
+            client = self._node(base)
+            old = client.getrange(base, 0, _LEN.size - 1)
             n = self._n_chunks(_LEN.unpack(old)[0]) if len(old) == _LEN.size else 1
-            self.client.unlink(*[self._chunk_key(base, i) for i in range(n)])
+            client.unlink(*[self._chunk_key(base, i) for i in range(n)])
+        try:
+            self._on_nodes(unlink)
         except self._errors() as e:
             raise TierUnavailable(f"valkey delete {key!r}: {e}") from e
 
     def delete_prefix(self, prefix: str) -> int:
-        pattern = _glob_escape(prefix.encode()) + b"*"
+        pattern = _glob_escape(self._key(prefix)) + b"*"
         n = 0
         try:
             batch = []
@@ -451,7 +559,7 @@ class ValkeyTier(Tier):
     def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         """SCAN for the prefix, then STRLEN of every key found (pipelined); a value's chunks count
         toward its entry."""
-        pattern = _glob_escape(prefix.encode()) + b"*"
+        pattern = _glob_escape(self._key(prefix)) + b"*"
         sizes: dict[bytes, int] = {}
         try:
             found = list(self.client.scan_iter(match=pattern, count=1000))
@@ -462,6 +570,7 @@ class ValkeyTier(Tier):
                     p.strlen(k)
                 for k, n in zip(batch, p.execute()):
                     base = k.split(_CHUNK_SEP, 1)[0]
+                    base = hash_untagged(base) if self.cluster else base
                     sizes[base] = sizes.get(base, 0) + int(n)
         except self._errors() as e:
             raise TierUnavailable(f"valkey scan {prefix!r}: {e}") from e
@@ -477,14 +586,14 @@ class ValkeyTier(Tier):
 
     def acquire_lease(self, name: str, token: str, ttl_s: float) -> bool:
         px = max(1, int(ttl_s * 1000))
-        return bool(self._lease_call("acquire", lambda: self.client.set(name.encode(), token, nx=True, px=px)))
+        return bool(self._lease_call("acquire", lambda: self.client.set(self._key(name), token, nx=True, px=px)))
 
     def renew_lease(self, name: str, token: str, ttl_s: float) -> bool:
         px = str(max(1, int(ttl_s * 1000)))
-        return bool(self._lease_call("renew", lambda: self.client.eval(_RENEW, 1, name.encode(), token, px)))
+        return bool(self._lease_call("renew", lambda: self.client.eval(_RENEW, 1, self._key(name), token, px)))
 
     def release_lease(self, name: str, token: str) -> None:
-        self._lease_call("release", lambda: self.client.eval(_RELEASE, 1, name.encode(), token))
+        self._lease_call("release", lambda: self.client.eval(_RELEASE, 1, self._key(name), token))
 
     def close(self) -> None:
         self._drop_raw()
