@@ -144,6 +144,24 @@ def test_delete_refuses_a_session_a_live_writer_holds(model, spec, capsys):
     assert _stored_bytes(spec, "busy") == (0, 0)
 
 
+def test_a_tenant_sees_and_deletes_only_its_own_sessions(model, spec, capsys):
+    """pace-serve stores tenant ada's session s1 as ``ada~s1``: ``--tenant ada`` lists and deletes it by the
+    name ada uses, and never reaches bob's session of the same name, even with --all."""
+    for sid in ("ada~s1", "ada~s2", "bob~s1"):
+        _saved_session(model, spec, sid, 128)
+    assert main(["list", "--tenant", "ada", "--store", spec, "--json"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)) == ["s1", "s2"]
+    assert main(["inspect", "s1", "--tenant", "bob", "--store", spec]) == 0
+    assert "current save" in capsys.readouterr().out
+    assert main(["delete", "s2", "--tenant", "bob", "--store", spec]) == 1  # bob has no s2
+    assert "for tenant 'bob'" in capsys.readouterr().err
+    assert main(["delete", "--all", "--tenant", "ada", "--store", spec]) == 0
+    with parse_store(spec) as store:
+        assert list(store.usage()) == ["bob~s1"]
+    with pytest.raises(SystemExit):
+        main(["list", "--tenant", "ada~x", "--store", spec])
+
+
 def test_the_command_refuses_bad_stores_and_arguments(tmp_path, capsys):
     for argv, message in ((["list", "--store", "host"], "live in one process's memory"),
                           (["list", "--store", "foo:bar"], "bad store part 'foo:bar'"),

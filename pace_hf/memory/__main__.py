@@ -9,11 +9,14 @@ the cleanup::
     python -m pace_hf.memory inspect agent-42 --store valkey://127.0.0.1:6379 --keys
     python -m pace_hf.memory delete agent-42 old-7 --store disk:runs/kv,valkey://127.0.0.1:6379
     python -m pace_hf.memory delete --all --store disk:runs/kv
+    python -m pace_hf.memory list --tenant ada --store valkey://127.0.0.1:6379   # one tenant of pace-serve
 
 ``--store`` takes the spelling ``pace-serve --store`` takes (``pace_hf.tiers.spec``), but only tiers
 shared across processes: host memory belongs to the process that holds it. ``delete`` takes each
 session's writer lease first, so it refuses (exit status 1, nothing deleted) a session that a live
-writer is saving; ``--json`` prints the report for scripts.
+writer is saving; ``--json`` prints the report for scripts. ``--tenant NAME`` works inside one tenant of
+pace-serve's (``--api-keys``): sessions are named as that tenant names them (its ``X-Session-Id``),
+``list`` shows only its sessions and ``delete --all`` deletes only them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import os
 import sys
 
+from .namespace import TENANT_NAME, belongs_to, scoped, unscoped
 from .persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
 from ..tiers.errors import IntegrityError, TierError, WriterConflict
 from ..tiers.spec import SPELLINGS, parse_store
@@ -58,8 +62,16 @@ def _manifest(store, sid: str) -> dict | str | None:
     return None if got is None else got[1]
 
 
+def _usage(store, args, session: str | None = None) -> dict:
+    """``store.usage``, within ``--tenant`` (keyed by the tenant's own names) when one is given."""
+    report = store.usage(None if session is None else scoped(args.tenant, session))
+    if args.tenant is None:
+        return report
+    return {unscoped(args.tenant, sid): v for sid, v in report.items() if belongs_to(args.tenant, sid)}
+
+
 def cmd_list(store, args) -> int:
-    report = store.usage()
+    report = _usage(store, args)
     if args.json:
         print(json.dumps(report, indent=1))
     elif not report:
@@ -72,15 +84,16 @@ def cmd_list(store, args) -> int:
 
 
 def cmd_inspect(store, args) -> int:
-    report = store.usage(args.session)
+    report = _usage(store, args, args.session)
     if not report:
-        print(f"no session {args.session!r} in this store", file=sys.stderr)
+        print(f"no session {args.session!r} in this store" + (f" for tenant {args.tenant!r}" if args.tenant else ""),
+              file=sys.stderr)
         return 1
-    manifest = _manifest(store, args.session)
+    manifest = _manifest(store, scoped(args.tenant, args.session))
     unreadable = manifest if isinstance(manifest, str) else None
     manifest = None if unreadable else manifest
     current = None if manifest is None else manifest.get("generation")
-    keys = sorted((tier, key, n) for _sid, tier, key, n in store.scan(args.session)) if args.keys else None
+    keys = sorted((tier, key, n) for _sid, tier, key, n in store.scan(scoped(args.tenant, args.session))) if args.keys else None
     if args.json:
         out = {"session": args.session, "tiers": report[args.session], "current_generation": current,
                "manifest_error": unreadable}
@@ -107,21 +120,22 @@ def cmd_inspect(store, args) -> int:
 
 
 def cmd_delete(store, args) -> int:
-    report = store.usage()
+    report = _usage(store, args)
     status = 0
     for sid in list(report) if args.all else args.sessions:
         if sid not in report:
-            print(f"no session {sid!r} in this store: nothing deleted", file=sys.stderr)
+            print(f"no session {sid!r} in this store" + (f" for tenant {args.tenant!r}" if args.tenant else "")
+                  + ": nothing deleted", file=sys.stderr)
             status = 1
             continue
         try:
-            with store.lease(sid):
-                store.delete_session(sid)
+            with store.lease(scoped(args.tenant, sid)):
+                store.delete_session(scoped(args.tenant, sid))
         except WriterConflict as e:
             print(f"{sid}: not deleted: {e}", file=sys.stderr)
             status = 1
             continue
-        left = store.usage(sid)
+        left = store.usage(scoped(args.tenant, sid))
         if left:
             print(f"{sid}: not every entry went ({_table(_report_rows(left))})", file=sys.stderr)
             status = 1
@@ -135,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--store", required=True, help=f"the tiers, comma-separated: {SPELLINGS}")
     common.add_argument("--json", action="store_true", help="print the report as JSON")
+    common.add_argument("--tenant", help="work inside one pace-serve tenant's sessions (named as it names them)")
     p = argparse.ArgumentParser(prog="python -m pace_hf.memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -148,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "delete" and args.all == bool(args.sessions):
         p.error("delete: name the sessions to delete, or give --all (not both)")
+    if args.tenant is not None and not TENANT_NAME.match(args.tenant):
+        p.error(f"--tenant: tenant names are 1-32 of A-Z a-z 0-9 _ . -, got {args.tenant!r}")
     try:
         store = parse_store(args.store, strict=True)
     except (ValueError, ImportError) as e:

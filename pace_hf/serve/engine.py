@@ -47,7 +47,8 @@ from ..memory.persist import current_generation
 from ..tiers import TierError, TierUnavailable, WriterConflict
 from .metrics import Metrics
 from .protocol import APIError
-from .tenants import chain_seed, scoped, unscoped
+from ..memory.namespace import scoped, unscoped
+from .tenants import chain_seed
 
 log = logging.getLogger("pace_hf.serve")
 

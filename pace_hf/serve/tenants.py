@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 from pathlib import Path
 
-TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
-SCOPE = "~"  # between a tenant and its session's name (a tenant name never holds it)
+from ..memory.namespace import TENANT_NAME
+
 MIN_KEY_CHARS = 16
 
 
@@ -66,16 +65,6 @@ class Tenants:
         return found
 
 
-def scoped(tenant: str | None, name: str) -> str:
-    """The store's id of a tenant's session ``name`` (unscoped for the keyless server's one namespace)."""
-    return name if tenant is None else f"{tenant}{SCOPE}{name}"
-
-
-def unscoped(tenant: str | None, session_id: str) -> str:
-    """What the tenant calls its session (the ``X-Session-Id`` it sent or gets back)."""
-    return session_id if tenant is None else session_id.removeprefix(f"{tenant}{SCOPE}")
-
-
 def chain_seed(secret: bytes, tenant: str | None, cache_salt: str | None) -> str:
     """The first link of a tenant's hash chain: "" for the keyless server with no salt (its index stays
     readable across versions), else an HMAC no other tenant can compute."""
@@ -84,4 +73,4 @@ def chain_seed(secret: bytes, tenant: str | None, cache_salt: str | None) -> str
     return hmac.new(secret, f"{tenant or ''}\0{cache_salt or ''}".encode(), hashlib.sha256).hexdigest()
 
 
-__all__ = ["Tenants", "chain_seed", "scoped", "unscoped"]
+__all__ = ["Tenants", "chain_seed"]
