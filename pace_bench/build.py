@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import secrets
 
 from pace_hf.chat import ChatTemplate
 
-from .checks import build_checks
+from .checks import build_checks, stand_in_rate
 from .facts import sample_facts
 from .filler import FILLER_ACK, FILLER_MODES, FillerStream
-from .spec import (ANSWER_PREFIX, MAX_NEW_TOKENS, PROBE_PREAMBLE, PROBE_READS, PROBE_RECALL, PROBE_TEXT, PROBES,
-                   code_pieces, definition_pieces, plain)
+from .spec import (ANSWER_PREFIX, MAX_NEW_TOKENS, PROBE_READS, PROBE_RECALL, PROBE_TEXT, PROBES, definition_pieces,
+                   probe_preamble)
 
 __all__ = ["GENERATOR_VERSION", "SYSTEM_PROMPT", "MIN_CHUNK_TOKENS", "build_session", "answer_suffix_ids",
-           "check_knobs", "check_length"]
+           "check_knobs", "check_length", "check_secret", "new_secret"]
 
-GENERATOR_VERSION = "13"  # bump whenever the generated content changes
+GENERATOR_VERSION = "14"  # bump whenever the generated content changes
+SECRET_HEX = 32  # a session secret: 128 bits, as hex digits
 
 SYSTEM_PROMPT = (
     "You are a careful Python coding assistant in a long working session on one repository. "
@@ -67,8 +70,24 @@ def check_length(total_tokens: int, distance: int | None, fixed: int) -> tuple[i
     return budget - distance, distance
 
 
-def session_rng(seed: int, session_index: int) -> random.Random:
-    return random.Random(f"pace-session:{GENERATOR_VERSION}:{seed}:{session_index}")
+def new_secret() -> str:
+    """A fresh session secret: 128 random bits, as 32 hex digits."""
+    return secrets.token_hex(SECRET_HEX // 2)
+
+
+def check_secret(secret) -> str:
+    """``secret`` if it is a session secret (32 or more hex digits), else a ValueError that says so."""
+    if not (isinstance(secret, str) and len(secret) >= SECRET_HEX and re.fullmatch(r"[0-9a-f]+", secret)):
+        raise ValueError(f"a session secret is a str of at least {SECRET_HEX} lowercase hex digits (128 bits), as "
+                         f"a row's 'secret' or run.json's 'secret' holds it; got {secret!r}")
+    return secret
+
+
+def session_rng(seed: int, session_index: int, secret: str) -> random.Random:
+    """The session's random source. The seed and index alone do not give it: the facts must not follow
+    from public code and a small seed (a program that recognised its session could compute them), so
+    the secret, drawn when the session is generated and kept out of every sandbox, goes in too."""
+    return random.Random(f"pace-session:{GENERATOR_VERSION}:{check_secret(secret)}:{seed}:{session_index}")
 
 
 def _definitions(chat: ChatTemplate, facts: dict[str, str]):
@@ -79,10 +98,10 @@ def _definitions(chat: ChatTemplate, facts: dict[str, str]):
     return defs, ack_ids, sum(len(u) + len(ack_ids) for u, _, _ in defs)
 
 
-def fixed_tokens(tokenizer, seed: int, session_index: int) -> int:
+def fixed_tokens(tokenizer, seed: int, session_index: int, secret: str) -> int:
     """Tokens a session takes before any filler: the system prompt and the definitions."""
     chat = ChatTemplate(tokenizer, SYSTEM_PROMPT)
-    return len(chat.system_ids) + _definitions(chat, sample_facts(session_rng(seed, session_index)))[2]
+    return len(chat.system_ids) + _definitions(chat, sample_facts(session_rng(seed, session_index, secret)))[2]
 
 
 def build_session(
@@ -94,14 +113,19 @@ def build_session(
     chunk_tokens: int = 2000,
     session_index: int = 0,
     return_messages: bool = False,
+    secret: str | None = None,
 ):
-    """Build one session row (see :mod:`pace_bench.sessions`). With ``return_messages``, return
-    ``(row, messages)`` where ``messages`` is the chat (system, definitions, filler) that
-    ``context_ids`` tokenizes, as ``[{"role", "content"}]``."""
+    """Build one session row (see :mod:`pace_bench.sessions`). ``secret``: the session secret
+    (:func:`new_secret`; a fresh one by default), which the row records: the same seed gives the same
+    session only with the same secret. With ``return_messages``, return ``(row, messages)`` where
+    ``messages`` is the chat (system, definitions, filler) that ``context_ids`` tokenizes, as
+    ``[{"role", "content"}]``."""
     check_knobs(total_tokens, distance, filler_mode, chunk_tokens)
-    rng = session_rng(seed, session_index)
+    secret = new_secret() if secret is None else secret
+    rng = session_rng(seed, session_index, secret)
     facts = sample_facts(rng)
-    checks = build_checks(facts, rng)
+    stand_in = stand_in_rate(rng)
+    checks = build_checks(facts, rng, stand_in)
     chat = ChatTemplate(tokenizer, SYSTEM_PROMPT)
     filler = FillerStream(chat, rng, filler_mode, chunk_tokens)
 
@@ -141,14 +165,12 @@ def build_session(
     add_filler(post)
 
     probes = []
-    code = {part: plain(pieces) for part, pieces in code_pieces(facts).items()}
     for k, name in enumerate(PROBES):
         text = PROBE_TEXT[name]
         prompt = chat.user_block(text) + chat.gen_header + ANSWER_PREFIX[name]
         recall = [facts[x] for x in PROBE_RECALL[name]]
-        preamble = "\n\n".join(code[part] for part in PROBE_PREAMBLE[name])
         reference = {"probe": name, "step": step + k, "checks": checks[name], "recall": recall,
-                     "preamble": preamble, "answer_prefix": ANSWER_PREFIX[name]}
+                     "preamble": probe_preamble(name, stand_in), "answer_prefix": ANSWER_PREFIX[name]}
         probes.append({
             "name": name, "step": step + k, "prompt": text, "prompt_ids": chat.encode(prompt),
             "checks": json.dumps(checks[name]), "recall": recall, "reference": json.dumps(reference),
@@ -180,6 +202,7 @@ def build_session(
         "blueprint": blueprint,
         "filler_files": list(filler.used),
         "generator_version": GENERATOR_VERSION,
+        "secret": secret,
     }
     return (row, messages) if return_messages else row
 

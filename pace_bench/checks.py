@@ -1,18 +1,28 @@
 """The hidden checks of each probe (the format is in :mod:`pace_bench.sessions`).
 
-Every check calls the answer's code with values chosen so that it fails when the fact it controls is
-wrong (see :mod:`pace_bench.amounts`) and fails for a stub that returns a constant: each one sees
-at least two different expected values.
+A check's call is part of what the program sees, so no call names a session fact: a program that
+controls its interpreter can answer any call it can read the answer off. So the calls are built from
+the facts' public pools and from random draws that do not look at the facts (see
+:mod:`pace_bench.amounts`), and only the expected values, which never leave the parent, carry facts:
+
+* ``settle`` gets one record per possible open status, each with every possible amount field (each a
+  different amount) and every possible status field set to that status: only the session's open status
+  settles, and only its amount field gives the expected total;
+* the module's dataclass is found as the module's own dataclass, not by name, and built by position.
+
+Every check fails when the fact it controls is wrong, and sees at least two different expected values
+(so no constant passes it).
 """
 
 from __future__ import annotations
 
 import random
+from decimal import ROUND_HALF_UP, Decimal
 
 from .amounts import pick_amounts
-from .facts import fee
+from .facts import AMOUNT_FIELDS, STATUS_FIELDS, STATUS_OPEN, STATUS_SETTLED, fee
 
-__all__ = ["build_checks"]
+__all__ = ["build_checks", "stand_in_rate", "stand_in_fee"]
 
 
 def _dec(x) -> dict:
@@ -23,74 +33,89 @@ def _D(x) -> str:
     return f'__import__("decimal").Decimal("{x}")'
 
 
-def _record_ns(facts, amount, status) -> str:
-    return (f'__import__("types").SimpleNamespace({facts["field_id"]}="R-1", '
-            f'{facts["field_amount"]}={_D(amount)}, {facts["field_status"]}="{status}")')
+def stand_in_rate(rng: random.Random) -> str:
+    """The rate of the settle probe's stand-in ``fee_for`` (``_pace_fee_for`` in its preamble): random, and
+    no session fact (the settle run must not hold the fee facts that the other probes are checked on)."""
+    return f"0.{rng.randint(11, 99):03d}"
 
 
-def _record_cls(facts, amount, status) -> str:
-    return (f'{facts["class_name"]}({facts["field_id"]}="R-2", {facts["field_amount"]}={_D(amount)}, '
-            f'{facts["field_status"]}="{status}")')
+def stand_in_fee(rate: str, amount: Decimal) -> Decimal:
+    """What the stand-in ``fee_for`` returns: ``amount * rate`` to the cent, half up."""
+    return (amount * Decimal(rate)).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP)
 
 
+def _records(statuses, amounts) -> tuple[str, list[dict]]:
+    """``settle``'s records: one per status, each with every amount field (each its own amount) and every
+    status field set to that status. Returns the call text of the list and the records' fields."""
+    fields = []
+    for k, status in enumerate(statuses):
+        row = {name: amounts[k * len(AMOUNT_FIELDS) + j] for j, name in enumerate(AMOUNT_FIELDS)}
+        fields.append({**row, **{name: status for name in STATUS_FIELDS}})
+    text = ", ".join("__import__('types').SimpleNamespace(" + ", ".join(
+        f'{k}={_D(v)}' if isinstance(v, Decimal) else f'{k}="{v}"' for k, v in r.items()) + ")" for r in fields)
+    return "[" + text + "]", fields
 
-def build_checks(facts: dict[str, str], rng: random.Random) -> dict[str, list[dict]]:
-    """The hidden checks of each probe (see the module docstring for the format)."""
+
+def build_checks(facts: dict[str, str], rng: random.Random, stand_in: str) -> dict[str, list[dict]]:
+    """The hidden checks of each probe (see the module docstring for the format); ``stand_in`` is the
+    rate of the settle probe's stand-in ``fee_for`` (:func:`stand_in_rate`)."""
     f = facts
     am = pick_amounts(facts, rng)
-    a, m, st = am["settle"], am["module"], f["field_status"]
 
-    def fees(*amounts):
-        """A check on ``fee_for`` over ``amounts``, plus an amount with another fee if they all
-        have the same one: every check sees two different values, so no constant passes it."""
-        amounts = list(amounts)
-        if len({fee(f, x) for x in amounts}) == 1:
-            amounts.append(next(y for y in (a, a + 100, a + 1000) if fee(f, y) != fee(f, amounts[0])))
+    def fees(amounts):
         return {"expr": "[" + ", ".join(f"fee_for({_D(x)})" for x in amounts) + "]",
                 "expected": [_dec(fee(f, x)) for x in amounts]}
 
-    def totals(*amounts):
-        """``settle`` on an open record of each amount: their totals differ, so no constant passes."""
-        return {"expr": "[" + ", ".join(f"settle({_record_ns(f, x, f['status_open'])})" for x in amounts) + "]",
-                "expected": [_dec(x + fee(f, x)) for x in amounts]}
+    fee_checks = [{"name": f"fee_{short}", **fees(am[name]), "fact": name}
+                  for short, name in (("base", "base_fee"), ("rate", "fee_rate"), ("quantum", "quantum"),
+                                      ("rounding", "rounding_mode"))]
 
-    rounding = am["rounding_mode"]
-    fee_checks = [
-        {"name": "fee_base", **fees(am["base_fee"]), "fact": "base_fee"},
-        {"name": "fee_rate", **fees(am["fee_rate"]), "fact": "fee_rate"},
-        {"name": "fee_quantum", **fees(am["quantum"]), "fact": "quantum"},
-        {"name": "fee_rounding", **fees(*rounding), "fact": "rounding_mode"},
-    ]
-    open_ns = _record_ns(f, a, f["status_open"])
-    done_ns = _record_ns(f, a, f["status_settled"])
+    opens = rng.sample(STATUS_OPEN, len(STATUS_OPEN))
+    records, fields = _records(opens, am["settle"])
+    settled = [dict(r, **{f["field_status"]: f["status_settled"]}) if r[f["field_status"]] == f["status_open"] else r
+               for r in fields]
+    each = f"_pace_each(settle, {records}, fee_for=_pace_fee_for)"
+    totals = [r[f["field_amount"]] + stand_in_fee(stand_in, r[f["field_amount"]])
+              if r[f["field_status"]] == f["status_open"] else None for r in fields]
+    closed, _ = _records([rng.choice(STATUS_SETTLED)], am["settle"][-len(AMOUNT_FIELDS):])
     settle_checks = [
-        {"name": "settle_total", **totals(a, a + 100), "fact": "field_amount"},
-        {"name": "settle_accepts_open", **totals(m, m + 100), "fact": "status_open"},
-        {"name": "settle_sets_status", "expr": f"(lambda r: (settle(r), r.{st})[1])({open_ns})",
-         "expected": f["status_settled"], "fact": "status_settled"},
-        {"name": "settle_rejects", "expr": f"settle({done_ns})",
+        {"name": "settle_total", "expr": each, "expected": [None if t is None else _dec(t) for t in totals],
+         "fact": "field_amount"},
+        {"name": "settle_accepts_open", "expr": f"[x is not None for x in {each}]",
+         "expected": [t is not None for t in totals], "fact": "status_open"},
+        {"name": "settle_sets_status",
+         "expr": f"(lambda rs: (_pace_each(settle, rs, fee_for=_pace_fee_for), "
+                 f"[{{k: getattr(r, k) for k in {list(STATUS_FIELDS)!r}}} for r in rs])[1])({records})",
+         "expected": [{k: r[k] for k in STATUS_FIELDS} for r in settled], "fact": "status_settled"},
+        {"name": "settle_rejects", "expr": f"settle({closed}[0])",
          "expected": {"raises": f["exception_name"]}, "fact": "exception_name"},
-        {"name": "settle_error_code", "expr": f"settle({done_ns})",
+        {"name": "settle_error_code", "expr": f"settle({closed}[0])",
          "expected": {"raises": None, "code": f["exception_code"]}, "fact": "exception_code"},
     ]
-    # A check's answer must carry its fact and its call must not: a program that controls its own
-    # interpreter can forge any answer it can guess ("True"), or copy out of the call's text. So the
-    # class check asks for the names of the module's own dataclasses, and the parent compares them
-    # with the class name, which the call never shows.
+
+    # The module's own dataclass, found without its name, and records of it built by position (id, amount,
+    # status): one per possible open status, and one settled.
+    cls = ('next(v for n, v in sorted(vars(__import__("solution")).items()) if isinstance(v, type) '
+           'and v.__module__ == "solution" and __import__("dataclasses").is_dataclass(v))')
+    m = am["module"]
+    built = "(lambda C: [%s])(%s)" % (", ".join(f'C("R-{k}", {_D(m[k])}, "{s}")' for k, s in enumerate(opens)), cls)
+    names = [f["field_id"], f["field_amount"], f["field_status"]]
+    after = [{names[0]: f"R-{k}", names[1]: _dec(m[k]),
+              names[2]: f["status_settled"] if s == f["status_open"] else s} for k, s in enumerate(opens)]
     module_checks = [
         {"name": "module_dataclass",
          "expr": ('sorted(n for n, v in vars(__import__("solution")).items() if isinstance(v, type) '
                   'and v.__module__ == "solution" and __import__("dataclasses").is_dataclass(v))'),
          "expected": [f["class_name"]], "fact": "class_name"},
-        {"name": "module_fields",
-         "expr": f'(lambda c: [x.name for x in __import__("dataclasses").fields(c)])({f["class_name"]})',
-         "expected": [f["field_id"], f["field_amount"], f["field_status"]], "fact": "field_id"},
-        {"name": "module_fee", **fees(am["base_fee"], am["fee_rate"]), "fact": None},
+        {"name": "module_fields", "expr": f'[x.name for x in __import__("dataclasses").fields({cls})]',
+         "expected": names, "fact": "field_id"},
+        {"name": "module_fee", **fees(am["base_fee"] + am["fee_rate"]), "fact": None},
         {"name": "module_settle",
-         "expr": f"(lambda r: (settle(r), r.{st})[1])({_record_cls(f, m, f['status_open'])})",
-         "expected": f["status_settled"], "fact": "field_status"},
-        {"name": "module_fee_rounding", **fees(*rounding), "fact": "rounding_mode"},
-        {"name": "module_rejects", "expr": f"settle({_record_cls(f, m, f['status_settled'])})",
+         "expr": f'(lambda rs: (_pace_each(settle, rs), [vars(r) for r in rs])[1])({built})',
+         "expected": after, "fact": "field_status"},
+        {"name": "module_fee_rounding", **fees(am["rounding_mode"]), "fact": "rounding_mode"},
+        {"name": "module_rejects",
+         "expr": f'settle((lambda C: C("R-9", {_D(m[-1])}, "{rng.choice(STATUS_SETTLED)}"))({cls}))',
          "expected": {"raises": f["exception_name"], "code": f["exception_code"]}, "fact": "exception_code"},
     ]
     return {"fee_for": fee_checks, "settle": settle_checks, "module": module_checks}

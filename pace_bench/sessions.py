@@ -62,7 +62,7 @@ import json
 from typing import Any, Iterator
 
 from .build import (GENERATOR_VERSION, SYSTEM_PROMPT, answer_suffix_ids, build_session, check_knobs, check_length,
-                    fixed_tokens, is_int)
+                    check_secret, fixed_tokens, is_int, new_secret)
 from .facts import FACT_NAMES, sample_facts
 from .filler import FILLER_MODES, REPEATING_SET_SIZE, filler_identity
 from .spec import PROBES, reference_solution
@@ -77,6 +77,7 @@ __all__ = [
     "PROBES",
     "load_sessions",
     "build_session",
+    "new_secret",
     "sample_facts",
     "reference_solution",
     "answer_suffix_ids",
@@ -115,6 +116,7 @@ def _features():
         "blueprint": [{**span, "readers": Sequence(Value("int64"))}],
         "filler_files": Sequence(Value("string")),
         "generator_version": Value("string"),
+        "secret": Value("string"),
     })
 
 
@@ -137,12 +139,14 @@ def tokenizer_identity(tokenizer) -> str:
 
 
 def session_fingerprint(tokenizer, n_sessions: int = 3, total_tokens: int = 8192, distance: int | None = None,
-                        seed: int = 0, filler_mode: str = "non-repeating", chunk_tokens: int = 2000) -> str:
-    """The dataset fingerprint: the knobs, :data:`GENERATOR_VERSION`, the filler source
-    (Python version, files and sizes) and the tokenizer."""
+                        seed: int = 0, filler_mode: str = "non-repeating", chunk_tokens: int = 2000,
+                        secret: str = "") -> str:
+    """The dataset fingerprint: the knobs, :data:`GENERATOR_VERSION`, a hash of the session secret, the
+    filler source (Python version, files and sizes) and the tokenizer."""
     knobs = {"n_sessions": int(n_sessions), "total_tokens": int(total_tokens),
              "distance": None if distance is None else int(distance), "seed": int(seed),
-             "filler_mode": filler_mode, "chunk_tokens": int(chunk_tokens)}
+             "filler_mode": filler_mode, "chunk_tokens": int(chunk_tokens),
+             "secret": hashlib.sha256(secret.encode()).hexdigest()}
     payload = json.dumps({"generator": GENERATOR_VERSION, "knobs": knobs, "filler": filler_identity(),
                           "tokenizer": tokenizer_identity(tokenizer)}, sort_keys=True)
     return "pace-sessions-" + hashlib.sha256(payload.encode()).hexdigest()[:32]
@@ -152,11 +156,11 @@ _TOKENIZERS: dict[str, Any] = {}
 
 
 def _generate(fingerprint: str, n_sessions: int, seed: int, total_tokens: int, distance, filler_mode: str,
-              chunk_tokens: int) -> Iterator[dict]:
+              chunk_tokens: int, secret: str) -> Iterator[dict]:
     tokenizer = _TOKENIZERS[fingerprint]
     for i in range(n_sessions):
         yield build_session(tokenizer, seed=seed, total_tokens=total_tokens, distance=distance,
-                            filler_mode=filler_mode, chunk_tokens=chunk_tokens, session_index=i)
+                            filler_mode=filler_mode, chunk_tokens=chunk_tokens, session_index=i, secret=secret)
 
 
 def load_sessions(
@@ -169,6 +173,7 @@ def load_sessions(
     chunk_tokens: int = 2000,
     cache_dir: str | None = None,
     keep_in_memory: bool = False,
+    secret: str | None = None,
 ):
     """Generate (or load from the datasets cache) ``n_sessions`` sessions as a
     :class:`datasets.Dataset`, one row per session (see :data:`FEATURES`).
@@ -177,17 +182,20 @@ def load_sessions(
     ``distance``: tokens of filler between the end of the definitions and the first
     probe (default: all the filler); the rest of the budget goes before the definitions.
     ``filler_mode``: ``"non-repeating"`` (no file is used twice) or ``"repeating"``
-    (cycles a set of four small files). Deterministic for a seed; the cache is keyed on
-    :func:`session_fingerprint`. Export with :func:`to_parquet` (``dataset.to_parquet``).
+    (cycles a set of four small files). ``secret``: the session secret (:func:`new_secret`; a fresh one
+    by default), recorded in every row: the sessions are deterministic for a seed and a secret, never for
+    a seed alone. The cache is keyed on :func:`session_fingerprint`. Export with :func:`to_parquet`
+    (``dataset.to_parquet``).
     """
     from datasets import Dataset
 
     if not is_int(n_sessions) or n_sessions < 1:
         raise ValueError(f"n_sessions must be an int >= 1, got {n_sessions!r}")
     check_knobs(total_tokens, distance, filler_mode, chunk_tokens)
+    secret = new_secret() if secret is None else check_secret(secret)
     for i in range(n_sessions):  # every session must fit before any is generated
-        check_length(total_tokens, distance, fixed_tokens(tokenizer, seed, i))
-    fp = session_fingerprint(tokenizer, n_sessions, total_tokens, distance, seed, filler_mode, chunk_tokens)
+        check_length(total_tokens, distance, fixed_tokens(tokenizer, seed, i, secret))
+    fp = session_fingerprint(tokenizer, n_sessions, total_tokens, distance, seed, filler_mode, chunk_tokens, secret)
     _TOKENIZERS[fp] = tokenizer
     try:
         return Dataset.from_generator(
@@ -197,7 +205,7 @@ def load_sessions(
             keep_in_memory=keep_in_memory,
             gen_kwargs={"fingerprint": fp, "n_sessions": int(n_sessions), "seed": int(seed),
                         "total_tokens": int(total_tokens), "distance": distance,
-                        "filler_mode": filler_mode, "chunk_tokens": int(chunk_tokens)},
+                        "filler_mode": filler_mode, "chunk_tokens": int(chunk_tokens), "secret": secret},
             fingerprint=fp,
         )
     finally:

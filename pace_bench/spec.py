@@ -12,7 +12,7 @@ from __future__ import annotations
 from .facts import FACT_NAMES, ROUNDING_MODES
 
 __all__ = [
-    "MODULE", "PROBES", "PROBE_TEXT", "ANSWER_PREFIX", "PROBE_PREAMBLE", "PROBE_RECALL", "PROBE_READS",
+    "MODULE", "PROBES", "PROBE_TEXT", "ANSWER_PREFIX", "probe_preamble", "PROBE_RECALL", "PROBE_READS",
     "MAX_NEW_TOKENS", "code_pieces", "plain", "step_code", "definition_pieces", "reference_solution",
 ]
 
@@ -133,13 +133,41 @@ ANSWER_PREFIX = {
     "settle": "",
     "module": "",
 }
-# Code parts that the file already holds when a probe is asked: the metric runs them
-# before the answer (they never define what the probe asks for).
-PROBE_PREAMBLE = {
-    "fee_for": ("imports", "dataclass", "error", "settle"),
-    "settle": ("imports", "dataclass", "fee_for"),
-    "module": (),
-}
+# What the metric runs before each probe's answer (``preamble``). It holds no session fact: what one run
+# holds, another run of the same session is checked on, and runs can talk to each other through the host
+# (see docs/benchmarks/threat-model.md). So the fee_for probe gets only the imports, although the file it
+# names holds steps 1 and 2; the settle probe gets a stand-in ``fee_for`` whose rate is random, not the
+# session's (its checks expect totals with it); every preamble defines ``_pace_each``, which the checks
+# call. (An answer that names the session's class outside a function, as an annotation say, fails to
+# load: no preamble defines it.)
+_PACE_EACH = (
+    "def _pace_each(f, items, **names):\n"
+    '    """f(x) for each x (None where it raised), with ``names`` bound in this module first: the\n'
+    '    checks\' helper, not part of the spec."""\n'
+    "    globals().update(names)\n"
+    "    out = []\n"
+    "    for x in items:\n"
+    "        try:\n"
+    "            out.append(f(x))\n"
+    "        except Exception:\n"
+    "            out.append(None)\n"
+    "    return out\n"
+)
+
+
+def probe_preamble(probe: str, stand_in_rate: str) -> str:
+    """The code the metric runs before the answer to ``probe`` (see above); ``stand_in_rate`` is the
+    settle probe's stand-in fee rate (:func:`pace_bench.checks.stand_in_rate`)."""
+    if probe == "module":  # the answer is the whole module: its own imports
+        return _PACE_EACH
+    parts = [ROUNDING_IMPORT, _PACE_EACH]
+    if probe == "settle":
+        parts.append("def _pace_fee_for(amount):\n"
+                     f'    return (amount * Decimal("{stand_in_rate}")).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP)\n'
+                     "\n\nfee_for = _pace_fee_for\n")
+    return "\n\n".join(parts)
+
+
 # Facts whose values each probe's answer should state (recall).
 PROBE_RECALL = {
     "fee_for": ["base_fee", "fee_rate", "quantum", "rounding_mode"],

@@ -1,5 +1,6 @@
 import json
 import math
+import re
 
 import pytest
 
@@ -136,23 +137,127 @@ def test_sign_test_and_paired_comparison():
 
 
 def test_preamble_runs_before_the_answer(rows):
-    """The fee_for probe's file already holds steps 1 and 2: an answer with only step 3 passes,
-    an empty file does not."""
+    """What the file already holds runs first, without a session fact: the fee_for probe gets the
+    imports (an answer with only step 3 passes, an empty one does not); the settle probe gets a stand-in
+    fee_for (an answer with only the error class and settle passes, with its own fee_for too)."""
     row = rows[0]
     probe = row["probes"][0]
     ref = json.loads(probe["reference"])
-    assert "def settle" in ref["preamble"] and "def fee_for" not in ref["preamble"]
+    assert "from decimal import" in ref["preamble"] and "def settle" not in ref["preamble"]
     assert M.score_answer(reference_solution(row, "fee_for"), ref)["checks_passed"] == 4
     assert M.score_answer("```python\npass\n```", ref)["checks_passed"] == 0
-    # the settle probe's file holds fee_for: an answer with only the error class and settle passes
     ref2 = json.loads(row["probes"][1]["reference"])
-    assert "def fee_for" in ref2["preamble"] and "def settle" not in ref2["preamble"]
+    assert "def _pace_fee_for" in ref2["preamble"] and "def settle" not in ref2["preamble"]
     assert M.score_answer(reference_solution(row, "settle"), ref2)["checks_passed"] == 5
+    both = reference_solution(row, "settle") + "\n" + reference_solution(row, "fee_for")
+    assert M.score_answer(both, ref2)["checks_passed"] == 5  # scored with the file's fee_for
     # the answer prefix given in the prompt is prepended to the generated text
     full = reference_solution(row, "fee_for")
     assert full.startswith(ref["answer_prefix"])
     assert M.score_answer(full[len(ref["answer_prefix"]):], ref)["checks_passed"] == 4
-    assert json.loads(row["probes"][2]["reference"])["preamble"] == ""
+    assert "class " not in json.loads(row["probes"][2]["reference"])["preamble"]
+
+
+def _inputs(probe_reference):
+    """What a run of the probe is given: its preamble and every check's call (the prompt names no fact)."""
+    ref = json.loads(probe_reference)
+    return [ref["preamble"]] + [c["expr"] for c in ref["checks"]]
+
+
+def test_no_run_is_given_a_session_fact(rows):
+    """Issue 41, items 1 and 3: no probe's preamble or calls hold a fact, so no run holds what another
+    run of the session is checked on (whatever channel joins them), and no check can be answered from
+    what its run is given. For every fact and every other value it could take, the session built from
+    the same random draws gives every run the same inputs, and every check of the fact expects another
+    value: a program that knows only its prompt, preamble and calls passes each check for at most one of
+    the fact's values."""
+    import random
+
+    from pace_bench.checks import build_checks
+    from pace_bench.spec import probe_preamble
+
+    for row in rows[:2]:
+        facts = _facts(row)
+        for probe in row["probes"]:
+            preamble, *calls = _inputs(probe["reference"])
+            rate = re.search(r'amount \* Decimal\("([0-9.]+)"\)', preamble)
+            assert preamble == probe_preamble(probe["name"], rate.group(1) if rate else "")  # takes no fact
+            for name, value in facts.items():
+                pattern = rf"(?<![\w.-]){re.escape(value)}(?![\w-])"
+                assert not re.search(pattern, _strip_pools("\n".join(calls))), (probe["name"], name)
+        for fact in S.FACT_NAMES:
+            for alt in S.fact_alternatives(facts, fact):
+                mutated = dict(facts, **{fact: alt})
+                if fact == "class_name":  # the id field's name follows the class name
+                    mutated["field_id"] = facts["field_id"].replace(facts["class_name"].lower(), alt.lower())
+                a = build_checks(facts, random.Random(f"draws:{row['secret']}"), "0.042")
+                b = build_checks(mutated, random.Random(f"draws:{row['secret']}"), "0.042")
+                for probe in a:
+                    assert [c["expr"] for c in a[probe]] == [c["expr"] for c in b[probe]], (fact, alt, probe)
+                    for x, y in zip(a[probe], b[probe]):
+                        if x["fact"] == fact:
+                            assert x["expected"] != y["expected"], (fact, alt, x["name"])
+
+
+def _strip_pools(text):
+    """The call text less what every session's calls hold: the public pools of field names and statuses
+    (a record carries all of them) and the rounding modes the imports name."""
+    for pool in (S.AMOUNT_FIELDS, S.STATUS_FIELDS, S.STATUS_OPEN, S.STATUS_SETTLED, S.ROUNDING_MODES):
+        for word in pool:
+            text = re.sub(rf"(?<![\w]){word}(?![\w])", "_", text)
+    return re.sub(r'__import__\("decimal"\)\.Decimal\("[0-9.]+"\)', "_", text)
+
+
+# Programs that know only their prompt and preamble: the best each can do without a session fact.
+_FREE = {
+    "fee_for": """
+def fee_for(amount):  # the imports name every rounding mode: take one
+    return (Decimal("1.00") + amount * Decimal("0.03")).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP)
+""",
+    # issue 41: any settle that returns amount + fee_for(amount) passed settle_total and
+    # settle_accepts_open, reading the amount and the open status off the record it was given
+    "settle": """
+from decimal import Decimal
+class Err(Exception):
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+def settle(record):
+    fields = vars(record)
+    amount = next(v for v in fields.values() if isinstance(v, Decimal))
+    for k, v in fields.items():
+        if isinstance(v, str) and k != "ref":
+            setattr(record, k, "paid")
+    return amount + fee_for(amount)
+""",
+    "module": """
+from dataclasses import dataclass
+from decimal import Decimal
+@dataclass
+class Record:
+    ref: str
+    amount: Decimal
+    status: str
+class Err(Exception):
+    pass
+def settle(record):
+    record.status = "paid"
+    return record.amount + fee_for(record.amount)
+def fee_for(amount):
+    return (Decimal("1.00") + amount * Decimal("0.03")).quantize(Decimal("0.01"))
+""",
+}
+
+
+def test_a_program_without_recall_passes_no_check(rows):
+    """Issue 41, item 3, in the real sandbox: the programs above know no session fact, and fail every
+    check of every probe (each check's verdict needs a fact that neither the prompt, the preamble nor
+    the calls hold)."""
+    for row in rows:
+        for probe in row["probes"]:
+            out = M.score_answer("```python\n" + _FREE[probe["name"]] + "```", probe["reference"])
+            passed = [c["name"] for c in out["checks"] if c["passed"]]
+            assert out["checks_total"] > 0 and not passed, (row["session_id"], passed)
 
 
 def test_paired_through_score(rows):

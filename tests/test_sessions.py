@@ -16,13 +16,48 @@ def _ids(x):
     return x["input_ids"] if hasattr(x, "keys") else list(x)
 
 
+SECRET = "5ec2e7" * 6  # 36 hex digits: a fixed session secret, for the tests that rebuild a session
+
+
 def test_deterministic_and_seeds_differ(tok):
-    a = build_session(tok, seed=7, total_tokens=3000)
-    b = build_session(tok, seed=7, total_tokens=3000)
-    c = build_session(tok, seed=8, total_tokens=3000)
-    assert a == b
+    a = build_session(tok, seed=7, total_tokens=3000, secret=SECRET)
+    b = build_session(tok, seed=7, total_tokens=3000, secret=SECRET)
+    c = build_session(tok, seed=8, total_tokens=3000, secret=SECRET)
+    assert a == b and a["secret"] == SECRET
     assert a["context_ids"] != c["context_ids"]
     assert [f["value"] for f in a["facts"]] != [f["value"] for f in c["facts"]]
+
+
+def _facts(row):
+    return {f["name"]: f["value"] for f in row["facts"]}
+
+
+def test_the_seed_and_the_generators_code_do_not_give_the_facts(tok):
+    """Issue 41, item 4: a program that knows the generator's code and the seed (from the filler it was
+    shown, say) cannot compute its session's facts: they come from a 128-bit secret drawn when the session
+    is made, recorded in the row (outside every sandbox) and nowhere in what the metric runs. The same
+    seed gives another session each time; the recorded secret gives the same one back."""
+    import random
+
+    from pace_bench.build import GENERATOR_VERSION, session_rng
+    from pace_bench.facts import sample_facts
+
+    rows = [build_session(tok, seed=0, total_tokens=1200) for _ in range(6)]
+    secrets_ = {r["secret"] for r in rows}
+    assert len(secrets_) == 6 and all(len(s) == 32 and int(s, 16) >= 0 for s in secrets_)
+    assert len({json.dumps(_facts(r), sort_keys=True) for r in rows}) > 1  # the seed alone does not fix them
+    # What a program could compute from the code and the seed: the old derivation (no secret), and the
+    # new one with every secret it could guess from public data. None gives a row's facts.
+    guesses = [sample_facts(random.Random(f"pace-session:{v}:0:0")) for v in ("13", GENERATOR_VERSION)]
+    guesses += [sample_facts(session_rng(0, 0, s)) for s in ("0" * 32, "f" * 32, SECRET)]
+    for r in rows:
+        assert all(_facts(r) != g for g in guesses)
+        # what a sandboxed run is given (the grading record: preamble, calls) never holds the secret
+        assert all(r["secret"] not in p["reference"] and r["secret"] not in p["prompt"] for p in r["probes"])
+        again = build_session(tok, seed=0, total_tokens=1200, secret=r["secret"])
+        assert again == r  # reproducible from the recorded secret
+    with pytest.raises(ValueError, match="128 bits"):
+        build_session(tok, seed=0, total_tokens=1200, secret="1234")
 
 
 def test_spans_point_at_the_facts(tok):
@@ -135,7 +170,7 @@ def test_fingerprint_changes_with_every_knob(tok):
     fp = S.session_fingerprint(tok, **base)
     assert fp == S.session_fingerprint(tok, **base)
     changes = dict(n_sessions=4, total_tokens=8000, distance=1000, seed=1, filler_mode="repeating",
-                   chunk_tokens=1000)
+                   chunk_tokens=1000, secret=SECRET)
     seen = {fp}
     for k, v in changes.items():
         other = S.session_fingerprint(tok, **dict(base, **{k: v}))
@@ -156,15 +191,17 @@ def test_fingerprint_changes_with_tokenizer_and_version(tok, monkeypatch):
 
 
 def test_load_sessions_dataset_and_parquet(tok, tmp_path):
-    ds = load_sessions(tok, n_sessions=2, total_tokens=2500, seed=11, cache_dir=str(tmp_path / "cache"))
+    ds = load_sessions(tok, n_sessions=2, total_tokens=2500, seed=11, cache_dir=str(tmp_path / "cache"), secret=SECRET)
     assert len(ds) == 2
-    assert ds._fingerprint == S.session_fingerprint(tok, n_sessions=2, total_tokens=2500, seed=11)
+    assert ds._fingerprint == S.session_fingerprint(tok, n_sessions=2, total_tokens=2500, seed=11, secret=SECRET)
     row = ds[0]
-    assert row == build_session(tok, seed=11, total_tokens=2500, session_index=0)
+    assert row == build_session(tok, seed=11, total_tokens=2500, session_index=0, secret=SECRET)
     assert ds[1]["context_ids"] != row["context_ids"]
-    # cached: a second call reads the same data back
-    again = load_sessions(tok, n_sessions=2, total_tokens=2500, seed=11, cache_dir=str(tmp_path / "cache"))
+    # cached: a second call with the same secret reads the same data back; without one, new sessions
+    again = load_sessions(tok, n_sessions=2, total_tokens=2500, seed=11, cache_dir=str(tmp_path / "cache"), secret=SECRET)
     assert again[0] == row
+    fresh = load_sessions(tok, n_sessions=1, total_tokens=2500, seed=11, cache_dir=str(tmp_path / "cache"))
+    assert fresh[0]["secret"] != SECRET and fresh[0]["secret"] == fresh[0]["secret"].lower()
     path = to_parquet(ds, tmp_path / "s.parquet")
     import pyarrow.parquet as pq
 
@@ -210,6 +247,6 @@ def test_load_sessions_checks_its_knobs_before_generating(tok, tmp_path):
         load_sessions(tok, n_sessions=2, total_tokens=3000, distance=10**6, cache_dir=str(tmp_path))
     assert not list(tmp_path.rglob("*.arrow"))  # nothing was generated
     # the largest distance that fits is honoured, not clipped
-    fixed = S.fixed_tokens(tok, 0, 0)
-    row = build_session(tok, total_tokens=3000, distance=3000 - fixed)
+    fixed = S.fixed_tokens(tok, 0, 0, SECRET)
+    row = build_session(tok, total_tokens=3000, distance=3000 - fixed, secret=SECRET)
     assert row["definitions_start"] == row["turns"][0]["end"]
