@@ -369,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="definition distances to sweep: tokens of filler between the definitions and the first "
                          "probe; none: all the filler after the definitions")
     ap.add_argument("--seed", type=int, default=0, help="the sessions' seed (session i of seed s is s<s>-<i>)")
+    ap.add_argument("--secret", default=None,
+                    help="the sessions' secret (32 hex digits; default: a fresh one, recorded in run.json): with "
+                         "--seed it rebuilds a recorded run's sessions; --resume reads it from run.json")
     ap.add_argument("--filler-mode", choices=FILLER_MODES, default="non-repeating",
                     help="non-repeating: no stdlib file twice; repeating: four small files, cycled")
     ap.add_argument("--budget", type=int_at_least(1), default=2048, help="B: resident tokens per layer and KV head")
@@ -475,11 +478,40 @@ def main(argv=None) -> int:
         raise SystemExit(f"pace-bench: {type(e).__name__}: {e}") from None
 
 
+def run_secret(args, out_dir: Path, main: bool) -> str:
+    """The sessions' secret: --secret, else on --resume the one run.json recorded, else a fresh one. The
+    main process decides and writes it to ``out_dir/secret`` (the other processes of a sharded run read it
+    there: call this inside ``main_process_first``). A run.json without one (a run of session generator
+    13 or older, whose facts followed from the seed) cannot be resumed: this generator does not rebuild it."""
+    from pace_bench.build import check_secret, new_secret
+
+    path = out_dir / "secret"
+    if not main:
+        return path.read_text().strip()
+    recorded = None
+    if args.resume and (out_dir / "run.json").exists():
+        recorded = json.loads((out_dir / "run.json").read_text()).get("secret")
+        if recorded is None:
+            raise SystemExit(f"pace-bench: --resume: {out_dir / 'run.json'} records no session secret: it is a run of "
+                             "session generator 13 or older (facts drawn from the seed alone), which this generator "
+                             "does not rebuild; start it again in another --out")
+        if args.secret is not None and args.secret != recorded:
+            raise SystemExit(f"pace-bench: --resume: --secret differs from the one {out_dir / 'run.json'} records")
+    secret = args.secret if args.secret is not None else recorded or new_secret()
+    try:
+        check_secret(secret)
+    except ValueError as e:
+        raise SystemExit(f"pace-bench: --secret: {e}") from None
+    path.write_text(secret + "\n")
+    return secret
+
+
 def run_settings(args, dtype, rows, num_processes: int) -> dict:
     """What ``run.json`` records: the settings a figure's title or a reader needs."""
     return {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "arms": args.arms,
             "sessions": args.sessions, "tokens": args.tokens, "distances": args.distance, "seed": args.seed,
-            "filler_mode": args.filler_mode, "budget": args.budget, "limit": args.limit, "chunk": args.chunk,
+            "secret": rows[0]["secret"], "filler_mode": args.filler_mode, "budget": args.budget, "limit": args.limit,
+            "chunk": args.chunk,
             "planner": args.planner, "drop_edges": args.drop_edges, "store": args.store, "rehydrate": args.rehydrate,
             "max_new_tokens": args.max_new_tokens, "probes_per_session": len(rows[0]["probes"]),
             "checkpoint_every": args.checkpoint_every,
@@ -509,11 +541,13 @@ def _run(args) -> int:
     tokenizer = load_tokenizer(args.model)
     rows = []
     with state.main_process_first():
+        secret = run_secret(args, out_dir, state.is_main_process)
         for distance in args.distance or [None]:
             try:
                 rows += [dict(row, target_distance=distance) for row in
                          load_sessions(tokenizer, n_sessions=args.sessions, total_tokens=args.tokens,
-                                       distance=distance, seed=args.seed, filler_mode=args.filler_mode)]
+                                       distance=distance, seed=args.seed, filler_mode=args.filler_mode,
+                                       secret=secret)]
             except ValueError as e:
                 raise SystemExit(f"pace-bench: {e}") from None
     log_path = out_dir / "probes.jsonl"

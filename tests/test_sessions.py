@@ -250,3 +250,22 @@ def test_load_sessions_checks_its_knobs_before_generating(tok, tmp_path):
     fixed = S.fixed_tokens(tok, 0, 0, SECRET)
     row = build_session(tok, total_tokens=3000, distance=3000 - fixed, secret=SECRET)
     assert row["definitions_start"] == row["turns"][0]["end"]
+
+
+def test_a_run_of_the_old_generator_is_refused_by_name_and_the_secret_is_kept(tmp_path):
+    """A run made before the secret (generator 13: run.json without one) is refused on --resume with a
+    message that names its format; a new run records its secret, and --resume reads it back."""
+    from types import SimpleNamespace
+
+    from pace_bench.runner import run_secret
+
+    (tmp_path / "run.json").write_text(json.dumps({"seed": 0, "model": "smollm2-135m"}))
+    with pytest.raises(SystemExit, match="generator 13 or older"):
+        run_secret(SimpleNamespace(resume=True, secret=None), tmp_path, True)
+    fresh = run_secret(SimpleNamespace(resume=False, secret=None), tmp_path, True)
+    assert len(fresh) == 32 and (tmp_path / "secret").read_text().strip() == fresh
+    assert run_secret(SimpleNamespace(resume=False, secret=None), tmp_path, False) == fresh  # another process
+    (tmp_path / "run.json").write_text(json.dumps({"secret": fresh}))
+    assert run_secret(SimpleNamespace(resume=True, secret=None), tmp_path, True) == fresh
+    with pytest.raises(SystemExit, match="128 bits"):
+        run_secret(SimpleNamespace(resume=False, secret="abc"), tmp_path, True)
