@@ -86,7 +86,7 @@ _TRIPLE = re.compile(r"\"\"\"|'''")
 def plain_word(name: str) -> bool:
     """Whether a prose word is ordinary English or Python (a stopword, keyword or builtin): such a word
     names a definition only when written as code or next to a word like "function"."""
-    return name.lower() in STOPWORDS or name in BUILTIN_NAMES or len(name) < 2
+    return name.lower() in STOPWORDS or name in BUILTIN_NAMES or len(name) < 2 or name.isdigit()
 
 
 def shaped(word: str) -> bool:
@@ -113,7 +113,8 @@ class Definition:
     class-body assignment, attribute for ``self.X = ...``) and the character ranges
     ``parts`` of its source in the message. ``doc``: its signature and docstring (for the lexical
     ranker); ``fields``: the attribute names a function reads or writes
-    on its parameters (``record.status``); ``path``: the file it came from, when the text says."""
+    on its parameters (``record.status``); ``path``: the file it came from, when the text says;
+    ``outline``: a class's header and members."""
 
     name: str
     owner: str | None
@@ -123,6 +124,29 @@ class Definition:
     doc: str = ""
     path: str | None = None
     fields: frozenset[str] = frozenset()
+    outline: Outline | None = None
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of a class, as its class's outline holds it: ``name``, the character ranges of its
+    ``signature`` (decorators and ``def`` line, or the whole assignment), of its docstring's first line
+    (``doc``, or None), of its ``whole`` source, and the names it ``uses`` on ``self``."""
+
+    name: str
+    signature: tuple[int, int]
+    doc: tuple[int, int] | None
+    whole: tuple[int, int]
+    uses: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Outline:
+    """A class's ``header`` (decorators and ``class`` line) and its ``members`` in source order: what a
+    digest of a class too large to plan whole is made of (``pace_hf.planner.digest``)."""
+
+    header: tuple[int, int]
+    members: tuple[Member, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -502,7 +526,7 @@ def _class(node: ast.ClassDef, region: Region, base: int, path) -> list[Definiti
     header = region.chars(first, max(node.lineno + base, body_first - 1))
     bases = tuple(d.rsplit(".", 1)[-1] for d in map(_dotted, node.bases) if d)
     out = [Definition(node.name, None, "class", (region.chars(first, node.end_lineno + base),), bases,
-                      _doc(node), path)]
+                      _doc(node), path, outline=_outline(node, region, base, header))]
     members: dict[str, Definition] = {}
 
     def member(name, stmt, kind, rebinds=True):
@@ -535,6 +559,27 @@ def _class(node: ast.ClassDef, region: Region, base: int, path) -> list[Definiti
                                 and target.value.id == "self":
                             member(target.attr, sub, "attribute", rebinds=False)
     return out + list(members.values())
+
+
+def _outline(node: ast.ClassDef, region: Region, base: int, header: tuple[int, int]) -> Outline:
+    """A class's header and, for each statement of its body that binds a name, a :class:`Member`."""
+    members = []
+    for stmt in node.body:
+        first, last = _first_line(stmt) + base, stmt.end_lineno + base
+        whole = region.chars(first, last)
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            body = stmt.body[0]
+            signature = region.chars(first, max(stmt.lineno + base, _first_line(body) + base - 1))
+            doc = None
+            if isinstance(body, ast.Expr) and isinstance(body.value, ast.Constant) and isinstance(body.value.value, str):
+                doc = region.chars(body.lineno + base, body.lineno + base)
+            uses = frozenset(sub.attr for sub in ast.walk(stmt) if isinstance(sub, ast.Attribute)
+                             and isinstance(sub.value, ast.Name) and sub.value.id == "self")
+            members.append(Member(stmt.name, signature, doc, whole, uses))
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in getattr(stmt, "targets", None) or [stmt.target]:
+                members += [Member(n, whole, None, whole) for n in _targets(target)]
+    return Outline(header, tuple(members))
 
 
 def _module(tree: ast.Module, region: Region, base: int, owner: str | None = None) -> tuple[list, list]:
@@ -676,5 +721,5 @@ def mentions(text: str) -> Mentions:
         elif plain.startswith("(", m.end()) or (word[0].isupper() and not sentence_start(plain, m.start())
                                                 and not plain_word(word)):
             names.setdefault(word, 1)
-    words = tuple(re.findall(r"[A-Za-z][A-Za-z0-9]*", plain))
+    words = tuple(re.findall(r"[A-Za-z][A-Za-z0-9]*|\d+", plain))  # "http 304 not modified"
     return Mentions(names, frozenset(chains), words)

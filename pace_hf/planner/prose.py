@@ -65,32 +65,88 @@ def keyed(names) -> dict[str, set[str]]:
     return out
 
 
+def root(word: str) -> str:
+    """:func:`_stem` without a final "e": "parse", "parser" and "parsing" meet."""
+    w = _stem(word)
+    return w[:-1] if len(w) > 3 and w.endswith("e") else w
+
+
+def bag(words) -> frozenset[str]:
+    """The roots of the content words of a name or phrase, in any order: "version parsing" and
+    ``parse_version`` give the same bag."""
+    return frozenset(root(w) for w in words if w.lower() not in STOPWORDS)
+
+
+def bagged(names) -> dict[frozenset[str], set[str]]:
+    """Names of two words or more by :func:`bag` of their words."""
+    out: dict[frozenset[str], set[str]] = {}
+    for name in names:
+        words = split_name(name)
+        if len(bag(words)) >= 2:
+            out.setdefault(bag(words), set()).add(name)
+    return out
+
+
+ROLE_KINDS = {"class": "class", "classes": "class", "function": "function", "functions": "function",
+              "helper": "function", "helpers": "function", "method": "method", "methods": "method",
+              "constant": "assignment", "constants": "assignment"}
+
+
+def by_role(words: tuple[str, ...], heads: dict[tuple[str, str], set[str]]) -> set[str]:
+    """Names a step gives by their role: a word before "class"/"function"/"method"/"constant" that is
+    the head (last) word of exactly one name of that kind ("the wrapper class": ``TextWrapper``).
+    ``heads``: names by ``(kind, root of their last word)``."""
+    out = set()
+    for word, kind in zip(words, words[1:]):
+        kind = ROLE_KINDS.get(kind.lower())
+        if kind and word.lower() not in STOPWORDS:
+            found = heads.get((kind, root(word.lower())), set())
+            if len(found) == 1:
+                out |= found
+    return out
+
+
 def variants(name: str, by_key: dict[str, set[str]]) -> set[str]:
     """The other spellings of a written name that the session defines (camelCase for snake_case ...)."""
     return by_key.get(key(name), set()) - {name}
 
 
-def candidates(words: tuple[str, ...], by_key: dict[str, set[str]]) -> set[str]:
+def candidates(words: tuple[str, ...], by_key: dict[str, set[str]],
+               by_bag: dict[frozenset[str], set[str]] | None = None) -> set[str]:
     """Names that a prose step means, among the session's (``by_key``, from :func:`keyed`): joins of 2-4
     adjacent words (not all of them stopwords; a plural last word also singular), and a single word
     right before a word like "function" ("the open function"). The longest join wins: "value token
-    class" means ``ValueToken``, not also ``Token``."""
+    class" means ``ValueToken``, not also ``Token``. Then, with ``by_bag`` (from :func:`bagged`), the
+    words left: 2-4 adjacent content words (no stopword between them) that are the words of exactly one
+    name, in any order and inflection ("the version parsing function": ``parse_version``)."""
     out: set[str] = set()
     lower = [w.lower() for w in words]
     used = [False] * len(words)
-    for n in (4, 3, 2, 1):
-        for i in range(len(words) - n + 1):
-            chunk = lower[i:i + n]
-            if any(used[i:i + n]) or all(w in STOPWORDS for w in chunk) or any(w in KIND_WORDS for w in chunk):
-                continue
-            if n == 1 and not (i + 1 < len(words) and lower[i + 1] in KIND_WORDS):
-                continue
-            found = by_key.get(key(chunk), set())
-            if not found and chunk[-1].endswith("s") and len(chunk[-1]) > 3:
-                found = by_key.get(key(chunk)[:-1], set())
-            if found:
-                out |= found
-                used[i:i + n] = [True] * n
+
+    def spans(sizes):
+        for n in sizes:
+            for i in range(len(words) - n + 1):
+                chunk = lower[i:i + n]
+                if not any(used[i:i + n]) and not all(w in STOPWORDS for w in chunk) \
+                        and not any(w in KIND_WORDS for w in chunk):
+                    yield i, n, chunk
+
+    for i, n, chunk in spans((4, 3, 2, 1)):
+        if any(used[i:i + n]) or (n == 1 and not (i + 1 < len(words) and lower[i + 1] in KIND_WORDS)):
+            continue
+        found = by_key.get(key(chunk), set())
+        if not found and chunk[-1].endswith("s") and len(chunk[-1]) > 3:
+            found = by_key.get(key(chunk)[:-1], set())
+        if found:
+            out |= found
+            used[i:i + n] = [True] * n
+    for i, n, chunk in spans((4, 3, 2) if by_bag else ()):
+        if any(used[i:i + n]) or any(w in STOPWORDS for w in chunk):
+            continue
+        found = by_bag.get(bag(chunk), set())
+        if len(found) == 1:
+            out |= found
+            used[i:i + n] = [True] * n
     return out
 
 
@@ -123,7 +179,7 @@ class Lexicon:
     def query(words) -> list[str]:
         return list(dict.fromkeys(_stem(w) for word in words for w in split_name(word) if w not in STOPWORDS))
 
-    def _scores(self, words, before: int) -> np.ndarray | None:
+    def scores(self, words, before: int) -> np.ndarray | None:
         """BM25 scores of every definition for ``words``, 0 for those in messages from ``before`` on; None
         when there is nothing to rank."""
         q = self.query(words)
@@ -136,7 +192,7 @@ class Lexicon:
     def rank(self, words, before: int, k: int = 1, ratio: float = 0.75) -> list[tuple[int, Definition]]:
         """The best definitions in messages before ``before``: the top one and any within ``ratio`` of its
         score, at most ``k``."""
-        scores = self._scores(words, before)
+        scores = self.scores(words, before)
         if scores is None:
             return []
         order = np.argsort(-scores, kind="stable")[:k]
@@ -148,7 +204,7 @@ class Lexicon:
     def outranking(self, words, before: int, known, ratio: float = 0.5) -> tuple[int, Definition] | None:
         """The best definition in messages before ``before``, if it is not one of ``known`` (``(message
         position, Definition)`` pairs) and none of them scores within ``ratio`` of it; else None."""
-        scores = self._scores(words, before)
+        scores = self.scores(words, before)
         if scores is None:
             return None
         best = int(np.argmax(scores))

@@ -59,8 +59,9 @@ import bisect
 from dataclasses import dataclass
 
 from ..blueprint import Blueprint, Span, as_index
+from .digest import digest, union_size
 from .extract import Definition, mentions, plain_word, read, shaped
-from .prose import KIND_WORDS, Lexicon, candidates, keyed, variants
+from .prose import KIND_WORDS, Lexicon, bagged, by_role, candidates, keyed, root, split_name, variants
 
 LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
 
@@ -68,21 +69,28 @@ LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
 @dataclass(frozen=True)
 class Need:
     """A definition (``message`` position, ``definition``) that step ``step`` needs, and how it was
-    named (``LITERAL``, ``DERIVED`` from prose or a respelling, ``LEXICAL``)."""
+    named (``LITERAL``, ``DERIVED`` from prose or a respelling, ``LEXICAL``). ``members``: for a class
+    named as the owner of members the step names, those names (the class is then needed as their
+    context, not whole). ``named``: whether the step names it in code (a digest is planned only for
+    those: a word that only looks like a name, "a Vortex expression", is too weak a reason)."""
 
     step: int
     message: int
     definition: Definition
     how: int
+    members: frozenset[str] | None = None
+    named: bool = True
 
 
 class Plan(Blueprint):
-    """A planner's blueprint, with what it needed and what it dropped to keep each step under ``cap``
-    tokens (and the live plan under the budget)."""
+    """A planner's blueprint, with what it needed, what of that it planned only as a digest
+    (``partial``) and what it dropped to keep each step under ``cap`` tokens (and the live plan under
+    the budget)."""
 
-    def __init__(self, spans=(), *, needs=(), dropped=(), cap=None):
+    def __init__(self, spans=(), *, needs=(), partial=(), dropped=(), cap=None):
         super().__init__(spans)
         self.needs: list[Need] = list(needs)
+        self.partial: list[Need] = list(partial)
         self.dropped: list[Need] = list(dropped)
         self.cap = cap
 
@@ -132,6 +140,13 @@ class _Index:
                 self.aliases.setdefault(alias, []).append((i, target))
         self.defined = set(self.top) | set(self.facts) | set(self.member_names)
         self.by_key = keyed(self.defined)
+        self.by_bag = bagged(self.defined)
+        self.heads: dict[tuple[str, str], set[str]] = {}  # names by kind and root of their last word
+        for i, d in self.entries:
+            kind = d.kind if d.owner is None else ("method" if d.kind == "method" else None)
+            words = split_name(d.name)
+            if kind in ("class", "function", "assignment", "method") and words:
+                self.heads.setdefault((kind, root(words[-1])), set()).add(d.name)
         self._lexicon = None
 
     @property
@@ -162,8 +177,18 @@ class _Index:
     def mro(self, cls: str, before: int) -> list[str]:
         """``cls`` and the bases the session defines, in C3 order (depth-first where C3 fails)."""
         def bases(c):
+            """The bases of ``c``; one the session does not define as a class is looked up through its
+            file's imports (``from .base import Base as B``: ``B`` is ``Base``)."""
             got = self.latest(self.classes, c, before)
-            return [b for b in got[1].bases if b != c] if got else []
+            if not got:
+                return []
+            out = []
+            for b in got[1].bases:
+                alias = None if self.latest(self.classes, b, before) else self.latest(self.aliases, b, got[0] + 1)
+                b = alias[1].rsplit(".", 1)[-1] if alias else b
+                if b != c:
+                    out.append(b)
+            return out
 
         def linearize(c, stack):
             if c in stack:
@@ -298,6 +323,7 @@ class SymbolPlanner:
         rank the definitions when the text names nothing literally (for plans, not for user turns)."""
         said = mentions(text)
         found: dict[tuple[int, Definition], int] = {}
+        owners: dict[tuple[int, Definition], set[str]] = {}  # classes named as owners: member names
 
         def add(got, how):
             if got is not None:
@@ -306,28 +332,37 @@ class SymbolPlanner:
 
         chained = {n for c in said.chains for n in c}  # a chain is resolved whole, not name by name
         for chain in said.chains:
-            add(index.chain(chain, before), LITERAL)
+            got = index.chain(chain, before)
+            add(got, LITERAL)
+            qualifier = [q for q in chain[:-1] if q not in ("self", "cls")]
+            if got and got[1].owner and qualifier and got[1].owner != qualifier[-1]:
+                owner = index.latest(index.classes, qualifier[-1], before)  # inherited: the subclass's
+                if owner:                                                   # header is the context
+                    owners.setdefault(owner, set())
+        resolved: dict[str, tuple] = {}  # a bare name: (what it resolves to, how it was named)
         for name, how in said.names.items():
             if name in chained:
                 continue
             got = index.name(name, before)
-            add(got, LITERAL if how == LITERAL else DERIVED)
-            if got is None:  # camelCase written for a snake_case name, or the other way round
+            if got is not None:
+                resolved[name] = (got, LITERAL if how == LITERAL else DERIVED)
+            else:  # camelCase written for a snake_case name, or the other way round
                 for v in variants(name, index.by_key):
-                    add(index.name(v, before), DERIVED)
-        derived = {name: index.name(name, before) for name in candidates(said.words, index.by_key)}
-        classes = [n for n, got in derived.items() if got and got[1].kind == "class"]
-        owned = set()
-        for name, got in derived.items():  # "the get bucket method of the bytecode cache": that method
-            if got and got[1].owner:
-                for cls in classes:
-                    member = index.member(cls, name, before)
-                    if member:
-                        derived[name] = member
-                        owned.add(cls)
-        for name, got in derived.items():
-            if name not in owned:
-                add(got, DERIVED)
+                    resolved.setdefault(v, (index.name(v, before), DERIVED))
+        for name in candidates(said.words, index.by_key, index.by_bag) | by_role(said.words, index.heads):
+            resolved.setdefault(name, (index.name(name, before), DERIVED))
+        # A class and a name in one step ("subclass `Retry` and override `sleep`", "the get bucket method
+        # of the bytecode cache"): the name is the class's member, through its bases, and the class is
+        # needed as that member's context.
+        classes = {got for got, _ in resolved.values() if got and got[1].kind == "class"}
+        for cls in classes:
+            for name, (got, how) in list(resolved.items()):
+                member = None if got == cls else index.member(cls[1].name, name, before)
+                if member:
+                    resolved[name] = (member, how)
+                    owners.setdefault(cls, set()).add(name)
+        for got, how in resolved.values():
+            add(got, how)
         described = bool(lexical and said.words) and _described(said.words) >= DESCRIBED
         if lexical and not found and said.words and (LITERAL not in said.names.values() or described):
             # a step that names nothing the session defines: prose, or a description whose only names
@@ -338,11 +373,27 @@ class SymbolPlanner:
             # a description that also names other definitions ("the inverse of `parseaddr()`, this
             # takes ..."): its best lexical match joins them if it clearly outranks every one it named
             add(index.lexicon.outranking(list(said.words) + list(said.names), before, set(found)), LEXICAL)
+        named = {key for key, how in found.items() if how == LITERAL}
         if self.depth:
             for (i, d), how in list(found.items()):
                 for got in index.closure(i, d):
                     add(got, min(how, DERIVED))
-        return [Need(step, i, d, how) for (i, d), how in found.items()]
+        return [Need(step, i, d, how, frozenset(owners[(i, d)]) if (i, d) in owners else None, (i, d) in named)
+                for (i, d), how in found.items()]
+
+    def _digest(self, index: _Index, need: Need, text: str, template, room: int, context: bool = False):
+        """Token spans of ``need``'s digest within ``room`` tokens (``pace_hf.planner.digest``)."""
+        d, message = need.definition, index.messages[need.message]
+        relevance = {}
+        if not context and d.outline is not None:
+            said = mentions(text)
+            scores = index.lexicon.scores(list(said.words) + list(said.names), need.message + 1)
+            if scores is not None:
+                relevance = {e.name: float(scores[j]) for j, (i, e) in enumerate(index.lexicon.entries)
+                             if i == need.message and e.owner == d.name}
+        named = set(need.members or ()) | set(mentions(text).names)
+        return digest(d, named, relevance, room, lambda parts: self._tokens(message, template, parts),
+                      context=context)
 
     def _tokens(self, message, template, parts) -> list[tuple[int, int]]:
         """Absolute token spans of a definition's character ``parts`` in ``message``."""
@@ -385,16 +436,23 @@ class SymbolPlanner:
                     wanted.append((need, spans))
         cap = None if budget is None else int(self.share * as_index(budget, "budget"))
         wanted.sort(key=lambda w: (w[0].step, -w[0].how, sum(e - s for s, e in w[1])))
-        kept, dropped, live, per_step = [], [], [], {}
+        kept, partial, dropped, live, per_step = [], [], [], [], {}
         for need, spans in wanted:
             mine = per_step.setdefault(need.step, [])
-            if cap is not None and (_union_size(mine + spans) > cap or _union_size(live + spans) > budget):
-                dropped.append(need)
-                continue
+            if need.members is not None:  # a class named as the owner of members: their context
+                spans = self._digest(index, need, steps[need.step], template, union_size(spans), context=True)
+            if cap is not None and (union_size(mine + spans) > cap or union_size(live + spans) > budget):
+                room = min(cap - union_size(mine), budget - union_size(live))
+                spans = self._digest(index, need, steps[need.step], template, room,
+                                     context=need.members is not None) if room > 0 and need.named else []
+                if not spans:
+                    dropped.append(need)
+                    continue
+                partial.append(need)
             mine += spans
             live += spans
             kept.append((need, spans))
-        plan = Plan(_segments(kept), needs=[n for n, _ in kept], dropped=dropped, cap=cap)
+        plan = Plan(_segments(kept), needs=[n for n, _ in kept], partial=partial, dropped=dropped, cap=cap)
         self.last_plan = plan
         return plan
 
@@ -459,10 +517,6 @@ def _merge(spans: list[tuple[int, int]], gap: int = 0) -> list[tuple[int, int]]:
         else:
             out.append([s, e])
     return [(s, e) for s, e in out]
-
-
-def _union_size(spans) -> int:
-    return sum(e - s for s, e in _merge(sorted(spans)))
 
 
 def _segments(kept) -> list[Span]:
