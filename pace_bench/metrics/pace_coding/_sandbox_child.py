@@ -13,11 +13,14 @@ nothing here is trusted after that. The walls that must hold are set up before, 
   program; when init ends the kernel kills everything left in the namespace;
 * new mount, network, pid, IPC and UTS namespaces (``_enter_namespaces``): no pid counter, System V
   object, POSIX message queue, abstract socket or host name is shared with the host or another run;
-* a minimal read-only root (only the standard library, the system's shared libraries and the
-  mount points below: no other host path exists, even for ``stat``) with a fresh ``/proc`` of the
+* the run's memory cgroup, where the parent could make one (``_join_cgroup``): the kernel objects
+  the run makes (negative dentries, page cache, slab) count against its limit;
+* a minimal read-only root of private copies (the standard library, the shared libraries it needs and
+  the mount points below: no other host path exists, even for ``stat``, and no page of a host file is
+  shared with another run) with a fresh ``/proc`` of the
   new pid namespace (only its processes) and a
   ``noexec`` scratch tmpfs whose ``size=`` and ``nr_inodes=`` cap disk and kernel memory (a mkdir
-  flood meets ENOSPC), the standard library's ``site-packages`` covered, Landlock, resource limits,
+  flood meets ENOSPC), Landlock, resource limits,
   a fresh uid, and a seccomp allowlist (``_install_seccomp``);
 * the parent holds the calls and the expected values, sends one call at a time with a fresh nonce
   and accepts exactly one answer for it, and counts refusals through a kernel counter.
@@ -62,6 +65,16 @@ _LL_TRUNCATE, _LL_IOCTL_DEV = 1 << 14, 1 << 15
 _LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | _LL_TRUNCATE | _LL_IOCTL_DEV
 # Paths C code may read besides the standard library: shared libraries, locales, time zones
 _SYSTEM_READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime")
+# The run's private image (see _pivot_to_minimal_root): its tmpfs, what it leaves out of the standard
+# library (tests, tools, GUI, installers: about 140 MB this image does not copy), the few host files it
+# copies besides, and where shared libraries are looked up by soname.
+_IMAGE_MB, _IMAGE_INODES = 160, 8192
+_IMAGE_SKIP = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "idlelib", "tkinter",
+                         "turtledemo", "lib2to3", "ensurepip", "pydoc_data", "__phello__", "venv"})
+_IMAGE_SKIP_EXTENSIONS = frozenset({"_tkinter", "_curses", "_curses_panel", "readline", "nis", "_crypt"})
+_IMAGE_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/usr/share/zoneinfo/UTC", "/usr/share/zoneinfo/Etc/UTC")
+_LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu",
+             "/usr/lib/aarch64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib")
 RLIMIT_LOCKS = 10  # ignored by Linux since 2.4.25: free to serve as the violation counter
 VIOLATION_BUDGET = 1_000_000  # RLIMIT_LOCKS hard limit at start; each refusal lowers it by one
 SANDBOX_PID = 2  # the sandbox process's pid in its namespace (init is 1)
@@ -82,8 +95,8 @@ _X86_64_ALLOW = {
     "getcwd": 79, "readlink": 89, "readlinkat": 267, "statx": 332, "pread64": 17, "pwrite64": 18,
     "readv": 19, "writev": 20, "preadv": 295, "pwritev": 296, "preadv2": 327, "pwritev2": 328,
     "open": 2, "stat": 4, "lstat": 6, "access": 21, "faccessat": 269, "faccessat2": 439,
-    "mremap": 25, "madvise": 28, "msync": 26, "mincore": 27, "dup": 32, "dup2": 33, "dup3": 292,
-    "pipe": 22, "pipe2": 293, "select": 23, "pselect6": 270, "poll": 7, "ppoll": 271,
+    "mremap": 25, "msync": 26, "dup": 32, "dup2": 33, "dup3": 292,
+    "select": 23, "pselect6": 270, "poll": 7, "ppoll": 271,
     "epoll_create": 213, "epoll_create1": 291, "epoll_ctl": 233, "epoll_wait": 232,
     "epoll_pwait": 281, "epoll_pwait2": 441, "eventfd": 284, "eventfd2": 290,
     "timerfd_create": 283, "timerfd_settime": 286, "timerfd_gettime": 287,
@@ -95,7 +108,7 @@ _X86_64_ALLOW = {
     "pause": 34, "restart_syscall": 219, "exit": 60, "exit_group": 231, "wait4": 61, "waitid": 247,
     "set_robust_list": 273, "get_robust_list": 274, "set_tid_address": 218, "rseq": 334,
     "sendfile": 40, "sendto": 44, "recvfrom": 45, "sendmsg": 46, "recvmsg": 47, "shutdown": 48,
-    "getsockname": 51, "getpeername": 52, "setsockopt": 54, "getsockopt": 55, "listen": 50,
+    "getsockname": 51, "getpeername": 52, "listen": 50,
     "accept": 43, "accept4": 288, "splice": 275, "tee": 276, "copy_file_range": 326,
     "fsync": 74, "fdatasync": 75, "truncate": 76, "ftruncate": 77, "fallocate": 285,
     "fadvise64": 221, "sync_file_range": 277, "chdir": 80, "fchdir": 81, "rename": 82,
@@ -120,6 +133,13 @@ _X86_64_PROCESS = {"fork": 57, "vfork": 58, "execve": 59, "setsid": 112, "setpgi
 _X86_64_CLONE, _X86_64_CLONE3, _X86_64_KILL, _X86_64_TGKILL = 56, 435, 62, 234
 _X86_64_SOCKET, _X86_64_SOCKETPAIR, _X86_64_PRLIMIT64 = 41, 53, 302
 _X86_64_IOCTL, _X86_64_FCNTL = 16, 72
+_X86_64_PIPES = {"pipe": 22, "pipe2": 293}  # only where processes are allowed (subprocess needs them)
+# Socket options, but SO_PASSPIDFD (76) and SO_PEERPIDFD (77): a pidfd's inode number comes from a
+# host-wide counter that every new thread or process moves, a covert channel between runs.
+_X86_64_SETSOCKOPT, _X86_64_GETSOCKOPT, _PIDFD_SOCKOPTS = 54, 55, (76, 77)
+# madvise: the advice CPython and malloc give; not WILLNEED, COLD or PAGEOUT, which read in or evict
+# pages of files mapped before the confinement (the interpreter's own, shared with the host)
+_X86_64_MADVISE, _MADVISE_ALLOW = 28, (0, 1, 2, 4, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
 # ioctl: only terminal/size queries (isatty), FIONREAD and the close-on-exec/non-blocking ones
 _IOCTL_ALLOW = (0x5401, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451)
 # fcntl: dup, fd/file flags, setting record locks, pipe size; not F_SETOWN/F_SETSIG (signals), leases,
@@ -184,7 +204,9 @@ def main():
         job = json.loads(f.read())
     send = _make_sender(report_fd)
     try:
+        joined = _join_cgroup(job.get("cgroup"))
         layers, read_roots = _confine(job, (call_fd, report_fd))  # returns in the sandbox process only
+        layers += joined
         to_plain, describe_exception, type_name, encode = _make_converter()
         violations = []
         _install_audit_hook(job["work"], read_roots, job["limits"]["max_processes"] > 0, violations)
@@ -196,6 +218,16 @@ def main():
         os._exit(0)  # no OS-level wall against reads and writes: the parent refuses to run code here
     _serve(job["program"], _make_request_reader(call_fd), send, encode, to_plain, describe_exception,
            type_name, violations)
+
+
+def _join_cgroup(cgroup):
+    """Move this process (and so all it starts) into the run's memory cgroup, made by the parent with
+    its limit (``cgroup``: its folder, or None where the host has none for us). Returns the layer."""
+    if not cgroup:
+        return []
+    with open(os.path.join(cgroup["path"], "cgroup.procs"), "w") as f:
+        f.write("0")
+    return ["memory cgroup %d MB" % cgroup["limit_mb"]]
 
 
 def _plain_json(message):
@@ -543,10 +575,10 @@ def _confine(job, pipes):
     can read it, resource limits (set before the uid drop, so their hard values cannot be raised
     again), a drop to a fresh uid (so RLIMIT_NPROC counts and the host's files and processes are
     the kernel's to protect), and the seccomp allowlist."""
-    limits, work, lib, uid = job["limits"], job["work"], job["lib"], job["uid"]
+    limits, work, uid = job["limits"], job["work"], job["uid"]
     script_dir = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if p != script_dir]  # Python 3.10: -I does not imply -P
-    stdlib = [p for p in sys.path if os.path.exists(p)]
+    sys.path[:] = stdlib = [p for p in sys.path if os.path.exists(p)]  # what the image copies
     read_roots = list(stdlib) + ["/usr/share/zoneinfo"]
     libc = _load_libc()
     if libc is None:
@@ -554,14 +586,8 @@ def _confine(job, pipes):
     layers = _enter_namespaces(libc, job["parent_pid"], pipes)
     if "userns" in layers:
         uid = None  # no uid of the host to drop to from a user namespace
-    if _private_read_only_root(libc, work, lib, read_roots, layers):
-        if "minimal root" not in layers:  # else it has its /proc already
-            _mount_proc(libc, "/proc", layers)
-        _mount_scratch(libc, work, uid, limits, layers)
-        mounted_stdlib = _mount_stdlib(libc, lib, uid, stdlib, layers, read_roots)
-        _hide_site_packages(libc, layers)
-    else:
-        raise OSError("cannot make the new mount namespace private")
+    _private_read_only_root(libc, work, read_roots, layers)
+    _mount_scratch(libc, work, uid, limits, layers)
     if libc.sethostname(b"pace-sandbox", 12) == 0:
         layers.append("utsns hostname")
     ruleset, abi = _landlock_ruleset(libc, work, read_roots)
@@ -569,7 +595,7 @@ def _confine(job, pipes):
     _set_rlimits(limits, uid is not None)
     layers.append("rlimits")
 
-    if uid is not None and (mounted_stdlib or all(_readable_by_others(p) for p in stdlib)):
+    if uid is not None:  # the image is readable by every uid
         try:
             os.setgroups([])
             os.setgid(uid)
@@ -678,80 +704,52 @@ def _wait_and_pass_on(pid):
     os._exit(code)
 
 
-def _private_read_only_root(libc, work, lib, read_roots, layers):
-    """In the new mount namespace: stop propagation to the host, move to a minimal root
-    (``_pivot_to_minimal_root``), then make every mount read-only, recursively (mount_setattr,
-    Linux >= 5.12). Mounts made after this (the working directory's tmpfs) stay writable."""
+def _private_read_only_root(libc, work, read_roots, layers):
+    """In the new mount namespace: stop propagation to the host, move to a minimal root of private
+    copies (``_pivot_to_minimal_root``), then make every mount read-only, recursively (mount_setattr,
+    Linux >= 5.12). Mounts made after this (the working directory's tmpfs) stay writable. Raises where
+    the root cannot be built: the program never runs on the host's files."""
     import ctypes
     if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
-        return False
-    try:
-        _pivot_to_minimal_root(libc, work, lib, read_roots, layers)
-    except OSError:
-        pass  # the host's root, read-only and walled by Landlock; the layer is missing from the list
+        raise OSError("cannot make the new mount namespace private")
+    _pivot_to_minimal_root(libc, work, read_roots, layers)
     attr = struct.pack("=QQQQ", 1 | 2, 0, 0, 0)  # MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID
     if libc.syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(-100), b"/", ctypes.c_uint(0x8000),  # AT_FDCWD,
                     attr, ctypes.c_size_t(len(attr))) == 0:                                # AT_RECURSIVE
         layers.append("read-only root")
-    return True
 
 
-def _pivot_to_minimal_root(libc, work, lib, read_roots, layers):
-    """A root of the sandbox's own: a tmpfs holding bind mounts of only what the interpreter and C
-    code may read (``read_roots``, the system's shared libraries, /dev/null), at their own paths, and
-    the empty directories later mounts need (``work``, ``lib``) and a fresh /proc (mounted before the
-    host's is gone: in a user namespace the kernel only allows a procfs where one is visible). The host's root
-    is then detached. Landlock walls reads but not ``stat``: on the host's root the program could
-    still learn which paths exist, with their sizes, owners and times. Raises where it cannot be
-    built (the half-built root is then detached again)."""
+def _pivot_to_minimal_root(libc, work, read_roots, layers):
+    """A root of the sandbox's own: a tmpfs holding a private copy of what the interpreter and C code may
+    read (:func:`_copy_image`), a bind mount of /dev/null, the empty directories later mounts need
+    (``work``) and a fresh /proc (mounted before the host's is gone: in a user namespace the kernel only
+    allows a procfs where one is visible). The host's root is then detached.
+
+    Copies, not bind mounts of the host's files: a file shared with other runs shares its page cache
+    (one run evicts a page, the next sees it missing: a covert channel), and a lookup of a missing name
+    under a host directory leaves a negative dentry on the host's file system, which a ``stat`` flood grows
+    by a GiB and which outlives the run. Under the copy, both belong to this tmpfs and die with it.
+    Landlock walls reads but not ``stat``: on the host's root the program could still learn which paths
+    exist. Raises where it cannot be built (the half-built root is then detached again)."""
     import ctypes
     pivot_root = _SYS_PIVOT_ROOT.get(os.uname().machine)
     if pivot_root is None:
         raise OSError("no pivot_root number for %s" % os.uname().machine)
     new = work  # an existing directory to build on; the scratch tmpfs goes over ``work`` inside it later
-    _mount(libc, "pace-sandbox-root", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=256k,nr_inodes=1024,mode=0755")
+    _mount(libc, "pace-sandbox-root", new, "tmpfs", _MS_NOSUID | _MS_NODEV,
+           "size=%dm,nr_inodes=%d,mode=0755" % (_IMAGE_MB, _IMAGE_INODES))
     pivoted = False
     try:
-        kept = []  # host paths bound into the new root (nothing beneath one is bound again)
-
-        def folder(at, mode):  # the directory ``at`` in the new root, made with ``mode`` if absent
-            if not os.path.isdir(new + at):
-                os.mkdir(new + at)
-                os.chmod(new + at, mode)
-
-        def place(path, depth=0):  # ``path`` (absolute) in the new root, through the same symlinks
-            if depth > 16:
-                raise OSError("too many symlinks under %s" % path)
-            at = ""
-            parts = [p for p in path.split("/") if p]
-            for k, part in enumerate(parts):
-                at += "/" + part
-                if any(at == b or at.startswith(b + "/") for b in kept):
-                    return
-                if os.path.islink(at):
-                    if not os.path.lexists(new + at):
-                        os.symlink(os.readlink(at), new + at)
-                    rest = "/".join(parts[k + 1:])
-                    place(os.path.normpath(os.path.join(os.path.dirname(at), os.readlink(at), rest)), depth + 1)
-                    return
-                if k < len(parts) - 1:
-                    folder(at, os.stat(at).st_mode & 0o7777)  # who may pass, as on the host
-            if os.path.isdir(at):
-                folder(at, 0o755)
-            else:
-                open(new + at, "wb").close()
-            _mount(libc, at, new + at, None, _MS_BIND | _MS_REC)
-            kept.append(at)
-
-        wanted = {os.path.normpath(p) for p in list(read_roots) + list(_SYSTEM_READ_ROOTS) + ["/dev/null"]}
-        for path in sorted(wanted, key=len):  # a folder before what lies beneath it
-            if os.path.exists(path):
-                place(path)
-        for path in (work, lib, "/proc"):  # mount points, and folders the fresh uid must pass to reach them
+        size = _copy_image(new, read_roots)
+        os.makedirs(new + "/dev", 0o755, exist_ok=True)
+        open(new + "/dev/null", "wb").close()
+        _mount(libc, "/dev/null", new + "/dev/null", None, _MS_BIND)
+        for path in (work, "/proc"):  # mount points, and folders the fresh uid must pass to reach them
             at = ""
             for part in [p for p in path.split("/") if p]:
                 at += "/" + part
-                folder(at, 0o711)
+                if not os.path.isdir(new + at):
+                    os.mkdir(new + at, 0o711)
         proc = []
         _mount_proc(libc, new + "/proc", proc)
         os.chdir(new)
@@ -766,7 +764,91 @@ def _pivot_to_minimal_root(libc, work, lib, read_roots, layers):
             libc.umount2(new.encode(), 2)
         raise
     os.chdir("/")
-    layers += ["minimal root"] + proc
+    layers += ["minimal root", "private image %d MB" % (size >> 20)] + proc
+
+
+def _copy_image(new, read_roots):
+    """Copy into ``new`` (at their own paths, through the same symlinks) the standard library but its
+    tests, tools and site-packages, the C extensions the program may import, the shared libraries they
+    name (found by their sonames in the system's library folders, then theirs in turn), the loader's
+    cache and a UTC time zone. Files are readable by every uid, so the fresh uid needs no other mount.
+    Returns the bytes copied."""
+    copied = [0]
+    libs = [d for d in _LIB_DIRS if os.path.isdir(d)]
+    wanted = []  # (path on the host) files to copy, in order; shared libraries found on the way join it
+    for root in read_roots:
+        if os.path.isdir(root) and not root.startswith("/usr/share"):
+            for folder, dirs, files in os.walk(root):
+                dirs[:] = [d for d in dirs if d not in _IMAGE_SKIP and not d.startswith("config-")]
+                wanted += [os.path.join(folder, f) for f in files if _image_file(f)]
+    wanted += [p for p in _IMAGE_FILES if os.path.exists(p)]
+    seen = set()
+
+    def place(path, depth=0):
+        """The new root's path for host ``path``: its folders made, symlinks on the way copied."""
+        if depth > 16:
+            raise OSError("too many symlinks under %s" % path)
+        at = ""
+        parts = [p for p in path.split("/") if p]
+        for k, part in enumerate(parts):
+            at += "/" + part
+            if os.path.islink(at):
+                if not os.path.lexists(new + at):
+                    os.symlink(os.readlink(at), new + at)
+                rest = "/".join(parts[k + 1:])
+                return place(os.path.normpath(os.path.join(os.path.dirname(at), os.readlink(at), rest)), depth + 1)
+            if k < len(parts) - 1 and not os.path.isdir(new + at):
+                os.mkdir(new + at, 0o755)
+        return new + at
+
+    while wanted:
+        path = wanted.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(place(path), "wb") as out:
+            out.write(data)
+        copied[0] += len(data)
+        for name in _needed(data):  # the shared libraries it needs, by soname
+            found = next((d + "/" + name for d in libs if os.path.exists(d + "/" + name)), None)
+            if found is not None:
+                wanted.append(found)
+    return copied[0]
+
+
+def _needed(data):
+    """The sonames an ELF64 little-endian shared object needs (its DT_NEEDED entries); [] for other files."""
+    if data[:6] != b"\x7fELF\x02\x01":
+        return []
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    loads, dynamic = [], None
+    for k in range(phnum):
+        kind, _, offset, vaddr, _, filesz = struct.unpack_from("<IIQQQQ", data, phoff + k * phentsize)
+        if kind == 1:  # PT_LOAD
+            loads.append((vaddr, offset, filesz))
+        elif kind == 2:  # PT_DYNAMIC
+            dynamic = (offset, filesz)
+    if dynamic is None:
+        return []
+    entries = [struct.unpack_from("<QQ", data, dynamic[0] + k) for k in range(0, dynamic[1], 16)]
+    strtab = next((v for tag, v in entries if tag == 5), None)  # DT_STRTAB, an address
+    at = next((off + strtab - va for va, off, size in loads if va <= (strtab or -1) < va + size), None)
+    if at is None:
+        return []
+    return [data[at + v:data.index(b"\0", at + v)].decode() for tag, v in entries if tag == 1]  # DT_NEEDED
+
+
+def _image_file(name):
+    """Whether a file of the standard library goes into the image: not optimised bytecode (never read
+    under -I without -O), not an extension module whose import is refused anyway."""
+    if ".opt-" in name:
+        return False
+    module = name.split(".", 1)[0]
+    return not (name.endswith(".so") and (module in _BLOCKED_IMPORTS or module.startswith(_BLOCKED_IMPORT_PREFIXES)
+                                          or module in _IMAGE_SKIP_EXTENSIONS))
 
 
 def _mount(libc, src, target, fstype, flags, data=None):
@@ -797,63 +879,6 @@ def _mount_scratch(libc, work, uid, limits, layers):
     _mount(libc, "pace-sandbox", work, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
            "size=%dm,nr_inodes=%d,mode=0700%s" % (limits["max_disk_mb"], limits["max_inodes"], owner))
     layers.append("tmpfs %d MB, %d inodes" % (limits["max_disk_mb"], limits["max_inodes"]))
-
-
-def _mount_stdlib(libc, lib, uid, stdlib, layers, read_roots):
-    """The standard library bind-mounted read-only under ``lib``, where the fresh uid can read
-    it; returns whether it was moved there."""
-    if uid is None or all(_readable_by_others(p) for p in stdlib):
-        return False
-    try:
-        _mount(libc, "pace-sandbox-lib", lib, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,nr_inodes=64,mode=0755")
-        moved = {}
-        for k, src in enumerate(stdlib):
-            target = "%s/%d" % (lib, k)
-            if os.path.isdir(src):
-                os.mkdir(target)
-            else:
-                open(target, "wb").close()
-            _mount(libc, src, target, None, _MS_BIND)
-            try:
-                _mount(libc, None, target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-            except OSError:
-                pass
-            moved[src] = target
-    except OSError:
-        return False
-
-    def rehome(path):
-        for src, target in moved.items():
-            if path == src or path.startswith(src + "/"):
-                return target + path[len(src):]
-        return path
-
-    sys.path[:] = [rehome(p) for p in sys.path if p in moved]
-    sys.path_importer_cache.clear()
-    for module in list(sys.modules.values()):
-        search = getattr(module, "__path__", None)
-        if type(search) is list:
-            search[:] = [rehome(p) for p in search]
-    read_roots[:0] = list(moved.values())
-    layers.append("stdlib bind mounts")
-    return True
-
-
-def _hide_site_packages(libc, layers):
-    """An empty read-only tmpfs over each ``site-packages`` and ``dist-packages`` inside the standard
-    library's directories: ``-S`` only leaves them off ``sys.path``, and the program could put them
-    back and import the base interpreter's third-party C extensions (``_cffi_backend`` calls C as
-    ctypes does). Hidden from the mount namespace, they are gone for native code too."""
-    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY
-    hidden = 0
-    for root in list(sys.path):
-        for name in ("site-packages", "dist-packages"):
-            path = os.path.join(root, name)
-            if os.path.isdir(path) and not os.path.ismount(path):
-                _mount(libc, "pace-sandbox-nopackages", path, "tmpfs", flags, "size=4k,nr_inodes=2")
-                hidden += 1
-    if hidden:
-        layers.append("no site-packages")
 
 
 def _landlock_ruleset(libc, work, read_roots):
@@ -919,7 +944,7 @@ def _install_seccomp(libc, allow_processes):
     LD, JEQ, JSET, AND, RET = 0x20, 0x15, 0x45, 0x54, 0x06
     ALLOW, KILL = 0x7FFF0000, 0x80000000
     EPERM, ENOSYS, EOPNOTSUPP = 0x00050000 | 1, 0x00050000 | 38, 0x00050000 | 95
-    NR, ARCH, ARG0, ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data (little endian)
+    NR, ARCH, ARG0, ARG1, ARG2 = 0, 4, 16, 24, 32  # offsets in struct seccomp_data (little endian)
     me = os.getpid()
 
     def argument_in(offset, values):
@@ -948,8 +973,12 @@ def _install_seccomp(libc, allow_processes):
     prog += only(_X86_64_SOCKETPAIR, unix_stream)
     prog += only(_X86_64_IOCTL, argument_in(ARG1, _IOCTL_ALLOW))
     prog += only(_X86_64_FCNTL, argument_in(ARG1, _FCNTL_ALLOW))
-    allowed = list(_X86_64_ALLOW.values()) + (list(_X86_64_PROCESS.values()) + [_X86_64_KILL, _X86_64_TGKILL]
-                                               if allow_processes else [])
+    prog += only(_X86_64_MADVISE, argument_in(ARG2, _MADVISE_ALLOW))
+    for nr in (_X86_64_SETSOCKOPT, _X86_64_GETSOCKOPT):
+        prog += only(nr, [(LD, 0, 0, ARG2), (JEQ, 1, 0, _PIDFD_SOCKOPTS[0]), (JEQ, 0, 1, _PIDFD_SOCKOPTS[1]),
+                          (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)])
+    allowed = list(_X86_64_ALLOW.values()) + (list(_X86_64_PROCESS.values()) + list(_X86_64_PIPES.values())
+                                               + [_X86_64_KILL, _X86_64_TGKILL] if allow_processes else [])
     for nr in allowed:  # x32 numbers (>= 0x40000000) are never equal to these
         prog += [(JEQ, 0, 1, nr), (RET, 0, 0, ALLOW)]
     for nr in _X86_64_UNSUPPORTED.values():
@@ -966,24 +995,6 @@ def _install_seccomp(libc, allow_processes):
     filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
     fprog = SockFprog(len(prog), filters)
     return libc.prctl(_PR_SET_SECCOMP, 2, ctypes.addressof(fprog), 0, 0) == 0
-
-
-def _readable_by_others(path):
-    """Whether a process with an unrelated uid can reach and read ``path``."""
-    try:
-        st = os.stat(path)
-        if os.path.isdir(path) and st.st_mode & 0o005 != 0o005:
-            return False
-        if not os.path.isdir(path) and not st.st_mode & 0o004:
-            return False
-        parent = os.path.dirname(path)
-        while parent and parent != "/":
-            if not os.stat(parent).st_mode & 0o001:
-                return False
-            parent = os.path.dirname(parent)
-        return True
-    except OSError:
-        return False
 
 
 def _set_rlimits(limits, own_uid):

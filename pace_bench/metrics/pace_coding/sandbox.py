@@ -251,15 +251,15 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
     """Run the child: ``(results, layers, refusal)``; ``refusal`` says why no code ran, if so."""
     uid = _pick_uid()
     base = tempfile.mkdtemp(prefix="pace-sandbox-")
-    work, lib = os.path.join(base, "work"), os.path.join(base, "lib")
+    work = os.path.join(base, "work")
     proc = None
     fds: list[int] = []
+    cgroup = _memory_cgroup(limits)
     try:
-        os.chmod(base, 0o711)  # the child's unprivileged uid must reach work/ and lib/
+        os.chmod(base, 0o711)  # the child's unprivileged uid must reach work/
         os.mkdir(work, 0o700)
-        os.mkdir(lib, 0o755)
         job = {
-            "program": program, "work": work, "lib": lib, "uid": uid, "parent_pid": os.getpid(),
+            "program": program, "work": work, "uid": uid, "parent_pid": os.getpid(), "cgroup": cgroup,
             "limits": {k: v for k, v in asdict(limits).items() if k != "timeout_s"},
         }
         call_r, call_w = os.pipe()
@@ -298,7 +298,8 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
             proc.stderr.close()
         for fd in fds:
             os.close(fd)
-        _remove_base(base, work, lib)
+        shutil.rmtree(base, ignore_errors=True)
+        _remove_cgroup(cgroup)
 
 
 def _scratch_unnamed(result: CallResult, base: str) -> CallResult:
@@ -679,22 +680,58 @@ def _kill_uid(uid: int) -> bool:
     return found
 
 
-def _remove_base(base: str, work: str, lib: str) -> None:
-    """Delete the run's directories. Only ``work`` is removed recursively: ``lib`` holds mount
-    points (in the child's namespace only), so it is removed with rmdir, never recursively."""
-    shutil.rmtree(work, ignore_errors=True)
-    for path in ([os.path.join(lib, d) for d in _listdir(lib)] + [lib, base]):
-        try:
-            os.rmdir(path)
-        except OSError:
-            try:
-                os.remove(path)
-            except OSError:
-                pass
+def _memory_cgroup(limits: SandboxLimits) -> dict | None:
+    """A memory cgroup for one run, beneath this process's own (cgroup v1's memory hierarchy, or v2
+    where this process may make one), limited to the run's memory, its image and its scratch disk plus
+    64 MB: the kernel charges a run's negative dentries, page cache and slab there, so no run grows the
+    host's kernel memory past that, and :func:`_remove_cgroup` frees what it made. None where the host
+    has no memory controller we may use (not root, no delegation): the layer is then missing from the
+    run's layers, and the private image still frees the run's dentries and pages when it ends."""
+    from pace_bench.metrics.pace_coding._sandbox_child import _IMAGE_MB
 
-
-def _listdir(path: str) -> list[str]:
+    limit_mb = limits.memory_mb + _IMAGE_MB + limits.max_disk_mb + 64
     try:
-        return os.listdir(path)
+        with open("/proc/self/cgroup") as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f]
     except OSError:
-        return []
+        return None
+    for _, controllers, path in entries:
+        if "memory" in controllers.split(","):
+            base, limit_file = "/sys/fs/cgroup/memory" + path, "memory.limit_in_bytes"
+        elif controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            base, limit_file = "/sys/fs/cgroup" + path, "memory.max"
+        else:
+            continue
+        folder = os.path.join(base, "pace-run-" + secrets.token_hex(8))
+        try:
+            os.mkdir(folder)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(folder, limit_file), "w") as f:
+                f.write(str(limit_mb << 20))
+            return {"path": folder, "limit_mb": limit_mb, "v1": limit_file == "memory.limit_in_bytes"}
+        except OSError:
+            _remove_cgroup({"path": folder, "v1": limit_file == "memory.limit_in_bytes"})
+    return None
+
+
+def _remove_cgroup(cgroup: dict | None) -> None:
+    """Reclaim what the run's cgroup still holds (its processes are dead: negative dentries, pages), so
+    that it is freed rather than handed to the parent cgroup, then remove it."""
+    if cgroup is None:
+        return
+    control, value = ("memory.force_empty", "0") if cgroup["v1"] else ("memory.reclaim", str(1 << 40))
+    for _ in range(50):
+        try:
+            with open(os.path.join(cgroup["path"], control), "w") as f:
+                f.write(value)
+        except OSError:
+            pass
+        try:
+            os.rmdir(cgroup["path"])
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # a process of the run not reaped yet
+            time.sleep(0.01)

@@ -1,0 +1,169 @@
+"""Covert channels between runs, and kernel memory a run can grow (issue 41).
+
+Each test attacks through real runs of :func:`run_calls` and then checks the host: the parent alive,
+no sandbox process or memory cgroup left, and the host's kernel slab back where it was."""
+
+import os
+import textwrap
+import threading
+import time
+
+import pytest
+
+from pace_bench.metrics.pace_coding.sandbox import SandboxLimits, run_calls
+
+from test_sandbox import _children
+
+QUICK = SandboxLimits(timeout_s=8.0, memory_mb=256, cpu_s=5)
+pytestmark = pytest.mark.usefixtures("code_eval_allowed")
+
+
+def run(program, calls, limits=QUICK):
+    return run_calls(textwrap.dedent(program), calls, limits)
+
+
+def _slab_mb():
+    """The host's kernel slab (SReclaimable + SUnreclaim), in MB."""
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return sum(int(fields[k].split()[0]) for k in ("SReclaimable", "SUnreclaim")) / 1024
+
+
+def _cgroups_left():
+    left = []
+    for root, dirs, _ in os.walk("/sys/fs/cgroup"):
+        left += [os.path.join(root, d) for d in dirs if d.startswith("pace-run-")]
+        if root.count("/") > 8:
+            dirs[:] = []
+    return left
+
+
+@pytest.fixture
+def host():
+    """After the attack: this process alive, no sandbox process or run cgroup left."""
+    before, cgroups = _children(), set(_cgroups_left())
+    yield
+    os.kill(os.getpid(), 0)
+    assert _children() <= before, "a sandbox process outlived its run"
+    for _ in range(40):  # another test process's run may hold one for a moment
+        left = set(_cgroups_left()) - cgroups
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left, left
+
+
+# Sixteen standard-library files that nothing else here reads: one bit each.
+_FILES = [f"encodings/{name}.py" for name in ("cp037", "cp1006", "cp1026", "cp1125", "cp1140", "cp1250", "cp1251",
+                                                "cp1252", "cp1253", "cp1254", "cp1255", "cp1256", "cp1257", "cp1258",
+                                                "cp273", "cp424")]
+_PAGE_CACHE = """
+import os, encodings
+ROOT = os.path.dirname(encodings.__file__) + "/.."
+FILES = %r
+def send(bits):
+    # a 1 reads the file into the page cache, a 0 evicts it
+    for name, bit in zip(FILES, bits):
+        with open(os.path.join(ROOT, name), "rb", buffering=0) as f:
+            if bit:
+                f.read()
+            else:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return True
+def receive():
+    # a read that must not wait for the disk: it fails where the page is not cached
+    out = []
+    for name in FILES:
+        with open(os.path.join(ROOT, name), "rb", buffering=0) as f:
+            try:
+                os.preadv(f.fileno(), [bytearray(16)], 0, os.RWF_NOWAIT)
+                out.append(1)
+            except OSError:
+                out.append(0)
+    return out
+""" % _FILES
+
+
+def test_the_page_cache_carries_nothing_from_one_run_to_the_next(host):
+    """A run evicted shared pages of the bind-mounted standard library (posix_fadvise DONTNEED) or read
+    them in, and the next run saw which with preadv2(RWF_NOWAIT): 11 of 15 checks passed with no recall.
+    Every run now reads private copies in its own tmpfs, so what one run does to its pages, no other run
+    sees: the receiver reads the same for both messages."""
+    seen = {}
+    for bits in ([0] * 16, [1] * 16, [0] * 16):
+        sent = run(_PAGE_CACHE, [f"send({bits})"])
+        assert sent[0].status == "ok", sent
+        got = run(_PAGE_CACHE, ["receive()"])
+        assert got[0].status == "ok", got
+        seen.setdefault(bits[0], []).append(got[0].value)
+    assert seen[0][0] == seen[0][1] == seen[1][0], seen  # 0 bits per run
+
+
+def test_no_run_gets_a_pidfd_whose_inode_counts_the_hosts_processes(host):
+    """``getsockopt(SO_PEERPIDFD)`` gave a run a pidfd of itself, whose inode number comes from a host-wide
+    counter that every new thread moves: a run started threads, the next read the counter (6 of 15
+    checks). seccomp now refuses SO_PEERPIDFD and SO_PASSPIDFD; no other way to a pidfd is allowed
+    (pidfd_open is not in the allowlist, clone takes no CLONE_PIDFD)."""
+    results = run("""
+        import os, socket, threading
+        def counter():
+            for _ in range(200):
+                threading.Thread(target=lambda: None).start()
+            a, b = socket.socketpair()
+            fd = a.getsockopt(socket.SOL_SOCKET, 77)  # SO_PEERPIDFD
+            return os.fstat(fd).st_ino
+        def passing():
+            a, b = socket.socketpair()
+            a.setsockopt(socket.SOL_SOCKET, 76, 1)  # SO_PASSPIDFD
+            return True
+        def ordinary():
+            a, b = socket.socketpair()
+            return a.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_STREAM
+        """, ["counter()", "passing()", "ordinary()"])
+    assert [r.status for r in results] == ["raised", "raised", "ok"], results
+    assert results[0].exc_type == results[1].exc_type == "PermissionError"
+    assert results[2].value is True
+
+
+@pytest.mark.slow
+def test_a_stat_flood_is_bounded_by_the_run_and_freed_with_it(host):
+    """Looking up fresh 250-character names under the bind-mounted standard library left a negative
+    dentry each on the host's file system: the host's slab grew by 977 MiB to 1.4 GiB, and stayed. The
+    names now fall in the run's private image (its dentries die with its tmpfs), and the run's memory
+    cgroup, where the host has one, holds them to the run's limit while it lasts."""
+    limits = SandboxLimits(timeout_s=8.0, memory_mb=64, cpu_s=6)
+    before, peak, stop = _slab_mb(), [0.0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _slab_mb())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        results = run("""
+            import os, time, encodings
+            ROOT = os.path.dirname(encodings.__file__)
+            def flood(seconds):
+                end, n = time.monotonic() + seconds, 0
+                while time.monotonic() < end:
+                    for _ in range(1000):
+                        try:
+                            os.stat("%s/%0250d" % (ROOT, n))
+                        except OSError:
+                            pass
+                        n += 1
+                return n
+            """, ["flood(5)"], limits)
+    finally:
+        stop.set()
+        sampler.join()
+    assert results[0].status == "ok" and results[0].value > 100_000, results
+    time.sleep(0.5)
+    after = _slab_mb()
+    assert after - before < 64, (before, peak[0], after)  # MB: freed with the run
+    if any(os.path.exists(p) for p in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup/cgroup.controllers")):
+        from pace_bench.metrics.pace_coding._sandbox_child import _IMAGE_MB
+        cap = limits.memory_mb + _IMAGE_MB + limits.max_disk_mb + 64
+        assert peak[0] - before < cap + 64, (before, peak[0], cap)
