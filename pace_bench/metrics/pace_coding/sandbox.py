@@ -236,8 +236,8 @@ def run_calls(program: str, calls: list[str], limits: SandboxLimits = SandboxLim
 def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
     """Which OS-level layers the child sets up on this machine (for logs and tests; runs no
     generated code): e.g. ``["netns", "mountns", "pidns", "ipcns", "utsns", "minimal root",
-    "fresh /proc", "read-only root", "tmpfs 16 MB, 4096 inodes", "stdlib bind mounts", "no site-packages",
-    "utsns hostname", "rlimits", "uid 1234", "landlock v7", "seccomp allowlist",
+    "private image 41 MB", "fresh /proc", "read-only root", "tmpfs 16 MB, 4096 inodes", "utsns hostname",
+    "rlimits", "uid 1234", "landlock v7", "seccomp allowlist", "memory cgroup 752 MB",
     "violation counter"]`` (``"userns"`` first where they were made without root).
     :func:`run_calls` refuses unless the namespaces are there and a "landlock" layer is present. The audit hook is not listed: it is always installed."""
     return _run("", [], limits)[1]

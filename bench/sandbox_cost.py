@@ -1,0 +1,128 @@
+"""Per-run cost of the pace_coding sandbox and the host slab a stat flood leaves, for this tree and an
+older revision, interleaved in one process so that both see the same machine (issue 41).
+
+    PACE_ALLOW_CODE_EVAL=1 python bench/sandbox_cost.py --before 540806e --runs 20 --out bench/results/sandbox_cost
+
+The older revision's sandbox (its sandbox.py and _sandbox_child.py, read with ``git show``) is loaded
+from a temporary folder. Writes ``results.json`` and ``results.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDER = "pace_bench/metrics/pace_coding"
+PROGRAM = "from decimal import Decimal\ndef fee_for(amount):\n    return amount * Decimal('0.03')\n"
+CALLS = ["fee_for(Decimal('100'))", "fee_for(Decimal('250.50'))", "str(fee_for(Decimal('1')))"]
+FLOOD = """
+import os, time, encodings
+ROOT = os.path.dirname(encodings.__file__)
+def flood(seconds):
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        for _ in range(1000):
+            try:
+                os.stat("%s/%0250d" % (ROOT, n))
+            except OSError:
+                pass
+            n += 1
+    return n
+"""
+
+
+def load_sandbox(rev: str | None, tmp: Path):
+    """The sandbox module of revision ``rev`` (None: this tree)."""
+    if rev is None:
+        from pace_bench.metrics.pace_coding import sandbox
+        return sandbox
+    where = tmp / rev
+    where.mkdir()
+    for name in ("sandbox.py", "_sandbox_child.py"):
+        text = subprocess.run(["git", "show", f"{rev}:{FOLDER}/{name}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+        (where / name).write_text(text)  # the old sandbox.py starts the _sandbox_child.py beside it
+    spec = importlib.util.spec_from_file_location(f"sandbox_{rev}", where / "sandbox.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def slab_mb() -> float:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return sum(int(fields[k].split()[0]) for k in ("SReclaimable", "SUnreclaim")) / 1024
+
+
+def flood(sandbox, seconds: float) -> dict:
+    """One run that stats fresh 250-character names under the standard library for ``seconds``: the
+    host's slab before, at its peak while the run lasts, and 1 s after."""
+    import threading
+    before, peak, stop = slab_mb(), [0.0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], slab_mb())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        limits = sandbox.SandboxLimits(timeout_s=seconds + 4, memory_mb=64, cpu_s=int(seconds) + 2)
+        result = sandbox.run_calls(FLOOD, [f"flood({seconds})"], limits)[0]
+    finally:
+        stop.set()
+        sampler.join()
+    time.sleep(1.0)
+    return {"lookups": result.value, "slab_before_mb": round(before, 1), "slab_peak_growth_mb": round(peak[0] - before, 1),
+            "slab_growth_after_mb": round(slab_mb() - before, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", required=True, help="the git revision to compare with (e.g. the commit before issue 41)")
+    ap.add_argument("--runs", type=int, default=20, help="runs of each sandbox, interleaved")
+    ap.add_argument("--flood-seconds", type=float, default=5.0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = {"before": load_sandbox(args.before, Path(tmp)), "after": load_sandbox(None, Path(tmp))}
+        times = {name: [] for name in arms}
+        for _ in range(args.runs):
+            for name, sandbox in arms.items():
+                start = time.perf_counter()
+                results = sandbox.run_calls(PROGRAM, CALLS)
+                times[name].append(time.perf_counter() - start)
+                assert all(r.status == "ok" for r in results), results
+        report = {"before": args.before, "runs": args.runs, "arms": {}}
+        for name, sandbox in arms.items():
+            report["arms"][name] = {
+                "per_run_s_median": round(statistics.median(times[name]), 3),
+                "per_run_s_min": round(min(times[name]), 3), "per_run_s_max": round(max(times[name]), 3),
+                "layers": sandbox.isolation_layers(), "stat_flood": flood(sandbox, args.flood_seconds)}
+    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    rows = ["| sandbox | per run (median, s) | min-max (s) | stat-flood lookups | slab growth at peak (MB) | "
+            "slab growth 1 s after (MB) |", "|---|---|---|---|---|---|"]
+    for name, r in report["arms"].items():
+        f = r["stat_flood"]
+        rows.append(f"| {name} ({args.before if name == 'before' else 'this tree'}) | {r['per_run_s_median']} | "
+                    f"{r['per_run_s_min']}-{r['per_run_s_max']} | {f['lookups']:,} | {f['slab_peak_growth_mb']} | "
+                    f"{f['slab_growth_after_mb']} |")
+    (out / "results.md").write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
