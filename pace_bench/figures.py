@@ -43,6 +43,7 @@ import numpy as np
 import pandas as pd
 
 from .arms import ARMS, FORESIGHT_ARMS
+from .stats import wilson
 from .records import run_records, session_key
 
 FIGURE_1 = "fig1_checks_vs_distance.png"
@@ -69,17 +70,6 @@ def arm_style(arm: str) -> dict:
 
     k = _rank(arm) if arm in ARMS else len(ARMS) + sum(map(ord, arm)) % 7
     return {"color": matplotlib.colormaps["tab10"](k % 10), "marker": _MARKERS[k % len(_MARKERS)]}
-
-
-def wilson(successes, trials, z: float = 1.959964) -> tuple[np.ndarray, np.ndarray]:
-    """The Wilson score interval for ``successes`` out of ``trials`` (arrays), 95% by default; (0, 1)
-    where there are no trials."""
-    k, n = np.asarray(successes, dtype=float), np.asarray(trials, dtype=float)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        p = k / n
-        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-        half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return np.where(n > 0, centre - half, 0.0), np.where(n > 0, centre + half, 1.0)
 
 
 def _tokens(x: float) -> str:

@@ -70,6 +70,8 @@ from pathlib import Path
 
 import torch
 
+from pace_bench.stats import wilson
+
 # task -> the generator call of its lm-eval task (lm_eval/tasks/ruler/*_utils.py) and that task's
 # max_gen_toks (its YAML); min_length: the shortest length its generator can fill (template, example
 # and answer room included).
@@ -502,17 +504,6 @@ def play(model, tokenizer, template, sample: dict, setting: str, arm: str, s: Ru
 # -- reporting ---------------------------------------------------------------------------------------------
 
 
-def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson interval of a proportion ``p`` over ``n`` questions (RULER's partial scores count as
-    that fraction of a success)."""
-    if n == 0:
-        return 0.0, 1.0
-    denom = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, center - half), min(1.0, center + half)
-
-
 def by_cell(records: list[dict]) -> dict[tuple, list[dict]]:
     """The records of each table cell: (setting, task, length, arm) -> records."""
     groups: dict[tuple, list[dict]] = {}
@@ -526,7 +517,7 @@ def accuracy(records: list[dict]) -> dict[tuple, tuple[float, int, float, float]
     out = {}
     for key, got in by_cell(records).items():
         p = sum(r["score"] for r in got) / len(got)
-        out[key] = (p, len(got), *wilson(p, len(got)))
+        out[key] = (p, len(got), *wilson(p * len(got), len(got)))
     return out
 
 

@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 
 from pace_bench import figures
-from pace_bench.figures import FIGURE_1, FIGURE_3, distance_groups, settings_for, title_for, wilson
+from pace_bench.figures import FIGURE_1, FIGURE_3, distance_groups, settings_for, title_for
+from pace_bench.stats import wilson
 
 
 def _rec(arm, sid, distance, passed, total=4, residency=1.0, gap=1000, target=None, context_len=49152):

@@ -243,11 +243,18 @@ def test_two_processes_share_the_contexts_and_the_main_one_merges(model_dir, tmp
     assert "(n=4)" in (out / "table.md").read_text()
 
 
-def test_wilson_interval():
-    lo, hi = ruler.wilson(0.5, 10)
+def test_wilson_interval_of_a_mean_score():
+    """RULER's cells are mean scores (a partial score is that fraction of a success): the interval of
+    ``p`` over ``n`` questions is the one interval of ``p * n`` successes (``pace_bench.stats``)."""
+    from pace_bench.stats import wilson
+
+    lo, hi = wilson(0.5 * 10, 10)
     assert 0.23 < lo < 0.24 and 0.76 < hi < 0.77
-    assert ruler.wilson(1.0, 5)[1] == 1.0 and ruler.wilson(0.0, 0) == (0.0, 1.0)
-    assert torch.isclose(torch.tensor(sum(ruler.wilson(0.3, 50))), torch.tensor(2 * 0.3), atol=0.05)
+    assert wilson(5, 5)[1] == 1.0 and wilson(0, 0) == (0.0, 1.0)
+    assert torch.isclose(torch.tensor(sum(wilson(0.3 * 50, 50))), torch.tensor(2 * 0.3), atol=0.05)
+    _p, n, lo, hi = ruler.accuracy([{"setting": "s", "task": "t", "length": 8, "arm": "a", "score": x}
+                                    for x in (1.0, 0.0, 0.5, 0.5)])[("s", "t", 8, "a")]
+    assert n == 4 and (lo, hi) == wilson(2.0, 4)
 
 
 @pytest.mark.slow  # the whole RULER script at small sizes: about 8 minutes on 2 busy cores
