@@ -100,6 +100,11 @@ def _streaming_bounded(model, blueprint, s, **kw):
     return StreamingLLMCache(model, budget=s.budget, limit=s.limit, **kw)
 
 
+@register("snapkv_bounded", "snapkv + L", bounded=True)
+def _snapkv_bounded(model, blueprint, s, **kw):
+    return SnapKVCache(model, budget=s.budget, limit=s.limit, **kw)
+
+
 FORESIGHT_ARMS = tuple(a.name for a in ARMS.values() if a.foresight)  # the PACE family: arms that plan ahead
 BOUNDED_ARMS = tuple(a.name for a in ARMS.values() if a.bounded)
 

@@ -70,6 +70,7 @@ from pathlib import Path
 
 import torch
 
+from pace_bench import arms as registry
 from pace_bench.stats import wilson
 
 # task -> the generator call of its lm-eval task (lm_eval/tasks/ruler/*_utils.py) and that task's
@@ -87,10 +88,12 @@ TASKS = {
     "cwe": {"kind": "cwe", "max_gen_toks": 120, "min_length": 1024},
 }
 SETTINGS = ("question_last", "session")
-ARMS = ("full", "h2o", "snapkv", "snapkv_bounded", "streaming", "pace_retrieval", "pace_follow", "pace_plan")
+# The suite's arms are the registry's caches (pace_bench.arms); PACE's three differ in what a question's
+# turn does (restore what it matches, also follow its links, or plan the questions), not in the cache.
 RETRIEVAL = ("pace_retrieval", "pace_follow")  # no plan: each question's turn restores what it matches
 PACE = (*RETRIEVAL, "pace_plan")
-BOUNDED = ("snapkv_bounded", *PACE)
+ARMS = ("full", "h2o", "snapkv", "snapkv_bounded", "streaming", *PACE)
+BOUNDED = tuple(a for a in ARMS if a in PACE or registry.ARMS[a].bounded)
 SIGNALS = ("lexical", "digest", "both")
 LONG_LINE = 200  # a needle is its whole line when the line is at most this long (niah, vt), else its words
 # Needles per NIAH context, at most: every other needle of a context is a distractor of the same form
@@ -326,21 +329,11 @@ def build_prompt(sample: dict, setting: str, template, settings: RulerSettings) 
 
 
 def make_cache(arm: str, model, s: RulerSettings, store=None, session_id: str | None = None):
-    """The cache of one arm. Every evicting arm shares budget, sinks, recent and schedule."""
-    from transformers import DynamicCache
+    """The cache of one arm: the registry's (PACE's three arms are its ``pace``, with no plan yet)."""
+    from pace_hf import Blueprint
 
-    from pace_hf import EvictionCache, PACECache
-    from pace_hf.scoring import CumulativeAttention, ObservationWindow, Recency
-
-    if arm == "full":
-        return DynamicCache(config=model.config)
-    kw = {"budget": s.budget, "store": store, "session_id": session_id if store is not None else None}
-    if arm in PACE:
-        return PACECache(None, model, limit=s.limit, **kw)
-    scoring = {"h2o": CumulativeAttention, "snapkv": ObservationWindow, "snapkv_bounded": ObservationWindow,
-               "streaming": Recency}[arm]()
-    return EvictionCache(model, scoring=scoring, limit=s.limit if arm in BOUNDED else None,
-                         recent=0 if arm == "streaming" else 128, **kw)
+    return registry.make_cache("pace" if arm in PACE else arm, model, Blueprint(),
+                               registry.ArmSettings(budget=s.budget, limit=s.limit), store, session_id)
 
 
 def plan_questions(cache, retriever, context_ids: list[int], texts: list[str], step: int) -> list:
