@@ -17,13 +17,16 @@ nothing here is trusted after that. The walls that must hold are set up before, 
   the run makes (negative dentries, page cache, slab) count against its limit;
 * a minimal read-only root of private copies (the standard library, the shared libraries it needs and
   the mount points below: no other host path exists, even for ``stat``, and no page of a host file is
-  shared with another run) with a fresh ``/proc`` of the
-  new pid namespace (only its processes) and a
+  shared with another run), no ``/proc``, and a
   ``noexec`` scratch tmpfs whose ``size=`` and ``nr_inodes=`` cap disk and kernel memory (a mkdir
   flood meets ENOSPC), Landlock, resource limits,
   a fresh uid, and a seccomp allowlist (``_install_seccomp``);
 * the parent holds the calls and the expected values, sends one call at a time with a fresh nonce
-  and accepts exactly one answer for it, and counts refusals through a kernel counter.
+  and accepts exactly one answer for it, and counts refusals through a kernel counter;
+* no inode whose number comes from the host-wide counter (``get_next_ino``: pipes, sockets, procfs)
+  is left in reach of the program: the pipes to the parent are swapped for FIFOs in the scratch tmpfs
+  (``_swap_pipes``), whose inode numbers are the tmpfs's own, and the program can make no pipe,
+  socket or procfs inode.
 
 Order matters. Everything the harness needs is imported and bound to closure variables first,
 then the confinement, then the audit hook (a layer: refusals raise PermissionError in the program
@@ -36,6 +39,7 @@ copy of the builtins. The program runs in a worker thread whose stack starts at 
 import _json
 import builtins
 import decimal
+import fcntl
 import json
 import os
 import resource
@@ -56,7 +60,7 @@ _NAMESPACES = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CL
 _NAMESPACE_FLAGS = _NAMESPACES | _CLONE_NEWUSER | _CLONE_NEWCGROUP | _CLONE_NEWTIME
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
+_PR_SET_PDEATHSIG, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 22, 38
 _SYS_MOUNT_SETATTR = 442  # the same number on every architecture (new syscall table)
 _SYS_LANDLOCK_CREATE, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT = 444, 445, 446
 # Landlock filesystem rights (uapi/linux/landlock.h); EXECUTE is left to seccomp
@@ -66,12 +70,16 @@ _LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | _LL_TRUNCATE | 
 # Paths C code may read besides the standard library: shared libraries, locales, time zones
 _SYSTEM_READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime")
 # The run's private image (see _pivot_to_minimal_root): its tmpfs, what it leaves out of the standard
-# library (tests, tools, GUI, installers: about 140 MB this image does not copy), the few host files it
+# library (tests, tools, GUI, installers, ctypes: about 150 MB this image does not copy), the few host files it
 # copies besides, and where shared libraries are looked up by soname.
 _IMAGE_MB, _IMAGE_INODES = 160, 8192
 _IMAGE_SKIP = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "idlelib", "tkinter",
-                         "turtledemo", "lib2to3", "ensurepip", "pydoc_data", "__phello__", "venv"})
-_IMAGE_SKIP_EXTENSIONS = frozenset({"_tkinter", "_curses", "_curses_panel", "readline", "nis", "_crypt"})
+                         "turtledemo", "lib2to3", "ensurepip", "pydoc_data", "__phello__", "venv", "distutils",
+                         "ctypes"})
+# and extensions of no use without a network or a screen (hashlib falls back to its own hashes without
+# _hashlib, and so needs no OpenSSL: 5 MB less to copy per run)
+_IMAGE_SKIP_EXTENSIONS = frozenset({"_tkinter", "_curses", "_curses_panel", "readline", "nis", "_crypt", "_ssl",
+                                    "_hashlib"})
 _IMAGE_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/usr/share/zoneinfo/UTC", "/usr/share/zoneinfo/Etc/UTC")
 _LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu",
              "/usr/lib/aarch64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib")
@@ -108,8 +116,7 @@ _X86_64_ALLOW = {
     "pause": 34, "restart_syscall": 219, "exit": 60, "exit_group": 231, "wait4": 61, "waitid": 247,
     "set_robust_list": 273, "get_robust_list": 274, "set_tid_address": 218, "rseq": 334,
     "sendfile": 40, "sendto": 44, "recvfrom": 45, "sendmsg": 46, "recvmsg": 47, "shutdown": 48,
-    "getsockname": 51, "getpeername": 52, "listen": 50,
-    "accept": 43, "accept4": 288, "splice": 275, "tee": 276, "copy_file_range": 326,
+    "getsockname": 51, "getpeername": 52, "listen": 50, "splice": 275, "tee": 276, "copy_file_range": 326,
     "fsync": 74, "fdatasync": 75, "truncate": 76, "ftruncate": 77, "fallocate": 285,
     "fadvise64": 221, "sync_file_range": 277, "chdir": 80, "fchdir": 81, "rename": 82,
     "renameat": 264, "renameat2": 316, "mkdir": 83, "mkdirat": 258, "rmdir": 84, "unlink": 87,
@@ -133,7 +140,9 @@ _X86_64_PROCESS = {"fork": 57, "vfork": 58, "execve": 59, "setsid": 112, "setpgi
 _X86_64_CLONE, _X86_64_CLONE3, _X86_64_KILL, _X86_64_TGKILL = 56, 435, 62, 234
 _X86_64_SOCKET, _X86_64_SOCKETPAIR, _X86_64_PRLIMIT64 = 41, 53, 302
 _X86_64_IOCTL, _X86_64_FCNTL = 16, 72
-_X86_64_PIPES = {"pipe": 22, "pipe2": 293}  # only where processes are allowed (subprocess needs them)
+# Only where processes are allowed (subprocess needs pipes): each pipe or socket takes its inode number
+# from a host-wide counter (get_next_ino) that one run can move and the next read, a covert channel.
+_X86_64_PIPES = {"pipe": 22, "pipe2": 293, "accept": 43, "accept4": 288}
 # Socket options, but SO_PASSPIDFD (76) and SO_PEERPIDFD (77): a pidfd's inode number comes from a
 # host-wide counter that every new thread or process moves, a covert channel between runs.
 _X86_64_SETSOCKOPT, _X86_64_GETSOCKOPT, _PIDFD_SOCKOPTS = 54, 55, (76, 77)
@@ -588,6 +597,9 @@ def _confine(job, pipes):
         uid = None  # no uid of the host to drop to from a user namespace
     _private_read_only_root(libc, work, read_roots, layers)
     _mount_scratch(libc, work, uid, limits, layers)
+    if job.get("fifos"):
+        _swap_pipes(work, pipes)
+        layers.append("fifos")
     if libc.sethostname(b"pace-sandbox", 12) == 0:
         layers.append("utsns hostname")
     ruleset, abi = _landlock_ruleset(libc, work, read_roots)
@@ -604,7 +616,6 @@ def _confine(job, pipes):
         except OSError:
             pass
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # keeps /proc/self/fd readable after the uid drop
     if _drop_capabilities(libc):  # root in a user namespace (or a failed uid drop) keeps none
         layers.append("no capabilities")
     if ruleset is not None:  # needs no_new_privs; applies to this thread and all it starts
@@ -721,9 +732,9 @@ def _private_read_only_root(libc, work, read_roots, layers):
 
 def _pivot_to_minimal_root(libc, work, read_roots, layers):
     """A root of the sandbox's own: a tmpfs holding a private copy of what the interpreter and C code may
-    read (:func:`_copy_image`), a bind mount of /dev/null, the empty directories later mounts need
-    (``work``) and a fresh /proc (mounted before the host's is gone: in a user namespace the kernel only
-    allows a procfs where one is visible). The host's root is then detached.
+    read (:func:`_copy_image`), a bind mount of /dev/null and the empty directory the scratch mount needs
+    (``work``). The host's root is then detached. No /proc: every inode of a procfs takes its number from
+    a host-wide counter (get_next_ino) that one run can move and the next read, as pipes and sockets do.
 
     Copies, not bind mounts of the host's files: a file shared with other runs shares its page cache
     (one run evicts a page, the next sees it missing: a covert channel), and a lookup of a missing name
@@ -744,14 +755,11 @@ def _pivot_to_minimal_root(libc, work, read_roots, layers):
         os.makedirs(new + "/dev", 0o755, exist_ok=True)
         open(new + "/dev/null", "wb").close()
         _mount(libc, "/dev/null", new + "/dev/null", None, _MS_BIND)
-        for path in (work, "/proc"):  # mount points, and folders the fresh uid must pass to reach them
-            at = ""
-            for part in [p for p in path.split("/") if p]:
-                at += "/" + part
-                if not os.path.isdir(new + at):
-                    os.mkdir(new + at, 0o711)
-        proc = []
-        _mount_proc(libc, new + "/proc", proc)
+        at = ""
+        for part in [p for p in work.split("/") if p]:  # the mount point, and folders the fresh uid passes
+            at += "/" + part
+            if not os.path.isdir(new + at):
+                os.mkdir(new + at, 0o711)
         os.chdir(new)
         if libc.syscall(pivot_root, b".", b".") != 0:
             raise OSError("pivot_root failed (errno %d)" % ctypes.get_errno())
@@ -764,7 +772,7 @@ def _pivot_to_minimal_root(libc, work, read_roots, layers):
             libc.umount2(new.encode(), 2)
         raise
     os.chdir("/")
-    layers += ["minimal root", "private image %d MB" % (size >> 20)] + proc
+    layers += ["minimal root", "private image %d MB" % (size >> 20), "no /proc"]
 
 
 def _copy_image(new, read_roots):
@@ -773,7 +781,7 @@ def _copy_image(new, read_roots):
     name (found by their sonames in the system's library folders, then theirs in turn), the loader's
     cache and a UTC time zone. Files are readable by every uid, so the fresh uid needs no other mount.
     Returns the bytes copied."""
-    copied = [0]
+    copied = 0
     libs = [d for d in _LIB_DIRS if os.path.isdir(d)]
     wanted = []  # (path on the host) files to copy, in order; shared libraries found on the way join it
     for root in read_roots:
@@ -782,10 +790,13 @@ def _copy_image(new, read_roots):
                 dirs[:] = [d for d in dirs if d not in _IMAGE_SKIP and not d.startswith("config-")]
                 wanted += [os.path.join(folder, f) for f in files if _image_file(f)]
     wanted += [p for p in _IMAGE_FILES if os.path.exists(p)]
-    seen = set()
+    seen, placed = set(), {}  # placed: host folder -> where it is in the new root
 
     def place(path, depth=0):
         """The new root's path for host ``path``: its folders made, symlinks on the way copied."""
+        folder, name = path.rsplit("/", 1)
+        if folder in placed and not os.path.islink(path):
+            return placed[folder] + "/" + name
         if depth > 16:
             raise OSError("too many symlinks under %s" % path)
         at = ""
@@ -799,6 +810,7 @@ def _copy_image(new, read_roots):
                 return place(os.path.normpath(os.path.join(os.path.dirname(at), os.readlink(at), rest)), depth + 1)
             if k < len(parts) - 1 and not os.path.isdir(new + at):
                 os.mkdir(new + at, 0o755)
+        placed[folder] = os.path.dirname(new + at)
         return new + at
 
     while wanted:
@@ -806,16 +818,20 @@ def _copy_image(new, read_roots):
         if path in seen:
             continue
         seen.add(path)
-        with open(path, "rb") as f:
-            data = f.read()
-        with open(place(path), "wb") as out:
-            out.write(data)
-        copied[0] += len(data)
-        for name in _needed(data):  # the shared libraries it needs, by soname
-            found = next((d + "/" + name for d in libs if os.path.exists(d + "/" + name)), None)
-            if found is not None:
-                wanted.append(found)
-    return copied[0]
+        with open(path, "rb") as f, open(place(path), "wb") as out:
+            size = os.fstat(f.fileno()).st_size
+            if path.endswith(".py") or path.endswith(".pyc"):  # most of the bytes: copied in the kernel
+                while os.sendfile(out.fileno(), f.fileno(), None, 1 << 24):
+                    pass
+            else:
+                data = f.read()
+                out.write(data)
+                for name in _needed(data):  # the shared libraries it needs, by soname
+                    found = next((d + "/" + name for d in libs if os.path.exists(d + "/" + name)), None)
+                    if found is not None:
+                        wanted.append(found)
+        copied += size
+    return copied
 
 
 def _needed(data):
@@ -857,17 +873,30 @@ def _mount(libc, src, target, fstype, flags, data=None):
         raise OSError("mount %s (%s) failed" % (target, fstype))
 
 
-def _mount_proc(libc, target, layers):
-    """A procfs of the new pid namespace over /proc, read-only, with only its process
-    directories (``subset=pid``): no host pid, no global counters (/proc/stat, /proc/sys). Where
-    the kernel refuses it (a user namespace under a masked /proc), an empty tmpfs hides /proc."""
-    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY
-    try:
-        _mount(libc, "proc", target, "proc", flags, "subset=pid")
-        layers.append("fresh /proc")
-    except OSError:
-        _mount(libc, "pace-sandbox-noproc", target, "tmpfs", flags, "size=4k,nr_inodes=2")
-        layers.append("no /proc")
+def _swap_pipes(work, pipes):
+    """Replace the pipes to the parent (``pipes``: the call and report fds) and stderr with FIFOs in the
+    scratch tmpfs, at the same fd numbers. A pipe's inode number comes from a host-wide counter that
+    every pipe, socket and procfs inode of the host moves: the parent's pipes, made just before this
+    run, would tell the program how far the previous run moved it. A FIFO's number is its tmpfs's own.
+
+    The handshake: make the FIFOs and open them (the call FIFO for reading without waiting, the others
+    read-write, which never waits), tell the parent on the old report pipe, which opens them through
+    ``/proc/PID/root`` and closes the old call pipe; at its end of file, move the FIFOs onto the old
+    numbers."""
+    call_fd, report_fd = pipes
+    paths = [os.path.join(work, ".pace-" + name) for name in ("call", "report", "stderr")]
+    for path in paths:
+        os.mkfifo(path, 0o600)
+    fifos = [os.open(paths[0], os.O_RDONLY | os.O_NONBLOCK)] + [os.open(p, os.O_RDWR) for p in paths[1:]]
+    line = (_plain_json({"fifos": work}) + "\n").encode()
+    while line:
+        line = line[os.write(report_fd, line):]
+    while os.read(call_fd, 1 << 16):  # the parent closes it once it holds the FIFOs
+        pass
+    fcntl.fcntl(fifos[0], fcntl.F_SETFL, fcntl.fcntl(fifos[0], fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    for fifo, fd in zip(fifos, (call_fd, report_fd, 2)):
+        os.dup2(fifo, fd)
+        os.close(fifo)
 
 
 def _mount_scratch(libc, work, uid, limits, layers):
@@ -969,8 +998,9 @@ def _install_seccomp(libc, allow_processes):
         prog += only(_X86_64_KILL, argument_in(ARG0, [me]))
         prog += only(_X86_64_TGKILL, argument_in(ARG0, [me]))
     prog += only(_X86_64_PRLIMIT64, argument_in(ARG0, [0, me]))
-    prog += only(_X86_64_SOCKET, unix_stream)
-    prog += only(_X86_64_SOCKETPAIR, unix_stream)
+    if allow_processes:  # else no socket: each takes its inode number from the host-wide counter
+        prog += only(_X86_64_SOCKET, unix_stream)
+        prog += only(_X86_64_SOCKETPAIR, unix_stream)
     prog += only(_X86_64_IOCTL, argument_in(ARG1, _IOCTL_ALLOW))
     prog += only(_X86_64_FCNTL, argument_in(ARG1, _FCNTL_ALLOW))
     prog += only(_X86_64_MADVISE, argument_in(ARG2, _MADVISE_ALLOW))
@@ -1050,7 +1080,7 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
     of the program runs code inside the hook."""
     _type, _str, _bytes, _int, _len, _tuple = type, str, bytes, int, len, tuple
     _PermissionError, _Exception, _getattr = PermissionError, Exception, getattr
-    getcwd, readlink, collapse = os.getcwd, os.readlink, _collapse
+    getcwd, fstat, collapse = os.getcwd, os.fstat, _collapse
     getrlimit, setrlimit, exit_, get_ident = resource.getrlimit, resource.setrlimit, os._exit, _thread.get_ident
     prlimit = resource.prlimit
     harness_globals, always_denied = globals(), _ALWAYS_DENIED_ATTRS
@@ -1063,6 +1093,8 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
     blocked_imports, blocked_import_prefixes = _BLOCKED_IMPORTS, _BLOCKED_IMPORT_PREFIXES
     work = _normalize(work)
     work_roots = (work,)
+    work_dev, image_dev = os.stat(work).st_dev, os.stat("/").st_dev  # the scratch tmpfs, the run's image
+    image_path = _normalize(read_roots[0]) + "/.fd"
     read_roots = tuple(_normalize(r) for r in read_roots) + work_roots
     memory_dbs = (":memory:", "", b":memory:", b"")
     # event -> position of its dir_fd argument (shutil.* are checked through the os.* they call)
@@ -1108,12 +1140,16 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
             inside.discard(me)
 
     def fd_path(fd):
+        """Where ``fd`` lies, as far as the checks need it (there is no /proc to read its path from): a
+        path inside ``work`` for a file or folder of the scratch tmpfs, inside the standard library for
+        one of the run's image, None for anything else."""
         if _type(fd) is not _int:
             return None
         try:
-            return readlink("/proc/self/fd/%d" % fd)
+            dev = fstat(fd).st_dev
         except _Exception:  # noqa: BLE001
             return None
+        return work + "/.fd" if dev == work_dev else image_path if dev == image_dev else None
 
     def resolve(path, dir_fd=None):
         """Absolute, lexically normalised path; no symlink lookup (none can be made in work)."""

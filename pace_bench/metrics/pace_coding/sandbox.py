@@ -252,14 +252,14 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
     uid = _pick_uid()
     base = tempfile.mkdtemp(prefix="pace-sandbox-")
     work = os.path.join(base, "work")
-    proc = None
+    proc = run = None
     fds: list[int] = []
     cgroup = _memory_cgroup(limits)
     try:
         os.chmod(base, 0o711)  # the child's unprivileged uid must reach work/
         os.mkdir(work, 0o700)
         job = {
-            "program": program, "work": work, "uid": uid, "parent_pid": os.getpid(), "cgroup": cgroup,
+            "program": program, "work": work, "uid": uid, "parent_pid": os.getpid(), "cgroup": cgroup, "fifos": True,
             "limits": {k: v for k, v in asdict(limits).items() if k != "timeout_s"},
         }
         call_r, call_w = os.pipe()
@@ -296,7 +296,7 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
             if proc.returncode is None:
                 _kill(proc, uid)
             proc.stderr.close()
-        for fd in fds:
+        for fd in fds + (run.fifo_fds if run is not None else []):
             os.close(fd)
         shutil.rmtree(base, ignore_errors=True)
         _remove_cgroup(cgroup)
@@ -368,6 +368,7 @@ class _Run:
         self.nonces: list[str] = []  # of the load request, then of call 0, 1, ...
         self.broken_from: int | None = None  # the first call failed by a protocol break
         self.out = bytearray()  # request bytes not yet taken by the pipe
+        self.fifo_fds: list[int] = []  # the report and stderr FIFOs, once taken (see _take_fifos)
 
     def finished(self) -> bool:
         return self.phase == "done"
@@ -587,8 +588,31 @@ def _read_reports(fd: int, stderr: "_Tail", run: _Run, deadline: float) -> bool:
             del buf[: end + 1]
             if skipping:
                 skipping = False  # the tail of an overlong line
+            elif run.phase == "setup" and not run.fifo_fds and line.startswith(b'{"fifos":'):
+                fd = _take_fifos(run, stderr, line, fd)
             else:
                 run.feed(line)
+
+
+def _take_fifos(run: _Run, stderr: "_Tail", line: bytes, report_fd: int) -> int:
+    """The parent's half of the child's ``_swap_pipes`` (sent before the program loads): open the run's
+    FIFOs through ``/proc/PID/root`` of the sandbox process, make the call FIFO the run's call fd (closing
+    the call pipe tells the child to switch), read stderr from its FIFO; returns the fd to read reports
+    from next. Where they cannot be opened, the run is refused and the report pipe stays."""
+    try:
+        pid = _sandbox_process(run.child_pid)
+        base = f"/proc/{pid}/root{json.loads(line)['fifos']}/.pace-"
+        for name in ("report", "stderr"):
+            run.fifo_fds.append(os.open(base + name, os.O_RDONLY | os.O_NONBLOCK))
+        call = os.open(base + "call", os.O_WRONLY | os.O_NONBLOCK)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        run.refusal, run.phase = f"sandbox setup failed: the run's FIFOs cannot be opened ({e})", "done"
+        return report_fd
+    run.close_calls()
+    run.call_fd = call
+    stderr.fd = run.fifo_fds[1]
+    os.set_blocking(stderr.fd, False)
+    return run.fifo_fds[0]
 
 
 class _Tail:
