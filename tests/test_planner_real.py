@@ -13,6 +13,7 @@ import pytest
 
 from pace_hf.chat import ChatTemplate
 from pace_hf.planner import SymbolPlanner
+from pace_hf.planner.prose import by_role
 from pace_hf.session import Message
 
 
@@ -114,10 +115,87 @@ def test_a_plan_over_the_share_of_the_budget_is_cut_and_says_what_it_dropped(tem
     plan = SymbolPlanner({2: "Rewrite `TextWrapper`, `dedent`, `indent`, `wrap`, `fill` and `shorten`."}) \
         .blueprint_for(sess.messages, template=template, budget=600)
     assert plan.cap == 300 and size(planned(plan, 2)) <= 300
-    assert {n.definition.name for n in plan.dropped} >= {"TextWrapper"}  # the 3K-token class did not fit
+    # the 3K-token class did not fit whole: at most a digest of it, in the room the others left
+    assert "TextWrapper" in {n.definition.name for n in plan.dropped + plan.partial}
     assert {n.definition.name for n in plan.needs} & {"dedent", "indent", "wrap", "fill", "shorten"}
     for need in plan.dropped:  # nothing dropped silently: every need is either kept or listed
         assert need not in plan.needs
+
+
+def signature(source: str) -> str:
+    """The ``def`` line of a method's source, stripped."""
+    return next(line for line in source.split("\n") if line.lstrip().startswith("def ")).strip()
+
+
+def test_a_class_too_large_for_its_step_is_planned_as_a_digest(template):
+    sess = Session(template, ("user", "Task."), *cat("textwrap.py", TEXTWRAP))
+    whole = sess.tokens(2, inspect.getsource(textwrap.TextWrapper).strip())
+    assert whole[1] - whole[0] > 1024  # over the step's cap at B = 2,048
+    plan = sess.plan({2: "Refactor `TextWrapper` and the `wrap` function."})  # wrap: a function and a member
+    got = planned(plan, 2)
+    assert [n.definition.name for n in plan.partial] == ["TextWrapper"] and not plan.dropped
+    assert 300 < size(got) <= 1024
+    assert covered(got, sess.tokens(2, inspect.getsource(textwrap.wrap).strip())) == 1.0  # whole, it fits
+    assert covered(got, sess.tokens(2, "class TextWrapper:")) == 1.0
+    assert covered(got, sess.tokens(2, inspect.getsource(textwrap.TextWrapper.wrap).strip())) == 1.0
+    for member in (textwrap.TextWrapper._split_chunks, textwrap.TextWrapper.fill):
+        assert covered(got, sess.tokens(2, signature(inspect.getsource(member)))) == 1.0
+    assert covered(got, whole) < 0.5
+
+
+def test_a_class_named_with_its_member_plans_the_members_context(template):
+    sess = Session(template, ("user", "Task."), *cat("textwrap.py", TEXTWRAP))
+    plan = sess.plan({2: "Subclass `TextWrapper` and override `_split_chunks`.",
+                      3: "Speed up the text wrapper's split chunks method.", 4: "Fix the chunk splitting."})
+    method = inspect.getsource(textwrap.TextWrapper._split_chunks).strip()
+    for step in (2, 3, 4):  # in code, in words, in other words: the member and its class's header
+        got = planned(plan, step)
+        assert covered(got, sess.tokens(2, method)) == 1.0
+        assert covered(got, sess.tokens(2, "class TextWrapper:")) == 1.0
+        assert size(got) < 250  # not the 3K-token class
+    for step in (2, 3):  # with its class named: also what the member uses on self
+        assert covered(planned(plan, step), sess.tokens(2, signature(inspect.getsource(textwrap.TextWrapper._split)))) == 1.0
+    assert not plan.partial and not plan.dropped
+
+
+SUBCLASS = """from base import HelpFormatter as _Formatter
+
+
+class QuietFormatter(_Formatter):
+    \"\"\"Help without the usage line.\"\"\"
+
+    def _format_usage(self, usage, actions, groups, prefix):
+        return ''
+"""
+
+
+def test_an_inherited_member_resolves_through_the_subclass_and_its_imports(template):
+    base = inspect.getsource(argparse.HelpFormatter)
+    parser = inspect.getsource(argparse.ArgumentParser)  # defines its own format_help, later
+    sess = Session(template, ("user", "Task."), *cat("base.py", base), *cat("quiet.py", SUBCLASS),
+                   *cat("parser.py", parser))
+    method = inspect.getsource(argparse.HelpFormatter.format_help).strip()
+    plan = sess.plan({2: "Subclass `QuietFormatter` and override `format_help`.",
+                      3: "Extend `QuietFormatter.format_help` to log.", 4: "Explain `format_help`."})
+    for step in (2, 3):
+        got = planned(plan, step)
+        assert covered(got, sess.tokens(2, method)) == 1.0
+        assert covered(got, sess.tokens(4, "class QuietFormatter(_Formatter):")) == 1.0
+        assert covered(got, sess.tokens(6, inspect.getsource(argparse.ArgumentParser.format_help).strip())) == 0
+    # alone, a bare member name is the latest one the session defines
+    assert covered(planned(plan, 4), sess.tokens(6, inspect.getsource(argparse.ArgumentParser.format_help).strip())) == 1.0
+
+
+def test_a_definition_named_by_its_role(template):
+    source = inspect.getsource(json.decoder)
+    sess = Session(template, ("user", "Task."), *cat("decoder.py", source))
+    plan = sess.plan({2: "Review the decoder class."})
+    got = planned(plan, 2)
+    assert covered(got, sess.tokens(2, inspect.getsource(json.decoder.JSONDecoder).strip())) >= 0.9
+    assert covered(got, sess.tokens(2, inspect.getsource(json.decoder.JSONDecodeError).strip())) == 0.0
+    heads = {("class", "decod"): {"JSONDecoder"}}
+    assert by_role(("the", "decoder", "class"), heads) == {"JSONDecoder"}
+    assert by_role(("a", "decoder", "class"), heads) == set()  # no reference: a description's words
 
 
 # ------------------------------------------------------------------------------------------ tool output

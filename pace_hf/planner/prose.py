@@ -66,8 +66,11 @@ def keyed(names) -> dict[str, set[str]]:
 
 
 def root(word: str) -> str:
-    """:func:`_stem` without a final "e": "parse", "parser" and "parsing" meet."""
+    """:func:`_stem` without a final "e" or a doubled final consonant: "parse", "parser" and "parsing"
+    meet, and "split" and "splitting"."""
     w = _stem(word)
+    if w != word.lower() and len(w) > 3 and w[-1] == w[-2] and w[-1] not in "aeiouslz":
+        return w[:-1]
     return w[:-1] if len(w) > 3 and w.endswith("e") else w
 
 
@@ -93,13 +96,14 @@ ROLE_KINDS = {"class": "class", "classes": "class", "function": "function", "fun
 
 
 def by_role(words: tuple[str, ...], heads: dict[tuple[str, str], set[str]]) -> set[str]:
-    """Names a step gives by their role: a word before "class"/"function"/"method"/"constant" that is
-    the head (last) word of exactly one name of that kind ("the wrapper class": ``TextWrapper``).
+    """Names a step gives by their role: "the", then a word that is the head (last) word of exactly one
+    name of the kind that follows ("the wrapper class": ``TextWrapper``; "a coroutine function" in a
+    description is no reference).
     ``heads``: names by ``(kind, root of their last word)``."""
     out = set()
-    for word, kind in zip(words, words[1:]):
+    for the, word, kind in zip(words, words[1:], words[2:]):
         kind = ROLE_KINDS.get(kind.lower())
-        if kind and word.lower() not in STOPWORDS:
+        if kind and the.lower() == "the" and word.lower() not in STOPWORDS:
             found = heads.get((kind, root(word.lower())), set())
             if len(found) == 1:
                 out |= found

@@ -12,12 +12,21 @@ definition wins.
 * Two namespaces: top-level names, and members keyed by class. A bare name is the top-level one; a
   prose fact only when no code defines the name (a remark is a mention, not a definition); a member
   (a method named without its class) only when no top-level name exists.
-* ``C.m`` is member ``m`` of ``C``, looked up through the bases the session defines, in MRO order.
+* ``C.m`` is member ``m`` of ``C``, looked up through the bases the session defines, in MRO order (a
+  base the session does not define under its name is looked up through the imports: ``from .base
+  import Base as B``). A step that names a class and, apart, a member of it ("subclass `C` and override
+  `m`", "the m method of the c class") means ``C.m`` the same way, and needs ``C`` only as the member's
+  context (its header, the member's body and the signatures it uses on ``self``); ``C.m`` inherited
+  from a base also plans ``C``'s header.
   ``mod.f`` is ``f`` of the file whose path ends with ``mod``, through the session's import aliases
   (``import a.b as c``; ``from pkg import mod``).
 * A name the session defines is an identifier even if it is a builtin or an English word, when the
   step writes it as code. Prose words go through ``pace_hf.planner.prose``: joins, camel/snake
-  spellings and a word before "function"/"class"/...; a step that resolves nothing at all is ranked
+  spellings, a word before "function"/"class"/..., the head word of one name of that kind ("the
+  wrapper class": ``TextWrapper``) and, in a step that does not describe (below), adjacent words that
+  are the words of exactly one name in any order and inflection ("chunk splitting": ``_split_chunks``;
+  in a description's many words such a match is mostly a coincidence); a step that resolves nothing at
+  all is ranked
   lexically (BM25 over names, signatures and docstrings) and gets its best match. A step that names
   definitions but also describes one (four content words or more: "the inverse of `split`: it returns
   a shell-escaped string ...") also gets its best lexical match, if that match scores over twice every
@@ -36,8 +45,11 @@ Without a template (``blueprint_for(messages)`` alone) each definition plans its
 Budget: each step's plan is kept under ``share * budget`` tokens (default half the cache budget), and
 the live plan (every span with a reader after the current step) under ``budget``, since the cache
 cannot hold more. Needs are ranked by their soonest reader, then by how literally the step named them,
-then by size; what does not fit is dropped and listed on ``Plan.dropped``. A later ``plan()`` (after the
-early readers pass) brings it back.
+then by size. A need that does not fit whole waits until every need that fits whole is planned; then,
+if the step names it in code, its digest (``pace_hf.planner.digest``: a large class's header,
+the members the step names, signatures, the most relevant members) is planned in the room left and it
+is listed on ``Plan.partial``; else it is dropped and listed on ``Plan.dropped``. A later ``plan()``
+(after the early readers pass) brings it back.
 
 ``plan(session)`` keeps the cache's blueprint equal to ``blueprint_for(...)`` for the spans it added:
 it adds what is new and removes its own spans that went stale (never spans someone else added, such
@@ -71,8 +83,9 @@ class Need:
     """A definition (``message`` position, ``definition``) that step ``step`` needs, and how it was
     named (``LITERAL``, ``DERIVED`` from prose or a respelling, ``LEXICAL``). ``members``: for a class
     named as the owner of members the step names, those names (the class is then needed as their
-    context, not whole). ``named``: whether the step names it in code (a digest is planned only for
-    those: a word that only looks like a name, "a Vortex expression", is too weak a reason)."""
+    context, not whole). ``named``: whether the step names it in code and does not describe a need (a
+    digest is planned only for those: a word that only looks like a name, "a Vortex expression", or a
+    class a description names in passing, is too weak a reason)."""
 
     step: int
     message: int
@@ -339,6 +352,7 @@ class SymbolPlanner:
                 owner = index.latest(index.classes, qualifier[-1], before)  # inherited: the subclass's
                 if owner:                                                   # header is the context
                     owners.setdefault(owner, set())
+                    add(owner, LITERAL)
         resolved: dict[str, tuple] = {}  # a bare name: (what it resolves to, how it was named)
         for name, how in said.names.items():
             if name in chained:
@@ -349,21 +363,22 @@ class SymbolPlanner:
             else:  # camelCase written for a snake_case name, or the other way round
                 for v in variants(name, index.by_key):
                     resolved.setdefault(v, (index.name(v, before), DERIVED))
-        for name in candidates(said.words, index.by_key, index.by_bag) | by_role(said.words, index.heads):
+        described = bool(lexical and said.words) and _described(said.words) >= DESCRIBED
+        words_in_any_order = None if described else index.by_bag  # in a description, a coincidence
+        for name in candidates(said.words, index.by_key, words_in_any_order) | by_role(said.words, index.heads):
             resolved.setdefault(name, (index.name(name, before), DERIVED))
         # A class and a name in one step ("subclass `Retry` and override `sleep`", "the get bucket method
         # of the bytecode cache"): the name is the class's member, through its bases, and the class is
         # needed as that member's context.
         classes = {got for got, _ in resolved.values() if got and got[1].kind == "class"}
         for cls in classes:
-            for name, (got, how) in list(resolved.items()):
-                member = None if got == cls else index.member(cls[1].name, name, before)
+            for name, (got, how) in list(resolved.items()):  # a top-level name stays top-level
+                member = None if got is None or got[1].owner is None else index.member(cls[1].name, name, before)
                 if member:
                     resolved[name] = (member, how)
                     owners.setdefault(cls, set()).add(name)
         for got, how in resolved.values():
             add(got, how)
-        described = bool(lexical and said.words) and _described(said.words) >= DESCRIBED
         if lexical and not found and said.words and (LITERAL not in said.names.values() or described):
             # a step that names nothing the session defines: prose, or a description whose only names
             # come from elsewhere ("... into a CookieJar", an imported class): the lexical ranker
@@ -373,7 +388,9 @@ class SymbolPlanner:
             # a description that also names other definitions ("the inverse of `parseaddr()`, this
             # takes ..."): its best lexical match joins them if it clearly outranks every one it named
             add(index.lexicon.outranking(list(said.words) + list(said.names), before, set(found)), LEXICAL)
-        named = {key for key, how in found.items() if how == LITERAL}
+        # a digest only for what the step names in code, and not in a step that describes what it needs
+        # (there a large class named in passing is context, rarely the need)
+        named = set() if described else {key for key, how in found.items() if how == LITERAL}
         if self.depth:
             for (i, d), how in list(found.items()):
                 for got in index.closure(i, d):
@@ -436,19 +453,26 @@ class SymbolPlanner:
                     wanted.append((need, spans))
         cap = None if budget is None else int(self.share * as_index(budget, "budget"))
         wanted.sort(key=lambda w: (w[0].step, -w[0].how, sum(e - s for s, e in w[1])))
-        kept, partial, dropped, live, per_step = [], [], [], [], {}
+        kept, partial, dropped, over, live, per_step = [], [], [], [], [], {}
         for need, spans in wanted:
             mine = per_step.setdefault(need.step, [])
             if need.members is not None:  # a class named as the owner of members: their context
                 spans = self._digest(index, need, steps[need.step], template, union_size(spans), context=True)
             if cap is not None and (union_size(mine + spans) > cap or union_size(live + spans) > budget):
-                room = min(cap - union_size(mine), budget - union_size(live))
-                spans = self._digest(index, need, steps[need.step], template, room,
-                                     context=need.members is not None) if room > 0 and need.named else []
-                if not spans:
-                    dropped.append(need)
-                    continue
-                partial.append(need)
+                over.append(need)
+                continue
+            mine += spans
+            live += spans
+            kept.append((need, spans))
+        for need in over:  # then digests of what did not fit whole, in the room that whole needs left
+            mine = per_step[need.step]
+            room = min(cap - union_size(mine), budget - union_size(live))
+            spans = self._digest(index, need, steps[need.step], template, room,
+                                 context=need.members is not None) if room > 0 and need.named else []
+            if not spans:
+                dropped.append(need)
+                continue
+            partial.append(need)
             mine += spans
             live += spans
             kept.append((need, spans))
