@@ -1,5 +1,6 @@
-"""Per-run cost of the pace_coding sandbox and the host slab a stat flood leaves, for this tree and an
-older revision, interleaved in one process so that both see the same machine (issue 41).
+"""Per-run cost of the pace_coding sandbox, the host slab a stat flood leaves, and the jitter of a run's
+start after the previous run's end (what bounds the clock-phase channel), for this tree and an older
+revision, interleaved in one process so that both see the same machine (issue 41).
 
     PACE_ALLOW_CODE_EVAL=1 python bench/sandbox_cost.py --before 540806e --runs 20 --out bench/results/sandbox_cost
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
+import secrets
 import statistics
 import subprocess
 import sys
@@ -24,14 +27,14 @@ FOLDER = "pace_bench/metrics/pace_coding"
 PROGRAM = "from decimal import Decimal\ndef fee_for(amount):\n    return amount * Decimal('0.03')\n"
 CALLS = ["fee_for(Decimal('100'))", "fee_for(Decimal('250.50'))", "str(fee_for(Decimal('1')))"]
 FLOOD = """
-import os, time, encodings
-ROOT = os.path.dirname(encodings.__file__)
-def flood(seconds):
+import os, sys, time
+ROOT = next(p for p in sys.path if os.path.isdir(p))  # the standard library, where the program imports it
+def flood(seconds, salt):
     end, n = time.monotonic() + seconds, 0
     while time.monotonic() < end:
         for _ in range(1000):
             try:
-                os.stat("%s/%0250d" % (ROOT, n))
+                os.stat("%s/%s%0234d" % (ROOT, salt, n))  # 250 characters, never looked up before
             except OSError:
                 pass
             n += 1
@@ -78,13 +81,31 @@ def flood(sandbox, seconds: float) -> dict:
     sampler.start()
     try:
         limits = sandbox.SandboxLimits(timeout_s=seconds + 4, memory_mb=64, cpu_s=int(seconds) + 2)
-        result = sandbox.run_calls(FLOOD, [f"flood({seconds})"], limits)[0]
+        result = sandbox.run_calls(FLOOD, [f"flood({seconds}, {secrets.token_hex(8)!r})"], limits)[0]
     finally:
         stop.set()
         sampler.join()
     time.sleep(1.0)
     return {"lookups": result.value, "slab_before_mb": round(before, 1), "slab_peak_growth_mb": round(peak[0] - before, 1),
             "slab_growth_after_mb": round(slab_mb() - before, 1)}
+
+
+END = "import time\ndef end():\n    return time.time()\n"
+START = "import time\nSTARTED = time.time()\ndef start():\n    return STARTED\n"
+
+
+def clock_phase(sandbox, pairs: int, timeout_s: float = 10.0) -> dict:
+    """A run reports when it ends, the next when its program starts: the spread of that delay bounds
+    what the first can tell the second by choosing when to end. Bits per run left: log2 of the time a
+    run can choose its end in (its timeout) over the delay's spread (10th to 90th percentile)."""
+    delays = []
+    for _ in range(pairs):
+        end = sandbox.run_calls(END, ["end()"])[0].value
+        delays.append(sandbox.run_calls(START, ["start()"])[0].value - end)
+    delays.sort()
+    spread = delays[len(delays) * 9 // 10] - delays[len(delays) // 10]
+    return {"delay_s_median": round(statistics.median(delays), 3), "delay_s_p10_p90": round(spread, 3),
+            "bits_per_run": round(math.log2(timeout_s / max(spread, 1e-3)), 1)}
 
 
 def main(argv=None) -> int:
@@ -110,15 +131,17 @@ def main(argv=None) -> int:
             report["arms"][name] = {
                 "per_run_s_median": round(statistics.median(times[name]), 3),
                 "per_run_s_min": round(min(times[name]), 3), "per_run_s_max": round(max(times[name]), 3),
-                "layers": sandbox.isolation_layers(), "stat_flood": flood(sandbox, args.flood_seconds)}
+                "layers": sandbox.isolation_layers(), "stat_flood": flood(sandbox, args.flood_seconds),
+                "clock_phase": clock_phase(sandbox, args.runs)}
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     rows = ["| sandbox | per run (median, s) | min-max (s) | stat-flood lookups | slab growth at peak (MB) | "
-            "slab growth 1 s after (MB) |", "|---|---|---|---|---|---|"]
+            "slab growth 1 s after (MB) | next run's start after an end: spread (s) | clock-phase bits per run |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, r in report["arms"].items():
-        f = r["stat_flood"]
+        f, c = r["stat_flood"], r["clock_phase"]
         rows.append(f"| {name} ({args.before if name == 'before' else 'this tree'}) | {r['per_run_s_median']} | "
                     f"{r['per_run_s_min']}-{r['per_run_s_max']} | {f['lookups']:,} | {f['slab_peak_growth_mb']} | "
-                    f"{f['slab_growth_after_mb']} |")
+                    f"{f['slab_growth_after_mb']} | {c['delay_s_p10_p90']} | {c['bits_per_run']} |")
     (out / "results.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
     return 0

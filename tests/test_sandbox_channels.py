@@ -4,6 +4,7 @@ Each test attacks through real runs of :func:`run_calls` and then checks the hos
 no sandbox process or memory cgroup left, and the host's kernel slab back where it was."""
 
 import os
+import secrets
 import textwrap
 import threading
 import time
@@ -147,17 +148,17 @@ def test_a_stat_flood_is_bounded_by_the_run_and_freed_with_it(host):
         results = run("""
             import os, sys, time
             ROOT = next(p for p in sys.path if os.path.isdir(p))  # the standard library, as imported
-            def flood(seconds):
+            def flood(seconds, salt):
                 end, n = time.monotonic() + seconds, 0
                 while time.monotonic() < end:
                     for _ in range(1000):
                         try:
-                            os.stat("%s/%0250d" % (ROOT, n))
+                            os.stat("%s/%s%0234d" % (ROOT, salt, n))  # 250 characters, new to the host
                         except OSError:
                             pass
                         n += 1
                 return n
-            """, ["flood(5)"], limits)
+            """, [f"flood(5, {secrets.token_hex(8)!r})"], limits)
     finally:
         stop.set()
         sampler.join()

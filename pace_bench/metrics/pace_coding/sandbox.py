@@ -14,12 +14,16 @@ from the moment it loads, so is the child's whole interpreter: the program may r
 * **The kernel confines.** The child (``pace_bench/metrics/pace_coding/_sandbox_child.py``) runs the
   program as pid 2 of new pid, IPC, UTS, network and mount namespaces (no pid counter, System V
   object, POSIX queue, abstract socket or host name shared with the host or another run; whatever
-  is left dies with the namespace), under a minimal read-only root with a fresh ``/proc`` and a scratch
-  tmpfs capped by ``size=`` and ``nr_inodes=``, Landlock, resource limits, a fresh uid and a
-  seccomp allowlist (deny by default: no System V IPC, ``mq_*``, ``memfd_create``, ``userfaultfd``,
-  ``io_uring``, ``ptrace``, sockets but AF_UNIX pairs, or new processes unless allowed). Where the
-  namespaces or Landlock (the wall against reading the host's files, and writing) cannot be set up,
-  :func:`run_calls` refuses with :class:`SandboxUnavailable`; it never runs the code half-confined.
+  is left dies with the namespace), in a memory cgroup of its own where the host has one, under a
+  minimal read-only root of private copies (no page cache or dentry shared with the host or another
+  run) without ``/proc``, with a scratch tmpfs capped by ``size=`` and ``nr_inodes=`` that also holds
+  the FIFOs to the parent, Landlock, resource limits, a fresh uid and a seccomp allowlist (deny by
+  default: no System V IPC, ``mq_*``, ``memfd_create``, ``userfaultfd``, ``io_uring``, ``ptrace``,
+  pidfds, pipes, sockets or new processes unless processes are allowed). No inode in the program's
+  reach takes its number from a host-wide counter. Where the namespaces, the private root or Landlock
+  (the wall against reading the host's files, and writing) cannot be set up, :func:`run_calls`
+  refuses with :class:`SandboxUnavailable`; it never runs the code half-confined. The threat model
+  (``docs/benchmarks/threat-model.md``) says what is left.
   A wall-clock deadline kills the child's process group.
 * **Layers inside the child** make honest failures clear and attacks harder, but are not relied
   on: the harness reads and writes the pipes with ``os.read``/``os.write`` and encodes with
