@@ -130,9 +130,6 @@ class Target:
     node: ast.ClassDef | None = None
 
 
-Piece = tuple[int, int, int]  # (file index, first line, last line): part of what a step's answer uses
-
-
 # ------------------------------------------------------------------------------------------- corpus
 
 
@@ -501,8 +498,11 @@ def run_real(args) -> dict:
                   f"{res['plan_tokens_median']:>10.0f}{res['needed_tokens_median']:>9.0f}"
                   f"{res['planned_over_needed_median']:>8.2f}{res['within_half_budget']:>8.2f}"
                   f"{res['steps']:>7}{res['seconds']:>7}", flush=True)
+            large = "" if res["large_used_share"] is None else \
+                f"; large classes planned: {res['large_used_share']:.2f} of what the answer uses, " \
+                f"{res['large_whole_share']:.2f} of the class"
             print(" " * 9 + "by kind: " + ", ".join(f"{k} {v['recall']:.2f} ({v['steps']})"
-                                                      for k, v in res["by_label"].items()), flush=True)
+                                                      for k, v in res["by_label"].items()) + large, flush=True)
     return results
 
 

@@ -45,9 +45,8 @@ def digest(definition: Definition, named: set[str], relevance: dict[str, float],
     step names; ``relevance``: BM25 score of each member for the step; ``tokens(parts)``: character
     ranges of the message to absolute token spans; ``context``: only parts 1-3, the context of the
     named members (for a class named as their owner)."""
-    whole = tokens(definition.parts)
     if definition.outline is None:
-        return _head(whole, room)
+        return _head(tokens(definition.parts), room)
     outline = definition.outline
     members = outline.members
     score = {m.name: relevance.get(m.name, 0.0) for m in members}
