@@ -205,7 +205,7 @@ def test_session_killed_mid_prefill_resumes_from_its_checkpoint_to_the_same_repl
 def _bench_args(model_dir, out):
     return ["--model", model_dir, "--arms", "pace", "--sessions", "1", "--tokens", "1200", "--budget", "256",
             "--limit", "1024", "--chunk", "64", "--max-new-tokens", "4", "--no-progress", "--store", "disk",
-            "--checkpoint-every", "2", "--chunk-log", "--out", str(out)]
+            "--checkpoint-every", "2", "--chunk-log", "--secret", "c0ffee" * 6, "--out", str(out)]  # the same sessions
 
 
 def test_bench_killed_mid_prefill_resumes_from_its_checkpoint_to_the_same_answers(model_dir, tmp_path, capsys,

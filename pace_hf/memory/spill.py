@@ -123,18 +123,20 @@ class SpillLog:
         """Buffer evicted tokens (copied to the CPU) by page; write the pages that are full."""
         if tokens["logical"].numel() == 0:
             return
-        tokens = {k: v.detach().to("cpu", dtype=torch.int32 if k in LEDGER else v.dtype, copy=True)
-                  for k, v in tokens.items()}
+        tokens = {k: v.detach().to("cpu", dtype=torch.int32 if k in LEDGER else v.dtype) for k, v in tokens.items()}
         self.spilled_tokens += tokens["logical"].numel()
         self.heads[layer_idx] = max(self.heads[layer_idx], int(tokens["head"].max()) + 1)
         full = self.page_tokens * self.heads[layer_idx]
-        page_of = tokens["logical"] // self.page_tokens
         buffers = self.buffers[layer_idx]
-        pages = page_of.unique().tolist()
+        # One stable sort by page, then a split: a mask per page would read every evicted token once per
+        # page (a prefill chunk evicts tokens of ~chunk/page_tokens pages per layer).
+        page_of, order = torch.sort(tokens["logical"] // self.page_tokens, stable=True)
+        pages, counts = (t.tolist() for t in torch.unique_consecutive(page_of, return_counts=True))
+        split = {k: v[order].split(counts) for k, v in tokens.items()}  # v[order] is a copy: the caller's stays
         for page in pages:  # in use: the cap drops other pages first
             self._touch(page)
-        for page in pages:
-            part = {k: v[page_of == page] for k, v in tokens.items()}
+        for i, page in enumerate(pages):
+            part = {k: parts[i].clone() for k, parts in split.items()}  # a buffered part holds only its own tokens
             buffers.setdefault(page, []).append(part)
             self.buffered[layer_idx] += part["logical"].numel()
             if sum(p["logical"].numel() for p in buffers[page]) >= full:
