@@ -141,7 +141,7 @@ def evicting_cache(model, kind, state, budget, layer_class=EvictingLayer, seen=N
     if kind == "h2o":
         cache = H2OCache(budget=budget)
     else:
-        cache = PACECache(Blueprint([Span(0, 256, [1])]), budget=budget, limit=limit or n + 2048 + 64)
+        cache = PACECache(blueprint=Blueprint([Span(0, 256, [1])]), budget=budget, limit=limit or n + 2048 + 64)
     cache.layer_class = layer_class
     cache.bind(model)
     for layer, tensors in zip(cache.layers, state):

@@ -208,7 +208,7 @@ def session(tokens: int, dynamic_tokens: int, layers: int, deadline_s: float) ->
         out["dynamic"] = run(tf.DynamicCache(config=model.config), dynamic_tokens, min(elapsed() + 60, deadline_s * 0.6))
         print("dynamic", out["dynamic"], flush=True)
         torch.cuda.empty_cache()
-    cache = PACECache(Blueprint([Span(0, 512, [1])]), model=model, budget=2048, limit=8192)
+    cache = PACECache(model, Blueprint([Span(0, 512, [1])]), budget=2048, limit=8192)
     out["pace"] = run(cache, tokens, deadline_s)
     out["pace"]["renumbers"] = getattr(cache, "renumbers", None)
     print("pace", out["pace"], flush=True)

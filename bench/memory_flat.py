@@ -16,7 +16,7 @@ import argparse
 import torch
 import transformers as tf
 
-from pace_hf import Blueprint, PACECache
+from pace_hf import PACECache
 from pace_hf.cache import cache_nbytes
 
 
@@ -46,7 +46,7 @@ def main() -> None:
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     arms = {
         "DynamicCache": lambda: tf.DynamicCache(config=model.config),
-        "PACECache": lambda: PACECache(Blueprint(), model=model, budget=args.budget, limit=args.limit),
+        "PACECache": lambda: PACECache(model, budget=args.budget, limit=args.limit),
     }
     print(f"| cache | peak KV at 16K | peak KV at 48K | 48K / 16K |  ({args.layers} layers, 2 KV heads, d 64, fp32)")
     print("|---|---|---|---|")

@@ -86,7 +86,7 @@ def main(argv=None):
     makers = {
         "dynamic": lambda: DynamicCache(config=model.config),
         "h2o": lambda: H2OCache(model, budget=args.budget),
-        "pace": lambda: PACECache(Blueprint([Span(0, 256, [1])]), model=model, budget=args.budget, limit=args.limit),
+        "pace": lambda: PACECache(model, Blueprint([Span(0, 256, [1])]), budget=args.budget, limit=args.limit),
     }
     names = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(names) - set(makers))

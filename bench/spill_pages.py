@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import transformers as tf  # noqa: E402
 
-from pace_hf import Blueprint, PACECache  # noqa: E402
+from pace_hf import PACECache  # noqa: E402
 from pace_hf.tiers import DiskTier, TieredStore  # noqa: E402
 from pace_hf.tiers.entry import encode  # noqa: E402
 
@@ -90,7 +90,7 @@ class OldLog:
 def session(model, page: int, args, spans):
     root = tempfile.mkdtemp(prefix="spill-pages-")
     store = TieredStore([DiskTier(root)])
-    cache = PACECache(Blueprint(), model=model, budget=args.budget, limit=args.budget + 2 * 256, recent=32,
+    cache = PACECache(model, budget=args.budget, limit=args.budget + 2 * 256, recent=32,
                       store=store, session_id="bench", spill_tokens=page)
     old = OldLog(len(cache.layers))
     add = cache.spill.add

@@ -15,7 +15,7 @@ model = tf.AutoModelForCausalLM.from_config(config).eval()
 
 ids = torch.randint(0, 256, (1, 3000))
 blueprint = Blueprint([Span(start=0, end=40, readers=[2])])  # step 2 will read tokens 0..39
-with PACECache(blueprint, budget=256, limit=768).bound_to(model) as cache:  # unbinds on exit
+with PACECache(blueprint=blueprint, budget=256, limit=768).bound_to(model) as cache:  # unbinds on exit
     cache.step = 1
     out = model.generate(ids, cache=cache, max_new_tokens=32, do_sample=False, prefill_chunk_size=256)
 

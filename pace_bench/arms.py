@@ -82,17 +82,17 @@ def _positions_only(model, blueprint, s, **kw):
 
 @register("retention_only", "h2o + foresight", foresight=True)
 def _retention_only(model, blueprint, s, **kw):
-    return PACECache(blueprint, model, budget=s.budget, limit=None, **kw)
+    return PACECache(model, blueprint, budget=s.budget, limit=None, **kw)
 
 
 @register("pace", "h2o + foresight + L", foresight=True, bounded=True)
 def _pace(model, blueprint, s, **kw):
-    return PACECache(blueprint, model, budget=s.budget, limit=s.limit, **kw)
+    return PACECache(model, blueprint, budget=s.budget, limit=s.limit, **kw)
 
 
 @register("snapkv_foresight", "snapkv + foresight", foresight=True)
 def _snapkv_foresight(model, blueprint, s, **kw):
-    return PACECache(blueprint, model, budget=s.budget, limit=None, scorer=ObservationWindow(), **kw)
+    return PACECache(model, blueprint, budget=s.budget, limit=None, scorer=ObservationWindow(), **kw)
 
 
 @register("streaming_bounded", "streaming + L", bounded=True)

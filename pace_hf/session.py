@@ -87,7 +87,7 @@ class PACESession:
         self.template = ChatTemplate(tokenizer, system)
         self.system = system
         self.cache = cache if cache is not None else PACECache(
-            None, model=model, budget=budget, limit=limit, store=store, session_id=session_id, **cache_kwargs)
+            model, budget=budget, limit=limit, store=store, session_id=session_id, **cache_kwargs)
         room = (self.cache.limit - self.cache.budget) if self.cache.limit is not None else 4096
         self.chunk = chunk if chunk is not None else min(4096, room)
         if self.cache.limit is not None and self.chunk > room:

@@ -40,7 +40,7 @@ def assert_same_decoding(out, ref, atol: float = 1e-4) -> None:
 def nothing_evicted(model, n: int = 300, new: int = 24, chunk: int = 64) -> None:
     ids = random_ids(n)
     ref = greedy(model, ids, tf.DynamicCache(config=model.config), new, chunk)
-    for cache in (PACECache(Blueprint([Span(0, 20, [1])]), model=model, budget=1024, limit=2048),
+    for cache in (PACECache(model, Blueprint([Span(0, 20, [1])]), budget=1024, limit=2048),
                   H2OCache(model, budget=1024)):
         out = greedy(model, ids, cache, new, chunk)
         assert_same_decoding(out, ref)
@@ -66,7 +66,7 @@ def rotary_positions(model) -> tuple[list, list]:
 def bounded(model, limit: int = 160, budget: int = 48, n: int = 400, new: int = 100, chunk: int = 32):
     """Evict and renumber; returns the cache (still bound) for the family's own checks."""
     planned = range(10, 30)
-    cache = PACECache(Blueprint([Span(planned.start, planned.stop, [1])]), model=model, budget=budget, limit=limit,
+    cache = PACECache(model, Blueprint([Span(planned.start, planned.stop, [1])]), budget=budget, limit=limit,
                       recent=16)
     seen, handles = rotary_positions(model)
     try:

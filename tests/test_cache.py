@@ -23,7 +23,7 @@ def test_full_equivalence_when_nothing_is_evicted(kind):
     model = tiny_model(kind)
     ids = prompt(300)
     ref = model.generate(ids, max_new_tokens=24, do_sample=False, cache=tf.DynamicCache(config=model.config), prefill_chunk_size=64)
-    for cache in (PACECache(Blueprint([Span(0, 20, [1])]), model=model, budget=1024, limit=2048),
+    for cache in (PACECache(model, Blueprint([Span(0, 20, [1])]), budget=1024, limit=2048),
                   H2OCache(model, budget=1024)):
         out = model.generate(ids, max_new_tokens=24, do_sample=False, cache=cache, prefill_chunk_size=64)
         assert torch.equal(out, ref), type(cache).__name__
@@ -32,7 +32,7 @@ def test_full_equivalence_when_nothing_is_evicted(kind):
     torch.manual_seed(3)
     ref = model.generate(ids, max_new_tokens=16, do_sample=True, top_k=20, cache=tf.DynamicCache(config=model.config))
     torch.manual_seed(3)
-    out = model.generate(ids, max_new_tokens=16, do_sample=True, top_k=20, cache=PACECache(Blueprint(), model=model, budget=1024, limit=2048))
+    out = model.generate(ids, max_new_tokens=16, do_sample=True, top_k=20, cache=PACECache(model, budget=1024, limit=2048))
     assert torch.equal(out, ref)
     # the deprecated keyword (the only one before transformers 5.24) still works
     with pytest.warns(FutureWarning, match="past_key_values"):
@@ -51,7 +51,7 @@ def snapshot_layer0(model, cache, log):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_renumbering_is_exact_after_100_renumbers(kind):
     model = tiny_model(kind)
-    cache = PACECache(Blueprint([Span(40, 60, [2])]), model=model, budget=24, limit=30, recent=8)
+    cache = PACECache(model, Blueprint([Span(40, 60, [2])]), budget=24, limit=30, recent=8)
     log = []
     handle = snapshot_layer0(model, cache, log)
     out = model.generate(prompt(400, seed=1), max_new_tokens=400, min_new_tokens=400, do_sample=False,
@@ -75,7 +75,7 @@ def test_renumbering_is_exact_after_100_renumbers(kind):
 def test_positions_stay_bounded_during_a_long_generate():
     model = tiny_model("qwen3")
     limit, budget, chunk = 96, 40, 32
-    cache = PACECache(Blueprint([Span(5, 15, [1])]), model=model, budget=budget, limit=limit, recent=16)
+    cache = PACECache(model, Blueprint([Span(5, 15, [1])]), budget=budget, limit=limit, recent=16)
     seen_positions, resident = [], []
     h1 = model.model.rotary_emb.register_forward_pre_hook(
         lambda m, args, kwargs: seen_positions.append(int(kwargs.get("position_ids", args[-1]).max())), with_kwargs=True)
@@ -115,7 +115,7 @@ def test_foresight_keeps_planned_spans_until_their_last_reader():
     model = tiny_model("llama")
     span = range(200, 230)
     bp = Blueprint([Span(200, 230, readers=[2, 3])])
-    pace = PACECache(bp, model=model, budget=64, limit=160, recent=16)
+    pace = PACECache(model, bp, budget=64, limit=160, recent=16)
     h2o = H2OCache(model, budget=64, recent=16)
     ids = prompt(600, seed=5)
     for cache in (pace, h2o):
@@ -152,7 +152,7 @@ def test_foresight_keeps_planned_spans_until_their_last_reader():
 
 def test_multi_turn_prefills_only_new_tokens():
     model = tiny_model("llama")
-    cache = PACECache(Blueprint(), model=model, budget=64, limit=160, recent=16)
+    cache = PACECache(model, budget=64, limit=160, recent=16)
     counted = []
     handle = model.model.embed_tokens.register_forward_hook(lambda m, args, out: counted.append(args[0].shape[1]))
     first = model.generate(prompt(200), max_new_tokens=10, min_new_tokens=10, do_sample=False, cache=cache, prefill_chunk_size=32)
@@ -167,7 +167,7 @@ def test_multi_turn_prefills_only_new_tokens():
 @pytest.mark.parametrize("chunk", [0, -16, 16.0, True])
 def test_a_prefill_chunk_size_that_is_not_a_token_count_is_refused_before_any_forward(chunk):
     model = tiny_model("llama")
-    cache = PACECache(Blueprint(), model=model, budget=32, limit=80, recent=8)
+    cache = PACECache(model, budget=32, limit=80, recent=8)
     with pytest.raises(ValueError, match="prefill_chunk_size must be a whole number of tokens >= 1"):
         model.generate(prompt(100), max_new_tokens=2, do_sample=False, cache=cache, prefill_chunk_size=chunk)
     assert cache.get_seq_length() == 0
@@ -182,7 +182,7 @@ def test_a_numpy_prefill_chunk_size_is_a_token_count():
     for chunk in (32, np.int64(32)):
         counted = []
         handle = model.model.embed_tokens.register_forward_hook(lambda m, args, out: counted.append(args[0].shape[1]))
-        cache = PACECache(Blueprint(), model=model, budget=32, limit=80, recent=8)
+        cache = PACECache(model, budget=32, limit=80, recent=8)
         outs.append(model.generate(prompt(100), max_new_tokens=2, do_sample=False, cache=cache, prefill_chunk_size=chunk))
         handle.remove()
         assert counted == [32, 32, 32, 4, 1]
@@ -194,9 +194,9 @@ def test_model_works_normally_after_a_pace_cache():
     model = tiny_model("llama")
     ids = prompt(100)
     before = model.generate(ids, max_new_tokens=8, do_sample=False)
-    PACECache(Blueprint(), model=model, budget=32, limit=80, recent=8)
+    PACECache(model, budget=32, limit=80, recent=8)
     model.generate(ids, max_new_tokens=8, do_sample=False,
-                   cache=PACECache(Blueprint(), model=model, budget=32, limit=80, recent=8), prefill_chunk_size=16)
+                   cache=PACECache(model, budget=32, limit=80, recent=8), prefill_chunk_size=16)
     after = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(before, after)
 
@@ -205,8 +205,8 @@ def test_model_works_normally_after_a_pace_cache():
     lambda m: SnapKVCache(m, budget=48, recent=8),
     lambda m: StreamingLLMCache(m, budget=48),
     lambda m: H2OCache(m, budget=48, limit=120, recent=8),  # positions-only
-    lambda m: PACECache(Blueprint([Span(0, 10, [1])]), model=m, budget=48, recent=8, limit=None),  # retention-only
-    lambda m: PACECache(Blueprint([Span(0, 10, [1])]), model=m, budget=48, recent=8, scorer=ObservationWindow()),
+    lambda m: PACECache(m, Blueprint([Span(0, 10, [1])]), budget=48, recent=8, limit=None),  # retention-only
+    lambda m: PACECache(m, Blueprint([Span(0, 10, [1])]), budget=48, recent=8, scorer=ObservationWindow()),
     lambda m: StreamingLLMCache(m, budget=48, limit=120),
 ])
 def test_baselines_and_ablation_arms_run_under_generate(make):
@@ -240,19 +240,19 @@ def test_bad_input_raises_clear_errors():
         Blueprint([(0, 5, [1])])
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="sinks"):
-        PACECache(Blueprint(), model=model, budget=100, limit=400, sinks=4, recent=128)
+        PACECache(model, budget=100, limit=400, sinks=4, recent=128)
     with pytest.raises(ValueError, match="limit"):
-        PACECache(Blueprint(), model=model, budget=256, limit=256, recent=16)
+        PACECache(model, budget=256, limit=256, recent=16)
     torch.manual_seed(0)
     dynamic = tf.AutoModelForCausalLM.from_config(
         tf.LlamaConfig(**{**tiny_config("llama").to_dict(), "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}))
     with pytest.raises(ValueError, match="dynamic"):
-        PACECache(Blueprint(), model=dynamic, budget=64, limit=160, recent=16)
+        PACECache(dynamic, budget=64, limit=160, recent=16)
 
 
 def test_a_chunk_that_cannot_fit_under_the_limit_raises_and_loses_nothing():
     model = tiny_model("llama")
-    cache = PACECache(Blueprint(), model=model, budget=32, limit=64, recent=8)
+    cache = PACECache(model, budget=32, limit=64, recent=8)
     with torch.no_grad():
         model(prompt(30), cache=cache)
         before = (cache.get_seq_length(), cache.layers[0].keys.clone(), cache.ledger(0)[0].clone())
@@ -277,7 +277,7 @@ def test_dynamic_rope_is_refused_only_when_positions_are_bounded():
     dynamic = tf.AutoModelForCausalLM.from_config(
         tf.LlamaConfig(**{**tiny_config("llama").to_dict(), "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}))
     for cache in (H2OCache(dynamic, budget=32, recent=8), SnapKVCache(dynamic, budget=32, recent=8),
-                  StreamingLLMCache(dynamic, budget=32), PACECache(Blueprint(), model=dynamic, budget=32, recent=8, limit=None)):
+                  StreamingLLMCache(dynamic, budget=32), PACECache(dynamic, budget=32, recent=8, limit=None)):
         out = dynamic.generate(prompt(80), max_new_tokens=4, do_sample=False, cache=cache, prefill_chunk_size=16)
         assert out.shape[1] == 84
         cache.unbind()
@@ -291,7 +291,7 @@ def test_layer_kinds_that_are_not_handled_are_refused_by_name():
     assert "chunked_attention" in config.layer_types
     torch.manual_seed(0)
     llama4 = tf.AutoModelForCausalLM.from_config(config)
-    for make in (lambda: H2OCache(llama4, budget=32, recent=8), lambda: PACECache(Blueprint(), model=llama4, budget=32, recent=8, limit=96)):
+    for make in (lambda: H2OCache(llama4, budget=32, recent=8), lambda: PACECache(llama4, budget=32, recent=8, limit=96)):
         with pytest.raises(NotImplementedError, match="chunked_attention"):
             make()
     assert llama4.config._attn_implementation == "sdpa" and not llama4.model._forward_pre_hooks  # nothing left behind
@@ -316,8 +316,8 @@ def test_boundary_inputs_get_specific_errors():
     with pytest.raises(TypeError, match="budget"):
         H2OCache(model, budget=64.0)
     with pytest.raises(TypeError, match="limit"):
-        PACECache(Blueprint(), model=model, budget=64, limit="256", recent=8)
-    cache = PACECache(Blueprint([Span(0, 4, [1])]), model=model, budget=32, limit=96, recent=8)
+        PACECache(model, budget=64, limit="256", recent=8)
+    cache = PACECache(model, Blueprint([Span(0, 4, [1])]), budget=32, limit=96, recent=8)
     for bad, error in ((-1, ValueError), (1.5, TypeError), ("3", TypeError), (None, TypeError)):
         with pytest.raises(error, match="cache.step"):
             cache.step = bad
@@ -346,15 +346,15 @@ def test_bounded_positions_on_a_model_without_rotary_embeddings_name_the_fix():
     torch.manual_seed(0)
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256)).eval()
     with pytest.raises(ValueError, match="no rope_parameters.*with limit=None the cache keeps positions unbounded"):
-        PACECache(Blueprint(), model=gpt2, budget=32, limit=96, recent=8)
+        PACECache(gpt2, budget=32, limit=96, recent=8)
     out = gpt2.generate(prompt(80), max_new_tokens=2, do_sample=False, prefill_chunk_size=32,
-                        cache=PACECache(Blueprint(), model=gpt2, budget=32, limit=None, recent=8))
+                        cache=PACECache(gpt2, budget=32, limit=None, recent=8))
     assert out.shape[1] == 82
 
 
 def test_a_filled_cache_refuses_another_model_and_kv_of_another_kind():
     model, other = tiny_model("llama"), tiny_model("llama", seed=1)
-    cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8)
+    cache = PACECache(model, budget=32, limit=96, recent=8)
     with torch.no_grad():
         model(prompt(40), cache=cache)
     before = {k: v.clone() for k, v in cache.layers[0].tensors().items()}
@@ -380,7 +380,7 @@ def test_a_filled_cache_refuses_another_model_and_kv_of_another_kind():
 
 def test_a_prompt_no_longer_than_what_the_cache_saw_gets_a_clear_error():
     model = tiny_model("llama")
-    cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8)
+    cache = PACECache(model, budget=32, limit=96, recent=8)
     ids = prompt(64)
     model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, prefill_chunk_size=32)
     seen = cache.get_seq_length()
@@ -397,7 +397,7 @@ def test_reset_then_save_replaces_the_last_save(tmp_path):
 
     model = tiny_model("llama")
     store = TieredStore([DiskTier(tmp_path)])
-    cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8, store=store, session_id="s")
+    cache = PACECache(model, budget=32, limit=96, recent=8, store=store, session_id="s")
     with torch.no_grad():
         model(prompt(80), cache=cache)
         cache.save()
@@ -416,7 +416,7 @@ def test_unbind_leaves_the_model_exactly_as_loaded():
                 sorted(k for k in m.__dict__ if k in ("generate", "_get_stopping_criteria")),
                 hasattr(d, "_pace_hf_binding"))
 
-    a = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8)
+    a = PACECache(model, budget=32, limit=96, recent=8)
     b = H2OCache(model, budget=32, recent=8)
     assert model.config._attn_implementation == "pace_attention"
     model.generate(ids, max_new_tokens=4, do_sample=False, cache=a, prefill_chunk_size=32)
@@ -463,15 +463,15 @@ def test_max_length_reminder_is_dropped_only_for_bounded_caches(caplog):
             model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache, prefill_chunk_size=16)
         return "predefined maximum length" in caplog.text
 
-    assert not reminded(PACECache(Blueprint(), model=model, budget=24, limit=48, recent=4))
+    assert not reminded(PACECache(model, budget=24, limit=48, recent=4))
     assert reminded(H2OCache(model, budget=24, recent=4))  # unbounded: positions pass 64
-    assert reminded(PACECache(Blueprint(), model=model, budget=24, limit=96, recent=4))  # limit above the maximum
+    assert reminded(PACECache(model, budget=24, limit=96, recent=4))  # limit above the maximum
     assert reminded(tf.DynamicCache(config=model.config))
 
 
 def test_public_readings():
     model = tiny_model("llama")
-    cache = PACECache(Blueprint([Span(10, 20, [1])]), model=model, budget=32, limit=96, recent=8)
+    cache = PACECache(model, Blueprint([Span(10, 20, [1])]), budget=32, limit=96, recent=8)
     cache.step = 1
     with torch.no_grad():
         for chunk in prompt(200).split(40, dim=1):
@@ -538,7 +538,7 @@ def ledgers_after_every_forward(model, cache, log):
 
 @pytest.mark.parametrize("make", [
     lambda: H2OCache(budget=40, recent=8),
-    lambda: PACECache(Blueprint([Span(30, 50, [1]), Span(100, 140, [1])]), budget=40, limit=80, recent=8),  # renumbers
+    lambda: PACECache(blueprint=Blueprint([Span(30, 50, [1]), Span(100, 140, [1])]), budget=40, limit=80, recent=8),  # renumbers
     lambda: SnapKVCache(budget=40, recent=8),  # max-pooled scores: ties, so the order topk sees matters
 ])
 def test_in_place_eviction_keeps_exactly_what_plain_compaction_keeps(make):
@@ -577,9 +577,9 @@ def test_in_place_eviction_keeps_exactly_what_plain_compaction_keeps(make):
 def test_reset_forgets_every_token():
     model = tiny_model("llama")
     ids = prompt(120, seed=3)
-    fresh = PACECache(Blueprint([Span(10, 20, [1])]), model=model, budget=32, limit=96, recent=8)
+    fresh = PACECache(model, Blueprint([Span(10, 20, [1])]), budget=32, limit=96, recent=8)
     want = model.generate(ids, max_new_tokens=12, do_sample=False, cache=fresh, prefill_chunk_size=16)
-    cache = PACECache(Blueprint([Span(10, 20, [1])]), model=model, budget=32, limit=96, recent=8)
+    cache = PACECache(model, Blueprint([Span(10, 20, [1])]), budget=32, limit=96, recent=8)
     model.generate(prompt(200, seed=4), max_new_tokens=5, do_sample=False, cache=cache, prefill_chunk_size=16)
     assert cache.get_seq_length() > 0 and cache.renumbers > 0
     cache.reset()
@@ -671,7 +671,7 @@ def test_a_repeated_or_edited_prompt_is_refused_not_prefilled_again():
     an edited earlier token is refused too (its old KV would be reused); a continuation goes on."""
     model = tiny_model("llama")
     ids = prompt(200)
-    cache = PACECache(Blueprint(), model=model, budget=64, limit=400, recent=16)
+    cache = PACECache(model, budget=64, limit=400, recent=16)
     out = model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False, prefill_chunk_size=64)
     seen = cache.get_seq_length()
     for again in (ids, ids[:, :150], out[:, :-1]):
@@ -692,7 +692,7 @@ def test_a_compiled_model_gets_pace_hfs_own_error():
     """torch.compile(model.forward) crashed deep inside torch ('sources must not be empty for symbol'),
     with a large log: now a bound cache says it does not run compiled, at bind and at generate."""
     model = tiny_model("llama")
-    cache = PACECache(Blueprint(), model=model, budget=64, limit=400, recent=16)
+    cache = PACECache(model, budget=64, limit=400, recent=16)
     model.forward = torch.compile(model.forward, backend="eager")
     with pytest.raises(NotImplementedError, match="do not run under torch.compile"):
         model.generate(prompt(50), cache=cache, max_new_tokens=3, do_sample=False)
@@ -701,3 +701,37 @@ def test_a_compiled_model_gets_pace_hfs_own_error():
         H2OCache(model, budget=64, recent=16)
     del model.forward  # uncompiled again: it runs
     assert model.generate(prompt(50), cache=cache, max_new_tokens=3, do_sample=False).shape[1] == 53
+
+
+def test_pace_cache_takes_the_model_first_and_the_old_order_still_works_with_a_warning():
+    """PACECache(model, blueprint) as every other cache takes its model; PACECache(blueprint, model) (and
+    PACECache(blueprint, model=...), PACECache(None, model)) builds the same cache for one more release,
+    with a DeprecationWarning pointing at the caller; a model or blueprint given twice is a TypeError."""
+    import warnings
+
+    model = tiny_model("llama")
+    bp = Blueprint([Span(0, 10, [1])])
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def logits(cache):
+        with torch.no_grad():
+            out = model(ids, cache=cache, use_cache=True).logits
+        cache.unbind()
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        expected = logits(PACECache(model, bp, budget=32, limit=96, recent=8))
+        assert torch.equal(logits(PACECache(model=model, blueprint=bp, budget=32, limit=96, recent=8)), expected)
+    for old in (lambda: PACECache(bp, model, budget=32, limit=96, recent=8),
+                lambda: PACECache(bp, model=model, budget=32, limit=96, recent=8)):
+        with pytest.warns(DeprecationWarning, match="model comes first") as caught:
+            cache = old()
+        assert caught[0].filename == __file__ and cache.scoring.blueprint is bp
+        assert torch.equal(logits(cache), expected)
+    with pytest.warns(DeprecationWarning):
+        PACECache(None, model, budget=32, limit=96, recent=8).unbind()
+    for twice in (lambda: PACECache(model, bp, blueprint=bp), lambda: PACECache(model, model=model),
+                  lambda: PACECache(bp, model, model=model), lambda: PACECache(model, bp, 3)):
+        with pytest.raises(TypeError):
+            twice()

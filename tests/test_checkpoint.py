@@ -323,7 +323,7 @@ def test_a_checkpoint_that_cannot_be_saved_warns_and_the_run_goes_on(tmp_path):
     store = TieredStore([DiskTier(tmp_path / "file" / "kv")])
     try:
         model = tiny_model("qwen2")
-        cache = PACECache(None, model=model, budget=32, limit=96, recent=8, store=store, session_id="s")
+        cache = PACECache(model, budget=32, limit=96, recent=8, store=store, session_id="s")
         with torch.no_grad():
             model(torch.arange(3, 80)[None], cache=cache)
         with pytest.raises(persist.SaveFailed):
@@ -346,7 +346,7 @@ def test_a_resume_the_store_cannot_answer_stops_and_deletes_nothing(tmp_path):
     store = TieredStore([DiskTier(kv)])
     try:
         model = tiny_model("qwen2")
-        cache = PACECache(None, model=model, budget=32, limit=96, recent=8, store=store, session_id="s")
+        cache = PACECache(model, budget=32, limit=96, recent=8, store=store, session_id="s")
         with torch.no_grad():
             model(torch.arange(3, 80)[None], cache=cache)
         checkpoint = PairCheckpoint(store, "s", every=1, expected={"budget": 32})

@@ -39,7 +39,7 @@ def test_bounded_positions_keep_the_plan_and_the_window():
 
 def test_only_the_full_layers_pay_the_score_pass():
     model = gemma3()
-    cache = PACECache(Blueprint(), model=model, budget=48, limit=160, recent=16)
+    cache = PACECache(model, budget=48, limit=160, recent=16)
     scored = []
     record = cache.record_attention
     cache.record_attention = lambda i, sums: (scored.append(i), record(i, sums))
@@ -51,7 +51,7 @@ def test_window_keys_are_the_models_own_keys_after_renumbering():
     """Layer 0 is a sliding layer whose keys depend only on the token and its position: after every
     renumber, its stored keys are exactly the model's keys at their new physical positions."""
     model = gemma3()
-    cache = PACECache(Blueprint([Span(10, 30, [1])]), model=model, budget=48, limit=160, recent=16)
+    cache = PACECache(model, Blueprint([Span(10, 30, [1])]), budget=48, limit=160, recent=16)
     ids = random_ids(400, seed=3)
     log = []
     handle = model.model.register_forward_hook(
@@ -75,7 +75,7 @@ def test_window_keys_are_the_models_own_keys_after_renumbering():
 def test_save_and_resume_in_another_process_give_bit_equal_logits(tmp_path):
     model = gemma3()
     store = TieredStore([DiskTier(tmp_path / "kv")])
-    cache = PACECache(Blueprint([Span(10, 30, [1])]), model=model, budget=48, limit=160, recent=16, store=store,
+    cache = PACECache(model, Blueprint([Span(10, 30, [1])]), budget=48, limit=160, recent=16, store=store,
                       session_id="hybrid")
     model.generate(random_ids(300, seed=2), cache=cache, max_new_tokens=30, min_new_tokens=30, do_sample=False,
                    prefill_chunk_size=32)
@@ -100,7 +100,7 @@ def test_save_and_resume_in_another_process_give_bit_equal_logits(tmp_path):
 def test_a_session_of_another_layout_is_refused(tmp_path):
     model = gemma3()
     store = TieredStore([DiskTier(tmp_path / "kv")])
-    cache = PACECache(Blueprint(), model=model, budget=48, limit=160, recent=16, store=store, session_id="hybrid")
+    cache = PACECache(model, budget=48, limit=160, recent=16, store=store, session_id="hybrid")
     prefill(model, cache, random_ids(100), 50)
     cache.save()
     cache.unbind()
@@ -156,7 +156,7 @@ def test_an_agent_session_on_a_hybrid_plans_restores_and_resumes(tmp_path):
 
 def test_the_ledger_reads_every_layer_kind():
     model = gemma3()
-    cache = PACECache(Blueprint(), model=model, budget=48, limit=160, recent=16)
+    cache = PACECache(model, budget=48, limit=160, recent=16)
     prefill(model, cache, random_ids(200), 40)
     logical, physical = cache.ledger(0)  # a window: the last 63 tokens, at the positions before the next query
     assert torch.equal(logical[0], torch.arange(200 - 63, 200)) and logical.shape == physical.shape

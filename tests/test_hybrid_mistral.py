@@ -4,7 +4,7 @@ import transformers as tf
 from conftest import random_ids
 from hybrid import C, assert_same_decoding, build, greedy, rotary_positions
 
-from pace_hf import Blueprint, PACECache
+from pace_hf import PACECache
 
 
 def mistral():
@@ -18,7 +18,7 @@ def test_an_all_sliding_model_under_bounded_positions_equals_dynamic_cache_over_
     model = mistral()
     ids = random_ids(40, seed=4)
     ref = greedy(model, ids, tf.DynamicCache(config=model.config), 300, 16)
-    cache = PACECache(Blueprint(), model=model, budget=48, limit=96, recent=16)
+    cache = PACECache(model, budget=48, limit=96, recent=16)
     seen, handles = rotary_positions(model)
     out = greedy(model, ids, cache, 300, 16)
     for handle in handles:

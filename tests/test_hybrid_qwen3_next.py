@@ -7,7 +7,7 @@ import transformers as tf
 from conftest import prefill, random_ids
 from hybrid import C, bounded, build, nothing_evicted
 
-from pace_hf import Blueprint, PACECache
+from pace_hf import PACECache
 from pace_hf.tiers import HostTier, TieredStore
 
 LAYERS = ["linear_attention"] * 3 + ["full_attention"]
@@ -33,7 +33,7 @@ def test_bounded_positions_keep_the_plan():
 def test_linear_states_are_saved_and_resumed_exactly():
     model = qwen3_next()
     store = TieredStore([HostTier()])
-    cache = PACECache(Blueprint(), model=model, budget=48, limit=160, recent=16, store=store, session_id="next")
+    cache = PACECache(model, budget=48, limit=160, recent=16, store=store, session_id="next")
     prefill(model, cache, random_ids(200), 32)
     cache.save()
     saved = {f"{i}/{k}": v.clone() for i, layer in enumerate(cache.layers) for k, v in layer.tensors().items()}
@@ -53,7 +53,7 @@ def test_linear_states_are_saved_and_resumed_exactly():
 
 def test_a_failed_forward_leaves_the_linear_states_as_they_were():
     model = qwen3_next()
-    cache = PACECache(Blueprint(), model=model, budget=48, limit=160, recent=16)
+    cache = PACECache(model, budget=48, limit=160, recent=16)
     prefill(model, cache, random_ids(100), 50)
     before = {f"{i}/{k}": v.clone() for i, layer in enumerate(cache.layers) for k, v in layer.tensors().items()}
     boom = model.model.layers[3].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))

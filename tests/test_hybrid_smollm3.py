@@ -26,7 +26,7 @@ def test_nope_keys_are_never_re_rotated():
     """Layer 0 has no rotary embedding, so its keys depend on the token alone: after every renumber they
     are still the model's own keys, whatever their new physical positions."""
     model = smollm3()
-    cache = PACECache(Blueprint([Span(10, 30, [1])]), model=model, budget=48, limit=160, recent=16)
+    cache = PACECache(model, Blueprint([Span(10, 30, [1])]), budget=48, limit=160, recent=16)
     ids = random_ids(400, seed=5)
     prefill(model, cache, ids, 24)
     assert cache.renumbers >= 3

@@ -35,7 +35,7 @@ def test_a_planned_fact_survives_and_is_recalled_under_bounded_positions(gemma3)
                        add_special_tokens=False).input_ids[:, :3000]
     question = tokenizer("\n\nThe vault code is", return_tensors="pt", add_special_tokens=False).input_ids
     ids = torch.cat([fact, filler, question], 1)
-    cache = PACECache(Blueprint([Span(0, fact.shape[1], readers=[1])]), model=model, budget=256, limit=1200)
+    cache = PACECache(model, Blueprint([Span(0, fact.shape[1], readers=[1])]), budget=256, limit=1200)
     cache.step = 1
     positions = []
     hook = model.model.rotary_emb.register_forward_pre_hook(

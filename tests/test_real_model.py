@@ -23,7 +23,7 @@ def test_smollm2_generates_under_a_bounded_pace_cache(smollm):
     text = "Facts: the vault code is 4471.\n" + inspect.getsource(json.decoder) + inspect.getsource(json.encoder)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :3000]
     assert ids.shape[1] == 3000
-    cache = PACECache(Blueprint([Span(0, 12, readers=[1])]), model=model, budget=512, limit=1024)
+    cache = PACECache(model, Blueprint([Span(0, 12, readers=[1])]), budget=512, limit=1024)
     cache.step = 1
     positions = []
     hook = model.model.rotary_emb.register_forward_pre_hook(

@@ -37,7 +37,7 @@ def record_evictions(cache):
 def test_spill_and_restore_are_exact(tiers, tmp_path):
     model = tiny_model("qwen2")
     store = TieredStore([HostTier()] if tiers == "host" else [DiskTier(tmp_path)])
-    cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8, store=store, session_id="s1",
+    cache = PACECache(model, budget=32, limit=96, recent=8, store=store, session_id="s1",
                       spill_tokens=16)
     log = record_evictions(cache)
     ids = random_ids(300)
@@ -80,7 +80,7 @@ def test_a_working_set_larger_than_the_budget_is_resident_at_every_reader_step()
     spans = {1: (20, 50), 2: (100, 130), 3: (200, 230), 4: (20, 50)}  # 90 planned tokens, 36 free slots
     bp = Blueprint([Span(20, 50, [1, 4]), Span(100, 130, [2]), Span(200, 230, [3])])
     store = TieredStore([HostTier()])
-    cache = PACECache(bp, model=model, budget=48, limit=128, recent=8, store=store, session_id="ws", spill_tokens=16)
+    cache = PACECache(model, bp, budget=48, limit=128, recent=8, store=store, session_id="ws", spill_tokens=16)
     prefill(model, cache, random_ids(400), CHUNK)
     assert sum(cache.residency(range(*s)) == 1.0 for s in spans.values()) < 3  # they cannot all fit
     at_first_forward = []
@@ -119,7 +119,7 @@ def test_valkey_killed_mid_session_generate_goes_on(killable):
     bp = Blueprint([Span(20, 60, [2])])
     kw = dict(model=model, budget=48, limit=128, recent=8, spill_tokens=16)
     store = TieredStore([ValkeyTier(url)], timeout_s=0.5)
-    cache = PACECache(bp, store=store, session_id="killed", **kw)
+    cache = PACECache(blueprint=bp, store=store, session_id="killed", **kw)
     prefill(model, cache, random_ids(300), CHUNK)
     store.flush()
     killable.terminate()
@@ -134,7 +134,7 @@ def test_valkey_killed_mid_session_generate_goes_on(killable):
     strict = TieredStore([ValkeyTier(url)], timeout_s=0.5, strict=True)
     try:
         with pytest.raises(TierError):  # strict: the spill's failed write surfaces as TierError
-            cache = PACECache(bp, store=strict, session_id="strict", **kw)
+            cache = PACECache(blueprint=bp, store=strict, session_id="strict", **kw)
             prefill(model, cache, random_ids(300), CHUNK)
             strict.flush(timeout_s=3)
     finally:
@@ -147,7 +147,7 @@ def test_valkey_killed_mid_session_generate_goes_on(killable):
 @pytest.mark.parametrize("fault", ["flip", "truncate", "foreign"])
 def test_corrupt_entries_are_never_restored(fault, tmp_path):
     model = tiny_model("qwen2")
-    cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8,
+    cache = PACECache(model, budget=32, limit=96, recent=8,
                       store=TieredStore([DiskTier(tmp_path)]), session_id="c", spill_tokens=16)
     prefill(model, cache, random_ids(300), CHUNK)
     cache.spill.flush()
@@ -177,14 +177,14 @@ def test_corrupt_entries_are_never_restored(fault, tmp_path):
 def test_restore_and_save_need_a_store_and_foresight():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="session_id"):
-        PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8, store=TieredStore([HostTier()]))
+        PACECache(model, budget=32, limit=96, recent=8, store=TieredStore([HostTier()]))
     with pytest.raises(ValueError, match="store"):
-        PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8).restore(0, 10)
+        PACECache(model, budget=32, limit=96, recent=8).restore(0, 10)
     h2o = H2OCache(model, budget=32, recent=8, store=TieredStore([HostTier()]), session_id="h")
     with pytest.raises(ValueError, match="Foresight"):
         h2o.restore(0, 10)
     with pytest.raises(ValueError, match="start < end"):
-        PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8, store=TieredStore([HostTier()]),
+        PACECache(model, budget=32, limit=96, recent=8, store=TieredStore([HostTier()]),
                   session_id="x").restore(10, 10)
 
 
@@ -196,11 +196,11 @@ def test_a_span_past_the_end_of_the_prompt_is_warned_about_once():
     model = tiny_model("llama")
     ids = random_ids(1000)
     late = Span(900, 50000, [1])
-    cache = PACECache(Blueprint([Span(100, 200, [1]), late]), model=model, budget=256, limit=512, recent=8)
+    cache = PACECache(model, Blueprint([Span(100, 200, [1]), late]), budget=256, limit=512, recent=8)
     with pytest.warns(UserWarning, match=r"\[900, 50000\) reaches past the end of the prompt \(1000 tokens\)") as got:
         model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, prefill_chunk_size=128)
     assert sum("reaches past" in str(w.message) for w in got) == 1  # once, not at every decoded token
-    cache = PACECache(Blueprint([Span(100, 200, [1]), Span(900, 1000, [1])]), model=model, budget=256, limit=512,
+    cache = PACECache(model, Blueprint([Span(100, 200, [1]), Span(900, 1000, [1])]), budget=256, limit=512,
                       recent=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a span that ends with the prompt is fine
@@ -210,7 +210,7 @@ def test_a_span_past_the_end_of_the_prompt_is_warned_about_once():
 def test_a_span_larger_than_the_budget_is_warned_about_once_even_if_planned_later():
     model = tiny_model("llama")
     blueprint = Blueprint([Span(100, 150, [1])])
-    cache = PACECache(blueprint, model=model, budget=64, limit=256, recent=8)
+    cache = PACECache(model, blueprint, budget=64, limit=256, recent=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a span that fits the budget is fine
         prefill(model, cache, random_ids(256), 128)

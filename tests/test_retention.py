@@ -6,7 +6,7 @@ import torch
 from conftest import prefill, random_ids
 from tiny_models import tiny_model
 
-from pace_hf import Blueprint, PACECache
+from pace_hf import PACECache
 from pace_hf.memory import retention
 from pace_hf.tiers import DiskTier, TieredStore
 
@@ -16,7 +16,7 @@ def store_with_sessions(tmp_path):
     model = tiny_model("llama")
     store = TieredStore([DiskTier(tmp_path / "kv")])
     for i in range(4):
-        cache = PACECache(Blueprint(), model=model, budget=48, limit=160, recent=8, store=store, session_id=f"s{i}")
+        cache = PACECache(model, budget=48, limit=160, recent=8, store=store, session_id=f"s{i}")
         prefill(model, cache, random_ids(120, seed=i), 40)
         cache.save()
         cache.unbind()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from pace_hf import Blueprint, CumulativeAttention, PACECache
+from pace_hf import CumulativeAttention, PACECache
 from pace_hf.memory.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY, SAVE_FORMAT, IncompleteSave, SaveFailed
 from pace_hf.session import PACESession
 from pace_hf.tiers import DiskTier, HostTier, LeaseHeld, TieredStore, TierUnavailable, ValkeyTier, WriterConflict, encode
@@ -89,7 +89,7 @@ def _run(model, cache, ids):
 
 
 def _cache(model, store, sid=SID, **kw):
-    return PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8, store=store, session_id=sid,
+    return PACECache(model, budget=32, limit=96, recent=8, store=store, session_id=sid,
                      spill_tokens=8, **kw)
 
 

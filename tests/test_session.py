@@ -58,7 +58,7 @@ def test_bad_session_arguments_are_refused_before_anything_changes(tiny_session_
         make(system=None)
     with pytest.raises(TypeError, match="cache must be a PACECache"):
         PACESession(model, tokenizer, cache="a cache")
-    built = PACECache(None, model=model, budget=48, limit=160, recent=8)
+    built = PACECache(model, budget=48, limit=160, recent=8)
     for wrong, named in (({"budget": 4096}, "budget"), ({"limit": None}, "limit"), ({"sinks": 2}, "sinks"),
                          ({"budget": 64, "session_id": "x"}, "budget, session_id")):
         with pytest.raises(TypeError, match=f"built PACECache; {named} belong to it"):

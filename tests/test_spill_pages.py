@@ -8,7 +8,7 @@ import torch
 from conftest import prefill, random_ids
 from tiny_models import tiny_model
 
-from pace_hf import Blueprint, PACECache
+from pace_hf import PACECache
 from pace_hf.scoring import Recency
 from pace_hf.memory.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
 from pace_hf.tiers import DiskTier, TieredStore
@@ -30,7 +30,7 @@ def decode(model, cache, steps, seed=0):
 
 def new_cache(model, store, **kw):
     kw = dict(budget=48, limit=160, recent=8, store=store, session_id=SID, spill_tokens=PAGE, **kw)
-    return PACECache(Blueprint(), model=model, **kw)
+    return PACECache(model, **kw)
 
 
 def token_bytes(model):

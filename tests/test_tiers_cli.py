@@ -12,7 +12,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from pace_hf import Blueprint, PACECache
+from pace_hf import PACECache
 from pace_hf.memory.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
 from pace_hf.tiers import DiskTier, TieredStore, parse_store
 from pace_hf.memory.__main__ import main
@@ -44,7 +44,7 @@ def spec(request, tmp_path):
 def _saved_session(model, spec, sid, tokens):
     """A PACECache session that evicted and spilled, saved twice; returns its current generation."""
     store = parse_store(spec)
-    cache = PACECache(Blueprint(), model=model, budget=32, limit=96, recent=8, store=store, session_id=sid)
+    cache = PACECache(model, budget=32, limit=96, recent=8, store=store, session_id=sid)
     ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(len(sid)))
     try:
         with torch.no_grad():

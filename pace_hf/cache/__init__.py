@@ -1,6 +1,6 @@
 """PACE and its baselines as drop-in transformers caches.
 
-``model.generate(ids, cache=PACECache(blueprint, model=model))`` is all a user writes
+``model.generate(ids, cache=PACECache(model, blueprint))`` is all a user writes
 (``past_key_values=`` works too: transformers 5.24 deprecates it in ``generate`` until 6.0, and
 versions before 5.24 only accept that name).
 

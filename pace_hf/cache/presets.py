@@ -19,9 +19,13 @@ class H2OCache(EvictionCache):
 class PACECache(EvictionCache):
     """PACE: foresight (a bonus for the blueprint's planned spans) around H2O, with bounded positions.
 
+    ``PACECache(model, blueprint, budget=..., limit=...)``: the model first, as every other cache takes
+    it. The old order, ``PACECache(blueprint, model)`` (or ``PACECache(blueprint, model=model)``), still
+    works for this release and warns (``DeprecationWarning``); it goes in the next.
+
     Args:
-        blueprint: the planned spans and the steps that read them (``Blueprint()``: none yet).
         model: the model to bind to (or call ``bind(model)`` later).
+        blueprint: the planned spans and the steps that read them (``Blueprint()``: none yet).
         budget: resident tokens kept per full-attention layer and KV head after each forward.
         limit: every rotary position stays below it (at least ``budget`` plus the largest chunk);
             ``limit=None`` is the retention-only arm.
@@ -38,9 +42,9 @@ class PACECache(EvictionCache):
 
     def __init__(
         self,
-        blueprint: Blueprint | None = None,
+        *args,
         model=None,
-        *,
+        blueprint: Blueprint | None = None,
         budget: int = 2048,
         limit: int | None = 8192,
         phi: float = 1e5,
@@ -48,6 +52,7 @@ class PACECache(EvictionCache):
         scorer: ScoringPolicy | None = None,
         **kwargs,
     ):
+        model, blueprint = _model_and_blueprint(args, model, blueprint)
         blueprint = Blueprint() if blueprint is None else blueprint
         if not isinstance(blueprint, Blueprint):
             raise TypeError(f"blueprint must be a pace_hf.Blueprint, got {type(blueprint).__name__}")
@@ -59,6 +64,30 @@ class PACECache(EvictionCache):
     @property
     def bonus(self):
         return self.scoring.bonus
+
+
+def _model_and_blueprint(args: tuple, model, blueprint):
+    """``(model, blueprint)`` from ``PACECache``'s positional arguments: ``(model, blueprint)``, or the
+    deprecated ``(blueprint, model)``, told apart by the blueprint's type (a ``None`` first with a model
+    second is the old order's "no plan yet")."""
+    if len(args) > 2:
+        raise TypeError(f"PACECache takes at most 2 positional arguments (model, blueprint), got {len(args)}")
+    if not args:
+        return model, blueprint
+    first, second = args[0], (args[1] if len(args) == 2 else None)
+    old = isinstance(first, Blueprint) or (first is None and len(args) == 2 and not isinstance(second, Blueprint))
+    given_model, given_blueprint = (second, first) if old else (first, second)
+    if model is not None and (len(args) == 2 or not old):
+        raise TypeError("PACECache got the model twice (positionally and as model=)")
+    if blueprint is not None and (len(args) == 2 or old):
+        raise TypeError("PACECache got the blueprint twice (positionally and as blueprint=)")
+    if old:
+        import warnings
+
+        warnings.warn("PACECache(blueprint, model) is deprecated: the model comes first, as for every other "
+                      "cache (PACECache(model, blueprint), or blueprint=...); the old order goes in the next release",
+                      DeprecationWarning, stacklevel=3)
+    return (given_model if len(args) == 2 or not old else model), (given_blueprint if len(args) == 2 or old else blueprint)
 
 
 class SnapKVCache(EvictionCache):
