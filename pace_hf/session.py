@@ -130,7 +130,16 @@ class PACESession:
         return message
 
     def plan(self, message: Message | int, readers=None, *, reader_steps=None) -> Span:
-        """Mark ``message`` (a handle or its index) as read at the given future steps."""
+        """Mark ``message`` (a handle or its index) as read at the future steps ``readers`` (as a ``Span``'s
+        ``readers``). ``reader_steps=`` is the old name, deprecated: it warns and goes in the next release."""
+        if reader_steps is not None:
+            if readers is not None:
+                raise TypeError("plan() got readers twice (readers= and the deprecated reader_steps=)")
+            import warnings
+
+            warnings.warn("plan(reader_steps=...) is deprecated: the steps are readers=, as a Span's",
+                          DeprecationWarning, stacklevel=2)
+            readers = reader_steps
         if not isinstance(message, Message):
             try:
                 index = as_index(message, "message")
@@ -141,7 +150,7 @@ class PACESession:
             message = self.messages[index]
         if message not in self.messages:
             raise TypeError("plan() takes a message handle returned by add() (or its index)")
-        steps = as_steps(readers if readers is not None else reader_steps, "readers")
+        steps = as_steps(readers, "readers")
         if not steps:
             raise ValueError("plan() needs at least one reader step")
         if steps[0] < self.step:  # a step that is over reads nothing: the span would be kept for no one

@@ -35,6 +35,10 @@ def test_messages_map_to_exact_token_spans(tiny_session_model):
     assert session.messages[-1].role == "assistant" and session.messages[-1].content == reply
     # the cache has seen everything but the last reply token (never fed back) and the turn end
     assert session.cache.get_seq_length() == len(session.ids) - len(session.template.turn_end_ids()) - 1
+    with pytest.warns(DeprecationWarning, match="readers="):  # the old keyword, for one more release
+        assert session.plan(first, reader_steps=[3]) == Span(first.start, first.end, (3,))
+    with pytest.raises(TypeError, match="readers twice"):
+        session.plan(first, readers=[3], reader_steps=[3])
     with pytest.raises(TypeError, match="message handle"):
         session.plan("the first message", readers=[2])
     with pytest.raises(TypeError, match="readers"):
