@@ -10,6 +10,8 @@ from pace_bench.metrics import PACE_CODING
 from pace_bench.metrics.pace_coding import pace_coding as M
 from pace_bench.models import load_tokenizer
 
+from host_objects import host_unchanged
+
 
 pytestmark = pytest.mark.usefixtures("code_eval_allowed")
 
@@ -254,11 +256,12 @@ def test_a_program_without_recall_passes_no_check(rows):
     check of every probe (each check's verdict needs a fact that neither the prompt, the preamble nor
     the calls hold). A guess can be right by chance (the module's guessed field names are the session's
     in one session of 168): these sessions' facts are not the guesses."""
-    for row in rows:
-        for probe in row["probes"]:
-            out = M.score_answer("```python\n" + _FREE[probe["name"]] + "```", probe["reference"])
-            passed = [c["name"] for c in out["checks"] if c["passed"]]
-            assert out["checks_total"] > 0 and not passed, (row["session_id"], passed)
+    with host_unchanged():
+        for row in rows:
+            for probe in row["probes"]:
+                out = M.score_answer("```python\n" + _FREE[probe["name"]] + "```", probe["reference"])
+                passed = [c["name"] for c in out["checks"] if c["passed"]]
+                assert out["checks_total"] > 0 and not passed, (row["session_id"], passed)
 
 
 def test_paired_through_score(rows):
