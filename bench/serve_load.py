@@ -39,6 +39,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import socket
 import statistics
@@ -178,6 +179,8 @@ def one_turn(balancer: Balancer, key: str, model: str, msgs: list, max_tokens: i
 
 def run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="serve_load."))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     tenants = [f"tenant{i}" for i in range(args.tenants)]
     keys = {t: secrets.token_hex(16) for t in tenants}
     (tmp / "keys").write_text("".join(f"{t} {k}\n" for t, k in keys.items()))
@@ -234,6 +237,8 @@ def run(args) -> dict:
                                 "previous_saved": headers.get("x-pace-previous-turn-saved", "true") != "false"})
                 msgs.append({"role": "assistant", "content": text})
                 prev, prev_finish, prev_by, prev_end = usage, finish, by, time.monotonic()
+                if len(results) % 10 == 0:
+                    print(f"{len(results)}/{total} turns", file=sys.stderr, flush=True)
 
         t0 = time.perf_counter()
         threads = [threading.Thread(target=session, args=(s,)) for s in range(args.sessions)]
@@ -252,6 +257,10 @@ def run(args) -> dict:
             r.stop()
         if server is not None:
             server.terminate()
+        if args.out:  # the replicas' logs, for what went wrong; the store itself goes
+            for r in replicas:
+                shutil.copy(r.log, Path(args.out) / f"{r.log.stem}{'-kill' if args.kill else ''}.log")
+        shutil.rmtree(tmp, ignore_errors=True)
     history = sum(r["expected_cached"] for r in results if r["expected_cached"] is not None)
     cached = sum(r["cached"] for r in results if r["expected_cached"] is not None)
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
