@@ -13,10 +13,15 @@ saves), prefilled by ``generate_reply`` as the runner does.
 It writes, in ``--out``:
 - ``chunks.jsonl``: the runner's own chunk log (``pace_bench.checkpoint.ChunkLog``), read as the 1M
   report reads it (``session_1m_report.flatness``): tokens per CPU-second, first 48K against last 48K;
-- ``sizes.jsonl``: per chunk, the size of every structure the cache keeps across chunks;
+- ``sizes.jsonl``: per chunk, the size of every structure the cache keeps across chunks, the main thread's
+  CPU seconds (the rest of ``cpu_seconds`` is the store's writer), and, so far, user and system CPU,
+  page faults and the seconds in Python's collector;
 - ``profile_early.txt`` / ``profile_late.txt``: cProfile of ``--window`` chunks just after the first
   48K and just before the last 48K (outside the ratio's windows, which the profiler would slow);
-- ``growth.json``: the ratio, and the functions whose own time per chunk grew most between the windows.
+- ``growth.json``: the ratio, the main thread's and the writer's CPU per chunk over the first and last
+  48K, and the functions whose own time per chunk grew most between the windows.
+
+``--spill-add`` only times ``SpillLog.add`` of one layer's eviction of a chunk with the 1M run's KV shapes.
 
     nice -n 10 .venv/bin/python bench/growth.py --tokens 1048576 --out bench/results/growth/before
 """
@@ -25,10 +30,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
 import pstats
+import re
+import resource
 import shutil
 import sys
 import tempfile
@@ -55,7 +63,8 @@ QWEN_SPILLED_BYTES = 24 * 2 * (8 * 64 + 16)
 def tiny_qwen(layers: int, kv_heads: int, head_dim: int, vocab: int) -> torch.nn.Module:
     """Qwen2's modeling code with the 1M model's layer count and KV heads, and a tiny width."""
     torch.manual_seed(0)
-    config = tf.Qwen2Config(vocab_size=vocab, hidden_size=kv_heads * head_dim, intermediate_size=2 * kv_heads * head_dim,
+    width = kv_heads * head_dim
+    config = tf.Qwen2Config(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
                             num_hidden_layers=layers, num_attention_heads=kv_heads, num_key_value_heads=kv_heads,
                             max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -83,7 +92,17 @@ class Watch:
     def __init__(self, log: ChunkLog, cache, sizes_path: Path, windows: dict):
         self.log, self.cache, self.sizes_path, self.windows = log, cache, sizes_path, windows
         self.chunk, self.profiles, self.active = 0, {}, None
+        self.gc_seconds, self.gc_full, self._gc_started = 0.0, 0, 0.0
+        gc.callbacks.append(self._gc)
         self.mark()
+
+    def _gc(self, phase: str, info: dict) -> None:
+        """Python's collector, timed: a pause lands in whatever allocated, and costs what is alive."""
+        if phase == "start":
+            self._gc_started = time.thread_time()
+        else:
+            self.gc_seconds += time.thread_time() - self._gc_started
+            self.gc_full += info["generation"] == 2
 
     def mark(self) -> None:
         """Time the next chunk from now, in the chunk log and on this thread's clock."""
@@ -94,8 +113,12 @@ class Watch:
         self.log.update(n)
         main_cpu = time.thread_time() - self.main_cpu  # the chunk log's cpu_seconds less this is the writer's
         self.chunk += 1
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # so far: user and system CPU, page faults
         with open(self.sizes_path, "a") as f:
-            f.write(json.dumps({"chunk": self.chunk, "main_cpu_seconds": round(main_cpu, 4), **sizes(self.cache)}) + "\n")
+            f.write(json.dumps({"chunk": self.chunk, "main_cpu_seconds": round(main_cpu, 4),
+                                "user_s": usage.ru_utime, "system_s": usage.ru_stime, "minor_faults": usage.ru_minflt,
+                                "gc_s": round(self.gc_seconds, 4), "gc_full": self.gc_full,
+                                **sizes(self.cache)}) + "\n")
         if self.active is not None and self.chunk >= self.windows[self.active][1]:
             self.profiles[self.active].disable()
             self.active = None
@@ -109,11 +132,18 @@ class Watch:
         self.mark()  # the bookkeeping above is the profiler's, not the chunk's
 
 
+# a file's path up to the package it is in (this machine's folders stay out of the results)
+_FOLDERS = re.compile(r"/\S*?/(?:site-packages|python3\.\d+|bench/\.\.)/|/\S*?/(?=bench/)")
+
+
+def relative(text: str) -> str:
+    return _FOLDERS.sub("", text)
+
+
 def own_time_per_chunk(profile: cProfile.Profile, chunks: int) -> dict[str, float]:
     """Each function's own (exclusive) seconds per chunk."""
     stats = pstats.Stats(profile).stats
-    return {f"{path.rsplit('site-packages/', 1)[-1].rsplit('/work/', 1)[-1]}:{line}({name})": tt / chunks
-            for (path, line, name), (_, _, tt, _, _) in stats.items()}
+    return {relative(f"{path}:{line}({name})"): tt / chunks for (path, line, name), (_, _, tt, _, _) in stats.items()}
 
 
 def threads(out: Path, per_window: int) -> dict:
@@ -135,7 +165,31 @@ def profile_text(profile: cProfile.Profile, top: int = 40) -> str:
     stats = pstats.Stats(profile, stream=out)
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
-    return out.getvalue()
+    return relative(out.getvalue())
+
+
+def spill_add_seconds(adds: int = 20, chunk: int = 4096, kv_heads: int = 2, head_dim: int = 64) -> float:
+    """CPU seconds of this process (its store's writer included) per ``SpillLog.add`` of one layer's eviction of
+    a prefill chunk with the 1M run's KV shapes (every token of ``chunk`` in every KV head, fp32)."""
+    from pace_hf.memory.spill import SpillLog
+    from pace_hf.tiers import HostTier
+
+    store = TieredStore([HostTier()])
+    log = SpillLog(store, "spill-add", "fp", 1)
+    evictions = []
+    for k in range(adds):
+        logical = torch.arange(k * chunk, (k + 1) * chunk).repeat(kv_heads)
+        evictions.append({"head": torch.arange(kv_heads).repeat_interleave(chunk), "logical": logical,
+                          "ref_pos": logical % 8192, "score": torch.rand(kv_heads * chunk),
+                          "ref_key": torch.randn(kv_heads * chunk, head_dim),
+                          "value": torch.randn(kv_heads * chunk, head_dim)})
+    started = time.process_time()
+    for tokens in evictions:
+        log.add(0, tokens)
+    store.flush()
+    seconds = (time.process_time() - started) / adds
+    store.close()
+    return seconds
 
 
 def main(argv=None) -> int:
@@ -154,8 +208,16 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=8, help="chunks in each profiled window")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU seconds other load barely moves)")
     ap.add_argument("--store-path", default=None, help="the disk tier's folder (default: a temporary one)")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--spill-add", action="store_true",
+                    help="only time SpillLog.add of one layer's eviction of a chunk with the 1M run's KV shapes")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.spill_add:
+        print(f"SpillLog.add, one layer's eviction of a {args.chunk}-token chunk (2 KV heads, head_dim 64, fp32): "
+              f"{spill_add_seconds(chunk=args.chunk):.3f} CPU s")
+        return 0
+    if args.out is None:
+        ap.error("--out is needed (unless --spill-add)")
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     for name in ("chunks.jsonl", "sizes.jsonl"):
@@ -171,8 +233,8 @@ def main(argv=None) -> int:
     blueprint = Blueprint([Span(40, 330, probes), Span(330, 610, probes[1:]), Span(610, 820, probes)])
     folder = args.store_path or tempfile.mkdtemp(prefix="pace-growth-")
     store = TieredStore([DiskTier(folder)])
-    cache = PACECache(blueprint, model, budget=args.budget, limit=args.limit, store=store, session_id="growth",
-                      spill_cap_bytes=cap)
+    cache = PACECache(model, blueprint=blueprint, budget=args.budget, limit=args.limit, store=store,
+                      session_id="growth", spill_cap_bytes=cap)
     cache.step = probes[0]
     n_chunks = (args.tokens - 1) // args.chunk
     per_window = WINDOW // args.chunk
@@ -203,8 +265,8 @@ def main(argv=None) -> int:
                "tok_cpu_s_ratio": flat["tok_cpu_s_ratio"], **threads(args.out, per_window),
                "early_cpu_s_per_chunk": sum(early.values()), "late_cpu_s_per_chunk": sum(late.values()),
                "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu,
-               "grew_most": [{"function": f, "early_s_per_chunk": early.get(f, 0.0), "late_s_per_chunk": late.get(f, 0.0),
-                              "grew_s_per_chunk": d} for d, f in grew[:15]],
+               "grew_most": [{"function": f, "early_s_per_chunk": early.get(f, 0.0),
+                              "late_s_per_chunk": late.get(f, 0.0), "grew_s_per_chunk": d} for d, f in grew[:15]],
                "windows": windows, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     (args.out / "growth.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"tokens per CPU-second: {flat['first_tok_cpu_s']:.1f} over the first 48K, {flat['last_tok_cpu_s']:.1f} "
