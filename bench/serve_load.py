@@ -23,9 +23,9 @@ What is reported (``--out/serve_load.json`` and the table):
 - errors: requests that failed in any other way (the run fails on any);
 - stale reads: turns served from a state that lacks an acknowledged earlier turn, or holds more than
   the conversation (``cached_tokens`` other than the previous prompt plus its reply) with no word of
-  it from the server: must be 0. A turn whose previous turn the killed replica served before it died is
-  not one (its save may have died with it: the turn is served right, from the last whole save, and
-  counted as "re-prefilled after the kill"); nor is one whose response says the previous turn's save
+  it from the server: must be 0. A turn whose previous turn the killed replica served before it died,
+  before this turn was served, is not one (that turn's save, behind its reply, may have died with it:
+  this turn is served right, from the last whole save, and counted as "re-prefilled after the kill"); nor is one whose response says the previous turn's save
   failed (``X-Pace-Previous-Turn-Saved: false``: counted as "flagged not saved");
 - lost turns: turns that never got a reply, whatever the retries: must be 0;
 - retried requests, resumes (``pace_session_resumes_total`` summed over replicas), stale resident copies
@@ -219,7 +219,7 @@ def run(args) -> dict:
             msgs, prev, prev_finish, prev_by, prev_end = [], None, None, None, 0.0
             for t in range(args.turns):
                 msgs.append({"role": "user", "content": user_turn(rng, s, t, args.tokens)})
-                t0, start = time.perf_counter(), time.monotonic()
+                t0 = time.perf_counter()
                 try:
                     text, usage, finish, ttft, headers, by = one_turn(balancer, keys[tenant], args.model, msgs,
                                                                       args.max_tokens, stats)
@@ -233,7 +233,9 @@ def run(args) -> dict:
                 results.append({"session": s, "tenant": tenant, "turn": t, "ttft": ttft, "replica": replicas.index(by),
                                 "seconds": time.perf_counter() - t0, "prompt": usage.prompt_tokens, "cached": cached,
                                 "expected_cached": expected, "completion": usage.completion_tokens,
-                                "died_after_previous": prev_by is replicas[0] and prev_end < kill_time[0] < start,
+                                # the replica that served the previous turn died after its reply, before this
+                                # turn was served: that turn's save (behind its reply) may have died with it
+                                "died_after_previous": prev_by is replicas[0] and prev_end < kill_time[0] < time.monotonic(),
                                 "previous_saved": headers.get("x-pace-previous-turn-saved", "true") != "false"})
                 msgs.append({"role": "assistant", "content": text})
                 prev, prev_finish, prev_by, prev_end = usage, finish, by, time.monotonic()
