@@ -691,6 +691,25 @@ def generating(srv, first_tokens_before, timeout=30):
     srv.wait_metric("pace_time_to_first_token_seconds_count", first_tokens_before + 1, timeout=timeout)
 
 
+def killed_in_second_turn(srv, session):
+    """Turn 1 on ``srv``, saved; turn 2 asked of it, and ``srv`` SIGKILLed while it generates turn 2.
+    Returns what ``first_turn_saved`` returns: turn 2's messages, turn 1's reply and usage."""
+    msgs, reply, usage = first_turn_saved(srv, session)
+    first_tokens = srv.metric("pace_time_to_first_token_seconds_count")
+
+    def doomed():
+        try:
+            http("POST", srv.url + "/v1/chat/completions", {"model": srv.name, "messages": msgs, "max_tokens": 400},
+                 timeout=60)
+        except OSError:  # the replica dies under it
+            pass
+
+    threading.Thread(target=doomed, daemon=True).start()
+    generating(srv, first_tokens)
+    srv.kill9()
+    return msgs, reply, usage
+
+
 def test_two_replicas_alternate_a_conversations_turns_and_never_serve_a_stale_copy(replicas, reference):
     """Two pace-serve processes on one disk store, a load balancer's round robin: turn 1 on A, 2 on B, 3 on A,
     4 on B. A still holds turn 1 in memory when turn 3 comes, but B saved turn 2 since: A resumes from the
@@ -838,19 +857,7 @@ def test_a_replica_killed_mid_turn_frees_its_valkey_lease_within_the_lease_time(
     from pace_hf.serve.engine import TURN_LEASE_S
 
     a, b = valkey_replicas
-    msgs, reply, u1 = first_turn_saved(a, "killed")
-    first_tokens = a.metric("pace_time_to_first_token_seconds_count")
-
-    def doomed():
-        try:
-            http("POST", a.url + "/v1/chat/completions", {"model": a.name, "messages": msgs, "max_tokens": 400},
-                 timeout=60)
-        except OSError:  # the replica dies under it
-            pass
-
-    threading.Thread(target=doomed, daemon=True).start()
-    generating(a, first_tokens)
-    a.kill9()
+    msgs, reply, u1 = killed_in_second_turn(a, "killed")
     answer, usage, busy, seconds = ask_until_served(b, msgs, TURN_LEASE_S + 20, session="killed")
     assert busy >= 1 and seconds < TURN_LEASE_S + 10
     assert usage.prompt_tokens_details.cached_tokens >= u1.prompt_tokens + u1.completion_tokens - 1
@@ -862,19 +869,7 @@ def test_a_replica_killed_mid_turn_loses_only_that_turn(replicas, reference):
     save (turn 1's, or turn 2's if A saved it first; the kernel dropped A's lease with its process),
     prefills only what that save lacks and answers as one server would."""
     a, b = replicas
-    msgs, reply, u1 = first_turn_saved(a, "killed")
-    first_tokens = a.metric("pace_time_to_first_token_seconds_count")
-
-    def doomed():
-        try:
-            http("POST", a.url + "/v1/chat/completions", {"model": a.name, "messages": msgs, "max_tokens": 400},
-                 timeout=60)
-        except OSError:  # the replica dies under it
-            pass
-
-    threading.Thread(target=doomed, daemon=True).start()
-    generating(a, first_tokens)
-    a.kill9()
+    msgs, reply, u1 = killed_in_second_turn(a, "killed")
     answer, usage = ask(b.client(), b.name, msgs, session="killed")
     assert usage.prompt_tokens_details.cached_tokens >= u1.prompt_tokens + u1.completion_tokens - 1
     assert [reply, answer] == reference([DEFS, "Write a long story."])
