@@ -7,6 +7,7 @@ import textwrap
 import time
 
 import pytest
+from host_objects import children
 
 from pace_bench.metrics.pace_coding.sandbox import (
     CallResult,
@@ -41,20 +42,6 @@ def _same(a, b):
     return a == b
 
 
-def _children():
-    """Live (non-zombie) child processes of this test process."""
-    me, found = str(os.getpid()), set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me and fields[0] != "Z":
-            found.add(pid)
-    return found
-
-
 def _gone(uid):
     """No process of the sandbox's fresh uid is left on the host (the program reports its uid:
     its pid is that of its own pid namespace, which means nothing here). Without root there is no
@@ -78,11 +65,11 @@ def host(tmp_path):
     been created next to it, and no sandbox process may be left over."""
     sentinel = tmp_path / "sentinel.txt"
     sentinel.write_text("keep me")
-    before, children = sorted(os.listdir(tmp_path)), _children()
+    before, running = sorted(os.listdir(tmp_path)), children()
     yield tmp_path
     assert sentinel.read_text() == "keep me"
     assert sorted(os.listdir(tmp_path)) == before
-    assert _children() <= children
+    assert children() <= running
 
 
 # --------------------------------------------------------------------------------------------
@@ -640,14 +627,14 @@ def exposed(monkeypatch):
         os.chmod(os.path.join(root, name), 0o666)
     monkeypatch.setenv("PACE_TEST_SECRET", secret)
     before = {name: Path(root, name).read_bytes() for name in os.listdir(root)}
-    children = _children()
+    running = children()
     host = type("Host", (), {"dir": root, "token": token, "secret": secret})()
     try:
         yield host
         assert {name: Path(root, name).read_bytes() for name in os.listdir(root)} == before
         assert [p for p in os.listdir("/tmp") if token in p] == [os.path.basename(root)]
         assert not [p for p in os.listdir(os.getcwd()) if token in p]
-        assert _children() <= children
+        assert children() <= running
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
