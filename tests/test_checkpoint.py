@@ -120,7 +120,7 @@ def test_a_pair_stopped_at_any_save_resumes_to_the_same_records(tmp_path, monkey
     monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
     metric = evaluate.load(PACE_CODING)  # the real metric: answers run in its sandbox
     tok = load_tokenizer("smollm2-135m")
-    row = build_session(tok, seed=0, total_tokens=900, distance=300)  # the generator's own session
+    row = build_session(tok, seed=0, total_tokens=900, distance=300, secret="c4ec" * 8)  # a fixed session
     row["probes"] = row["probes"][:2]
     model = tiny_model("qwen2", vocab_size=len(tok))
     stop_ids = ChatTemplate(tok, SYSTEM_PROMPT).stop_ids()
