@@ -210,21 +210,19 @@ except ImportError:
 def test_decode_scores_are_the_one_rows_softmax(dtype):
     """One query: its probabilities are the column sums. On a strided view of a buffer with room to
     spare (as the cache holds keys) the decode pass gives the bits it gives on a contiguous copy, and
-    it matches the reference and torch's own attention. In fp32 it is one pass (logits, softmax, values);
-    in bf16 the flash kernel's output with the general blocked pass's bits for the scores."""
+    it matches the reference and torch's own attention. It is one pass (logits, softmax, values) in
+    both dtypes; in bf16 the logits are bf16, so the scores are a bf16 rounding from the fp32 reference."""
     g = torch.Generator().manual_seed(5)
     query = torch.randn(1, 6, 1, 16, generator=g).to(dtype)
     buffer = torch.randn(1, 2, 300, 16, generator=g).to(dtype)
     key, value = buffer[:, :, :257], torch.randn(1, 2, 257, 16, generator=g).to(dtype)
     out, sums = attention.attention_with_column_sums(query, key, value, None, 0.25, None)
-    if dtype == torch.bfloat16:
-        _, lse = attention._flash_attention_lse(query, key, value, None, 0.25)
-        assert torch.equal(sums, attention._column_sums_masked(query, key, lse, None, 0.25, 0))
     again_out, again_sums = attention.attention_with_column_sums(query, key.contiguous(), value, None, 0.25, None)
     assert torch.equal(out, again_out) and torch.equal(sums, again_sums)
     want_out, want_sums = attention.attention_with_column_sums_reference(query, key, value, None, 0.25, None)
-    torch.testing.assert_close(sums, want_sums, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(out, want_out, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))
+    bf16 = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(sums, want_sums, atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 3e-2)
+    torch.testing.assert_close(out, want_out, **bf16)
     sdpa = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=0.25, enable_gqa=True)
-    torch.testing.assert_close(out, sdpa.transpose(1, 2), **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))
+    torch.testing.assert_close(out, sdpa.transpose(1, 2), **bf16)
     torch.testing.assert_close(sums.sum(-1), torch.ones(1, 2))  # each query head's row sums to 1
