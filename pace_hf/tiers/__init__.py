@@ -10,10 +10,11 @@
 
 Modules: ``base`` (``Tier``: what a backend implements, and the capabilities the store reads instead
 of its class), ``entry`` (the self-verifying byte format), ``store`` (background writes, ordered verified
-reads, promotion, demotion, health, leases, the size report), one module per tier (``host``, ``disk``,
-``valkey_tier``), ``spec`` (a store spelled on a command line, as ``pace-serve --store`` and
-``python -m pace_hf.memory`` take it), ``fingerprint`` (``model_fingerprint``). Each module's docstring
-says why it is built the way it is.
+reads, promotion, demotion, health, the size report), ``keys`` (the key scheme: a session's namespace),
+``lease`` (one writer per session), ``health`` (a tier's counters and backoff), one module per tier
+(``host``, ``disk``, ``valkey_tier``), ``spec`` (a store spelled on a command line, as ``pace-serve
+--store`` and ``python -m pace_hf.memory`` take it), ``fingerprint`` (``model_fingerprint``). Each
+module's docstring says why it is built the way it is.
 
 A store keeps what it is given until it is deleted: ``TieredStore.usage()`` reports entries, bytes and
 save generations per session and tier, and ``python -m pace_hf.memory list|inspect|delete --store SPEC``
@@ -26,8 +27,9 @@ from .entry import FORMAT_VERSION, decode, encode
 from .errors import IntegrityError, LeaseHeld, TierError, TierUnavailable, WriterConflict
 from .fingerprint import model_fingerprint
 from .host import HostTier
+from .keys import full_key
 from .spec import parse_store
-from .store import TieredStore, full_key
+from .store import TieredStore
 from .valkey_tier import ValkeyTier
 
 __all__ = [

@@ -1,10 +1,5 @@
 """TieredStore: verified entries over a stack of tiers, written in the background, read in order.
 
-Keys. Callers pass short keys ("L3/spill/17") and a session id; the store namespaces them as
-``pace:{quote(session_id)}:{key}`` (``full_key``) before any tier sees them, so sessions never collide and
-``delete_session`` drops one with a prefix delete. (``quote`` escapes ``:`` and ``%`` so the session id
-cannot leak into the key part.) Keys must not contain NUL (the Valkey tier names its chunks with it).
-
 Writes. ``put`` does no I/O and no encoding: it records the tensors as *pending* (``get`` serves them from
 there until they are written) and queues them for one background writer thread, which encodes the entry
 (checksum included) and writes it. The writer takes up to ``WRITE_BATCH`` queued puts at once and hands
@@ -54,68 +49,33 @@ Confirmation. ``put`` returns a ``Future`` that resolves, once the writer is don
 durable tier (``durable_tiers``: every tier but host memory) before it writes the manifest that names them.
 ``put(..., through=True)`` writes to every tier whatever the write policy.
 
-Leases. ``lease(session_id)`` takes the session's writer lease on every tier that keeps leases (a flock'd
-file on disk, ``SET NX PX`` in Valkey, a table in host memory) and raises ``LeaseHeld`` when another writer
-holds one: two writers never interleave the entries of one save.
+Keys are namespaced by session before a tier sees them (``keys``); ``lease`` is the session's writer lease.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import secrets
 import threading
 import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
-from urllib.parse import quote, unquote
 
 import torch
 
 from . import entry as _entry
 from .base import Tier, check_number
-from .errors import IntegrityError, LeaseHeld, TierError, TierUnavailable
+from .errors import IntegrityError, TierError, TierUnavailable
+from .health import _TierState
+from .keys import KEY_PREFIX, _serial, full_key, generation_of, split_key
+from .lease import Lease
 
 log = logging.getLogger("pace_hf.tiers")
 
-KEY_PREFIX = "pace"
 WRITE_BATCH = 16  # queued puts the writer takes at once
 _STORE_KEYS = ("puts", "gets", "pending", "failures")
-_TIER_COUNTERS = ("bytes_written", "bytes_read", "hits", "misses", "integrity_failures", "errors",
-                  "write_seconds", "read_seconds", "evicted", "demoted", "promoted", "skipped")
-
-
-def full_key(key: str, session_id: str) -> str:
-    """The key the tiers see: ``pace:{quote(session_id)}:{key}``."""
-    if not isinstance(key, str) or not isinstance(session_id, str):
-        raise TypeError(f"key and session_id are str, got {type(key).__name__} {key!r} and "
-                        f"{type(session_id).__name__} {session_id!r}")
-    if "\x00" in key or "\x00" in session_id:
-        raise ValueError("keys and session ids must not contain NUL")
-    return f"{KEY_PREFIX}:{quote(session_id, safe='')}:{key}"
-
-
-def split_key(fk: str) -> tuple[str, str] | None:
-    """``(session_id, key)`` of a full key, or ``None`` for a key the store did not make."""
-    head, sep, rest = fk.partition(":")
-    quoted, sep2, key = rest.partition(":")
-    if head != KEY_PREFIX or not sep or not sep2:
-        return None
-    return unquote(quoted), key
-
-
-def generation_of(key: str) -> str | None:
-    """The save generation a key belongs to (``L3/state@g17-3fa2c1`` -> ``g17-3fa2c1``), if any."""
-    name, sep, gen = key.rpartition("@")
-    return gen if sep and name else None
-
-
-def _serial(gen: str) -> tuple:
-    """Order generations ``g<serial>-<tag>`` by serial number."""
-    head = gen.split("-", 1)[0]
-    return (0, int(head[1:]), gen) if head[:1] == "g" and head[1:].isdigit() else (1, 0, gen)
 
 
 class _Write:
@@ -126,76 +86,6 @@ class _Write:
         self.fingerprint, self.session_id = fingerprint, session_id
         self.cancelled, self.through = False, through
         self.done: Future = Future()  # {tier name: None if written, else why not}
-
-
-class Lease:
-    """A session's writer lease on every tier that keeps leases (see ``TieredStore.lease``).
-
-    ``unreleased``: ``{(tier name, lease name): token}`` of this store's leases that a tier failed to
-    release (it was down): they are released before the lease is taken again, else the writer that held
-    them would find its own lease held by "another writer" until it expires.
-
-    ``count_error(tier name)``: called when a tier fails to take the lease (not when another writer
-    holds it). The store counts it in the tier's ``errors``, as any failed request: a save that sees the
-    count grow rewrites its spill entries to every durable tier, since a tier that failed may have come
-    back without them (``pace_hf.memory.persist``)."""
-
-    def __init__(self, tiers: list, name: str, ttl_s: float, unreleased: dict, count_error):
-        self.name, self.ttl_s, self.token = name, ttl_s, secrets.token_hex(8)
-        self._held: list = []
-        self._unreleased = unreleased
-        for tier in tiers:
-            stale = unreleased.pop((tier.name, name), None)
-            if stale is not None:
-                self._release_on(tier, stale)
-            try:
-                ok = tier.acquire_lease(name, self.token, ttl_s)
-            except BaseException as e:
-                self.release()
-                if isinstance(e, Exception):
-                    count_error(tier.name)
-                if isinstance(e, TierError) or not isinstance(e, Exception):
-                    raise
-                raise TierError(f"{name}: tier {tier.name} cannot take the lease: {e!r}") from e
-            if not ok:
-                self.release()
-                raise LeaseHeld(f"{name}: another writer holds this session's lease on tier {tier.name}; "
-                                "one writer per session (wait for its save, or use another session id)")
-            self._held.append(tier)
-
-    def renew(self) -> None:
-        """Extend the lease; raise ``LeaseHeld`` if a tier no longer holds it for us (it expired)."""
-        for tier in self._held:
-            if not tier.renew_lease(self.name, self.token, self.ttl_s):
-                raise LeaseHeld(f"{self.name}: the lease on tier {tier.name} expired and may be another "
-                                f"writer's now (a save took longer than its {self.ttl_s} s)")
-
-    def release(self) -> None:
-        held, self._held = self._held, []
-        for tier in reversed(held):
-            self._release_on(tier, self.token)
-
-    def _release_on(self, tier, token: str) -> None:
-        try:
-            tier.release_lease(self.name, token)
-        except Exception:  # noqa: BLE001 - released at the next lease, or it expires with its TTL
-            self._unreleased[(tier.name, self.name)] = token
-            log.warning("pace_hf.tiers: could not release lease %s on tier %s", self.name, tier.name)
-
-    def __enter__(self) -> "Lease":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class _TierState:
-    def __init__(self, backoff_s: float):
-        self.stats: dict[str, float | int] = {k: (0.0 if k.endswith("seconds") else 0) for k in _TIER_COUNTERS}
-        self.healthy = True
-        self.retry_at = 0.0
-        self.backoff_s = backoff_s
-        self.last_error: str | None = None
 
 
 _OPEN: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()

@@ -1,7 +1,7 @@
 """ValkeyTier: entries in a Valkey (or Redis) server, through valkey-py.
 
 Keys. The tier stores what the store hands it: the store builds the full key
-``pace:{session_id}:{key}`` (see ``store.full_key``), so every session is its own namespace and
+``pace:{session_id}:{key}`` (see ``keys.full_key``), so every session is its own namespace and
 ``delete_prefix("pace:<session>:")`` drops one session. A value larger than ``chunk_bytes`` is split:
 chunk 0 lives under the key itself and starts with the total length (8 bytes, little endian); chunk
 ``i >= 1`` lives under ``key + "\\0#i"`` (NUL never occurs in a store key, so chunk names cannot collide
