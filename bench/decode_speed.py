@@ -179,13 +179,13 @@ def timed_rounds(model, builders, token, steps, rounds):
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def kv_bytes(config, tokens, dtype, score_pass):
-    """Bytes of KV that one decode step reads: keys and values once (attention), keys once more for
-    the score pass of an evicting cache, except in fp32, where decode is one pass (``pace_hf.attention``)."""
+def kv_bytes(config, tokens, dtype):
+    """Bytes of KV that one decode step reads: keys and values once. An evicting cache's scores come out
+    of the same pass (``pace_hf.attention``: decode is one pass in every dtype)."""
     heads, layers = config.num_key_value_heads, config.num_hidden_layers
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_tensor = layers * heads * tokens * dim * torch.tensor([], dtype=dtype).element_size()
-    return per_tensor * (3 if score_pass and dtype != torch.float32 else 2)
+    return per_tensor * 2
 
 
 def main(argv=None):
@@ -234,7 +234,7 @@ def main(argv=None):
     }, token, args.steps, args.rounds)
     arms = {}
     for name, seconds in med.items():
-        read = weights + kv_bytes(config, n, dtype, score_pass=name != "dynamic")
+        read = weights + kv_bytes(config, n, dtype)
         arms[name] = {"tokens_per_s": round(1 / seconds, 3), "vs_dynamic": round(med["dynamic"] / seconds, 3),
                       "bytes_read_per_token": read,
                       "bandwidth_bound_tokens_per_s": round(report["copy_bandwidth_GBps"] * 1e9 / read, 3)}
@@ -253,8 +253,8 @@ def main(argv=None):
             "dynamic_tokens_per_s": round(1 / med["dynamic_full"], 3),
             "pace_tokens_per_s": round(1 / med["pace_budget"], 3),
             "pace_vs_dynamic": round(med["dynamic_full"] / med["pace_budget"], 3),
-            "dynamic_bytes_read_per_token": weights + kv_bytes(config, length, dtype, False),
-            "pace_bytes_read_per_token": weights + kv_bytes(config, args.budget, dtype, True),
+            "dynamic_bytes_read_per_token": weights + kv_bytes(config, length, dtype),
+            "pace_bytes_read_per_token": weights + kv_bytes(config, args.budget, dtype),
         }
     if full:
         report["full_caches"] = {"note": "DynamicCache built directly from random KV of that length (a real "

@@ -6,6 +6,8 @@ which the tests and the decode speed script hold it to. ``keep_index`` picks wha
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -31,6 +33,19 @@ def keep_index(priority: torch.Tensor, budget: int, sinks: int, recent: int) -> 
     rank = position[:budget].expand(heads, budget)
     before = torch.searchsorted(dropped - position[:drop], rank.contiguous(), right=True)
     return before.add_(rank)
+
+
+def _shift_up(row: torch.Tensor, start: int, end: int, shift: int) -> None:
+    """``row[start:end] = row[start + shift:end + shift]``: source and target overlap. On the CPU one
+    ``memmove`` of the contiguous block; torch refuses an overlapping ``copy_``, and a copy through a
+    clone reads and writes every byte twice and allocates (at 8K resident tokens in bf16, most of an
+    evicting decode step's extra cost over DynamicCache)."""
+    if row.device.type == "cpu" and row.is_contiguous():
+        token = row[0].numel() * row.element_size() if row.dim() > 1 else row.element_size()
+        base = row.data_ptr()
+        ctypes.memmove(base + start * token, base + (start + shift) * token, (end - start) * token)
+    else:
+        row[start:end].copy_(row[start + shift:end + shift].clone())
 
 
 def cache_nbytes(cache) -> int:
@@ -266,7 +281,7 @@ class EvictingLayer(DynamicLayer):
         for name, buffer in self._buffers.items():
             rows = buffer[0] if name in _ROWS else buffer
             for h, start, end, s in zip(heads, starts, ends, shifts):
-                rows[h, start:end].copy_(rows[h, start + s:end + s].clone())  # source and target overlap
+                _shift_up(rows[h], start, end, s)
         return sum(end - start for start, end in zip(starts, ends))
 
     def _move_rows(self, index: torch.Tensor, heads: int, m: int) -> int:
