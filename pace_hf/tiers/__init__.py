@@ -9,12 +9,12 @@
     tensors, meta = store.get("L3/spill/17", fingerprint=fp, session_id="agent-42")
 
 Modules: ``base`` (``Tier``: what a backend implements, and the capabilities the store reads instead
-of its class), ``entry`` (the self-verifying byte format), ``store`` (background writes, ordered verified
-reads, promotion, demotion, health, the size report), ``keys`` (the key scheme: a session's namespace),
-``lease`` (one writer per session), ``health`` (a tier's counters and backoff), one module per tier
-(``host``, ``disk``, ``valkey_tier``), ``spec`` (a store spelled on a command line, as ``pace-serve
---store`` and ``python -m pace_hf.memory`` take it), ``fingerprint`` (``model_fingerprint``). Each
-module's docstring says why it is built the way it is.
+of its class), ``entry`` (the self-verifying byte format), ``store`` (``TieredStore``: ordered verified
+reads, the size report), ``writer`` (the background writer: writes, backpressure, demotion, promotion),
+``health`` (a tier's counters and backoff), ``keys`` (the key scheme: a session's namespace), ``lease``
+(one writer per session), one module per tier (``host``, ``disk``, ``valkey_tier``), ``spec`` (a store
+spelled on a command line, as ``pace-serve --store`` and ``python -m pace_hf.memory`` take it),
+``fingerprint`` (``model_fingerprint``). Each module's docstring says why it is built the way it is.
 
 A store keeps what it is given until it is deleted: ``TieredStore.usage()`` reports entries, bytes and
 save generations per session and tier, and ``python -m pace_hf.memory list|inspect|delete --store SPEC``

@@ -1,6 +1,6 @@
 """Tier health: which tiers are in use, what each request to them cost, and failures, each logged once.
 
-Health. A tier that raises ``TierUnavailable`` (down, or no answer within the timeout) is marked
+A tier that raises ``TierUnavailable`` (down, or no answer within the timeout) is marked
 unhealthy and skipped until a retry time: 1 s after the first failure, doubling up to 30 s. The first
 request after that time is the probe; if it succeeds, the tier is healthy again. Other errors (a disk
 that is full or read-only) are counted per request and do not disable reads.

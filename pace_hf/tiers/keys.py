@@ -1,12 +1,13 @@
 """The key scheme: the key a tier sees for a caller's key and session, and back.
 
-Keys. Callers pass short keys ("L3/spill/17") and a session id; the store namespaces them as
+Callers pass short keys ("L3/spill/17") and a session id; the store namespaces them as
 ``pace:{quote(session_id)}:{key}`` (``full_key``) before any tier sees them, so sessions never collide and
 ``delete_session`` drops one with a prefix delete. (``quote`` escapes ``:`` and ``%`` so the session id
 cannot leak into the key part.) Keys must not contain NUL (the Valkey tier names its chunks with it).
 
-``split_key`` reads a full key back into ``(session_id, key)``, and ``generation_of`` finds the save
-generation a key belongs to (``@g17-3fa2c1``), for the size report (``TieredStore.usage``). A key is all a
+``split_key`` reads a full key back into ``(session_id, key)``; ``generation_of`` finds the save
+generation a key belongs to (``@g17-3fa2c1``) and ``generation_order`` sorts generations, for the size
+report (``TieredStore.usage``). A key is all a
 tier sees of the store, so the scheme is written once, here, apart from the store that uses it.
 """
 
@@ -42,7 +43,7 @@ def generation_of(key: str) -> str | None:
     return gen if sep and name else None
 
 
-def _serial(gen: str) -> tuple:
-    """Order generations ``g<serial>-<tag>`` by serial number."""
+def generation_order(gen: str) -> tuple:
+    """Sort key of generations ``g<serial>-<tag>``: by serial number."""
     head = gen.split("-", 1)[0]
     return (0, int(head[1:]), gen) if head[:1] == "g" and head[1:].isdigit() else (1, 0, gen)

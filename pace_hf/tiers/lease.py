@@ -1,6 +1,6 @@
 """The writer lease: one writer per session across every tier that keeps leases.
 
-Leases. ``lease(session_id)`` takes the session's writer lease on every tier that keeps leases (a flock'd
+``TieredStore.lease(session_id)`` takes the session's writer lease on every tier that keeps leases (a flock'd
 file on disk, ``SET NX PX`` in Valkey, a table in host memory) and raises ``LeaseHeld`` when another writer
 holds one: two writers never interleave the entries of one save.
 

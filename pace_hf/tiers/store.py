@@ -35,7 +35,7 @@ from . import entry as _entry
 from .base import Tier, check_number
 from .errors import IntegrityError, TierError
 from .health import TierHealth
-from .keys import KEY_PREFIX, _serial, full_key, generation_of, split_key
+from .keys import KEY_PREFIX, full_key, generation_of, generation_order, split_key
 from .lease import Lease
 from .writer import Writer
 
@@ -315,7 +315,7 @@ class TieredStore:
                 row["generations"].add(gen)
         for tiers in out.values():
             for row in tiers.values():
-                row["generations"] = sorted(row["generations"], key=_serial)
+                row["generations"] = sorted(row["generations"], key=generation_order)
         return dict(sorted(out.items(), key=lambda kv: -max(r["bytes"] for r in kv[1].values())))
 
     def healthy(self, tier_name: str) -> bool:

@@ -4,10 +4,11 @@ entries between tiers (demotion, promotion).
 Writes. ``put`` does no I/O and no encoding: it records the tensors as *pending* (``get`` serves them from
 there until they are written) and queues them for one background writer thread, which encodes the entry
 (checksum included) and writes it. The writer takes up to ``WRITE_BATCH`` queued puts at once and hands
-each tier that is not an evicting cache all of them in one ``put_many`` (Valkey: one transaction). With ``write_policy="through"`` (the default) the entry goes to every
-tier, top first: the host copy serves fast reads, the lower copies make ``flush()`` a durable save point
-(a session can resume in another process) and survive a failing tier. With ``"top"`` it goes to the
-first tier only and reaches the others by demotion (cheaper, not durable until pushed out).
+each tier that is not an evicting cache all of them in one ``put_many`` (Valkey: one transaction). With
+``write_policy="through"`` (the default) the entry goes to every tier, top first: the host copy serves
+fast reads, the lower copies make ``flush()`` a durable save point (a session can resume in another
+process) and survive a failing tier. With ``"top"`` it goes to the first tier only and reaches the others
+by demotion (cheaper, not durable until pushed out).
 
 Backpressure, not dropping. The queue is bounded (``queue_size``). When it is full, ``put`` waits for
 room -- a stalled forward is visible in timings, silently lost KV is not -- for as long as the writer
@@ -20,9 +21,10 @@ always free room for *this* caller (other threads' puts may take it first; promo
 before puts), so the wait is also capped at ``(queue_size + WRITE_BATCH) * timeout_s``: the time to
 write everything that can be ahead of a put at the slowest rate that still counts as progress.
 
-Demotion. Entries pushed out of an evicting tier (``HostTier``) by its byte cap are written to the next tier(s) by the
-writer (and stay readable until they are), unless they are known to be there already ("clean"); only
-when there is no tier below are they dropped, counted as ``evicted``.
+Demotion. Entries pushed out of an evicting tier (``HostTier``) by its byte cap are written to the next
+tier(s) by the writer (and stay readable until they are), unless they are known to be there already
+("clean"); only when there is no tier below are they dropped, counted as ``evicted``. Promotion: a hit
+read below the top is copied into an in-process tier above at once, into the others by the writer.
 
 Errors of the writer thread surface in strict mode as a ``TierError`` from the next ``put`` or ``flush``.
 
