@@ -76,6 +76,7 @@ class Blueprint:
                             f"got {type(spans).__name__}")
         self.spans: list[Span] = []
         self._warned: set[tuple[str, int, int]] = set()  # (what, start, end): each warning once per span
+        self._table = None  # the bonus table of the last step (see _bonus_table)
         for span in spans:
             self.add(span)
 
@@ -176,12 +177,34 @@ class Blueprint:
     def bonus(self, logical: torch.Tensor, step: int, bonus_fn) -> torch.Tensor:
         """The foresight bonus of every token at the ``logical`` positions (fp32, same shape).
 
-        Where spans overlap, the largest bonus wins."""
-        out = torch.zeros(logical.shape, dtype=torch.float32, device=logical.device)
-        for span in self.spans:
-            reader = span.next_reader(step)
-            if reader is None:
-                continue
-            inside = (logical >= span.start) & (logical < span.end)
-            out = torch.where(inside, out.clamp_min(float(bonus_fn(reader, step))), out)
-        return out
+        Where spans overlap, the largest bonus wins. The bonus is constant between consecutive span
+        edges, so it is one table per step (built once, shared by every layer and head) and one
+        ``searchsorted`` per call, not a pass over the tokens per span."""
+        edges, table = self._bonus_table(step, bonus_fn, logical.device)
+        if edges is None:
+            return torch.zeros(logical.shape, dtype=torch.float32, device=logical.device)
+        return table[torch.searchsorted(edges, logical, right=True)]
+
+    def _bonus_table(self, step: int, bonus_fn, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(edges, table)``: the sorted span edges, and the bonus of each segment, where segment ``i``
+        is ``[edges[i-1], edges[i])`` and segments 0 and ``len(edges)`` lie outside every span. Cached
+        until the step, the bonus function or the spans change (spans are frozen: same objects, same
+        values)."""
+        cached = self._table
+        if (cached is not None and cached[0] == step and cached[1] == bonus_fn and cached[2] == device
+                and len(cached[3]) == len(self.spans) and all(a is b for a, b in zip(cached[3], self.spans))):
+            return cached[4], cached[5]
+        live = [(span.start, span.end, float(bonus_fn(reader, step))) for span in self.spans
+                if (reader := span.next_reader(step)) is not None]
+        edges, table = None, None
+        if live:
+            points = sorted({p for start, end, _ in live for p in (start, end)})
+            at = {p: i for i, p in enumerate(points)}
+            values = [0.0] * (len(points) + 1)
+            for start, end, value in live:
+                for i in range(at[start] + 1, at[end] + 1):
+                    values[i] = max(values[i], value)
+            edges = torch.tensor(points, dtype=torch.long, device=device)
+            table = torch.tensor(values, dtype=torch.float32, device=device)
+        self._table = (step, bonus_fn, device, list(self.spans), edges, table)
+        return edges, table

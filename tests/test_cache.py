@@ -735,3 +735,35 @@ def test_pace_cache_takes_the_model_first_and_the_old_order_still_works_with_a_w
                   lambda: PACECache(bp, model, model=model), lambda: PACECache(model, bp, 3)):
         with pytest.raises(TypeError):
             twice()
+
+
+def test_the_bonus_table_gives_every_token_its_largest_spans_bonus():
+    """``Blueprint.bonus`` (one table per step, a searchsorted per call) against the plain per-span pass,
+    on random overlapping spans, steps before, between and after readers, and a span added mid-step."""
+    g = torch.Generator().manual_seed(3)
+    bonus = ForesightBonus()
+
+    def plain(blueprint, logical, step):
+        out = torch.zeros(logical.shape, dtype=torch.float32)
+        for span in blueprint.spans:
+            reader = span.next_reader(step)
+            if reader is not None:
+                inside = (logical >= span.start) & (logical < span.end)
+                out = torch.where(inside, out.clamp_min(float(bonus(reader, step))), out)
+        return out
+
+    for trial in range(20):
+        spans = []
+        for _ in range(int(torch.randint(1, 12, (1,), generator=g))):
+            start = int(torch.randint(0, 300, (1,), generator=g))
+            length = int(torch.randint(1, 80, (1,), generator=g))
+            readers = sorted({int(r) for r in torch.randint(0, 10, (3,), generator=g)})
+            spans.append(Span(start, start + length, readers))
+        bp = Blueprint(spans)
+        logical = torch.randint(0, 400, (2, 257), generator=g)
+        for step in range(0, 11, 2):
+            assert torch.equal(bp.bonus(logical, step, bonus), plain(bp, logical, step))
+            assert torch.equal(bp.bonus(logical[:, :100], step, bonus), plain(bp, logical[:, :100], step))
+        bp.add(Span(0, 400, [10]))  # a span planned later: the cached table must not hide it
+        assert torch.equal(bp.bonus(logical, 10, bonus), plain(bp, logical, 10))
+    assert torch.equal(Blueprint().bonus(logical, 0, bonus), torch.zeros(logical.shape))
