@@ -183,7 +183,8 @@ class Blueprint:
         edges, table = self._bonus_table(step, bonus_fn, logical.device)
         if edges is None:
             return torch.zeros(logical.shape, dtype=torch.float32, device=logical.device)
-        return table[torch.searchsorted(edges, logical, right=True)]
+        # the cache passes a view of its slot buffer; searchsorted copies such a view anyway, and warns
+        return table[torch.searchsorted(edges, logical.contiguous(), right=True)]
 
     def _bonus_table(self, step: int, bonus_fn, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(edges, table)``: the sorted span edges, and the bonus of each segment, where segment ``i``
