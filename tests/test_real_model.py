@@ -29,7 +29,7 @@ def test_smollm2_generates_under_a_bounded_pace_cache(smollm):
     hook = model.model.rotary_emb.register_forward_pre_hook(
         lambda m, args, kwargs: positions.append(int(kwargs.get("position_ids", args[-1]).max())), with_kwargs=True)
     try:
-        out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, past_key_values=cache, prefill_chunk_size=512)
+        out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, cache=cache, prefill_chunk_size=512)
     finally:
         hook.remove()
     assert out.shape[1] == 3008

@@ -17,7 +17,7 @@ def own_key(model, layer_idx: int, position: int, token: int = 7) -> torch.Tenso
     """
     cache = tf.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), past_key_values=cache)
+        model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), cache=cache)
     return cache.layers[layer_idx].keys[0, :, 0]
 
 
