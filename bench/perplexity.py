@@ -175,13 +175,17 @@ def table(records: list[dict]) -> str:
         end = b["start"] + run["bin"]
         lines.append(f"| {b['start']:,}-{end:,} | " + " | ".join(f"{r['bins'][i]['ppl']:.2f}" for r in records) + " |")
     lines.append("| **all** | " + " | ".join(f"**{r['ppl']:.3f}**" for r in records) + " |")
-    full = next((r for r in records if r["arm"] == "full"), None)
-    if full is not None:
-        lines.append("| ratio to full | " + " | ".join(f"{r['ppl'] / full['ppl']:.4f}" for r in records) + " |")
+    for reference in ("full", "h2o"):
+        ref = next((r for r in records if r["arm"] == reference), None)
+        if ref is not None:
+            lines.append(f"| ratio to {reference} | " + " | ".join(f"{r['ppl'] / ref['ppl']:.4f}" for r in records) + " |")
     for kind in sorted({k for r in records for k in r.get("cache_bytes", {})}):
         lines.append(f"| cache MiB, {kind} layers | " + " | ".join(
             f"{r.get('cache_bytes', {}).get(kind, 0) / 2**20:.1f}" for r in records) + " |")
     lines.append("| seconds | " + " | ".join(f"{sum(r['seconds']):.0f}" for r in records) + " |")
+    if any("cpu_seconds" in r for r in records):  # what the arm cost, whatever else ran (older records lack it)
+        lines.append("| CPU seconds | " + " | ".join(f"{r['cpu_seconds']:.0f}" if "cpu_seconds" in r else "-"
+                                                      for r in records) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -245,13 +249,15 @@ def main(argv=None) -> int:
         if arm in done:
             continue
         cache = make_cache(arm, model, args.budget, args.limit)
+        cpu = time.process_time()
         nll, seconds = stream(model, ids, cache, args.chunk, tokenizer if arm == "pace_retrieval" else None)
+        cpu = time.process_time() - cpu
         held = bytes_by_kind(model, cache)
         restored = getattr(cache, "tier_stats", {}).get("retrieval_tokens_restored")
         if hasattr(cache, "unbind"):
             cache.unbind()
         record = {**settings, "arm": arm, "dtype": str(dtype).removeprefix("torch."), "ppl": math.exp(float(nll.double().mean())),
-                  "bins": bins(nll, args.bin), "seconds": [round(s, 3) for s in seconds], "cache_bytes": held,
+                  "bins": bins(nll, args.bin), "seconds": [round(s, 3) for s in seconds], "cpu_seconds": round(cpu, 1), "cache_bytes": held,
                   **({"retrieval_tokens_restored": restored} if restored is not None else {})}
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")

@@ -52,7 +52,9 @@ def test_streamed_full_cache_is_the_one_forward_nll_and_arms_run(ppl, model_dir,
     assert ppl.main(args + ["--arms", "full,h2o,pace", "--resume"]) == 0
     lines = (out / "ppl.jsonl").read_text().splitlines()
     assert [json.loads(line)["arm"] for line in lines] == ["full", "h2o", "pace"]
-    assert "| ratio to full |" in (out / "table.md").read_text()
+    text = (out / "table.md").read_text()
+    assert "| ratio to full |" in text and "| ratio to h2o |" in text and "| CPU seconds |" in text
+    assert all(json.loads(line)["cpu_seconds"] > 0 for line in lines)
 
 
 def test_every_arm_streams_code_and_retrieval_restores_pages(ppl, model_dir, tmp_path):
