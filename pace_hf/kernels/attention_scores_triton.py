@@ -42,6 +42,13 @@ def _masked_logits(s, offs_m, offs_n, q_len, kv_len, m_ptrs, MASK: tl.constexpr)
 
 
 @triton.jit
+def _block(pid, BLOCK: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's ``BLOCK`` rows along axis 0, the head dimension's offsets and which are real."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return pid * BLOCK + tl.arange(0, BLOCK), offs_d, offs_d < HEAD_D
+
+
+@triton.jit
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, lse_ptr,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, smh, smm, smn, sob, som, soh,
@@ -50,13 +57,10 @@ def _attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
+    bh = tl.program_id(1)  # axis 1 of the grid runs over batch x heads
+    b, h = bh // heads, bh % heads
     hk = h // group
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_D
+    offs_m, offs_d, d_ok = _block(pid_m, BLOCK_M, HEAD_D, BLOCK_D)
     q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
                 mask=(offs_m[:, None] < q_len) & d_ok[None, :], other=0.0)
     if WIDEN:
@@ -106,12 +110,9 @@ def _column_sums_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    bk = tl.program_id(1)
-    b = bk // kv_heads
-    hk = bk % kv_heads
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_D
+    bk = tl.program_id(1)  # batch x KV heads
+    b, hk = bk // kv_heads, bk % kv_heads
+    offs_n, offs_d, d_ok = _block(pid_n, BLOCK_N, HEAD_D, BLOCK_D)
     k = tl.load(k_ptr + b * skb + hk * skh + offs_n[None, :] * skn + offs_d[:, None],
                 mask=(offs_n[None, :] < kv_len) & d_ok[:, None], other=0.0)
     if WIDEN:
