@@ -17,7 +17,7 @@ from pace_hf.chat import ChatTemplate
 from .checks import build_checks, stand_in_rate
 from .facts import sample_facts
 from .filler import FILLER_ACK, FILLER_MODES, FillerStream
-from .spec import (ANSWER_PREFIX, MAX_NEW_TOKENS, PROBE_READS, PROBE_RECALL, PROBE_TEXT, PROBES, definition_pieces,
+from .billing_spec import (ANSWER_PREFIX, MAX_NEW_TOKENS, PROBE_READS, PROBE_RECALL, PROBE_TEXT, PROBES, definition_pieces,
                    probe_preamble)
 
 __all__ = ["GENERATOR_VERSION", "SYSTEM_PROMPT", "MIN_CHUNK_TOKENS", "build_session", "answer_suffix_ids",

@@ -49,7 +49,7 @@ wrong), or null. ``reference`` is the JSON grading record that the metric takes:
 ``{"probe", "step", "checks", "recall", "preamble", "answer_prefix"}``.
 
 The parts live in their own modules: :mod:`~pace_bench.facts` (the randomized facts and the fee
-rule), :mod:`~pace_bench.spec` (the definition and probe text, and the correct answers),
+rule), :mod:`~pace_bench.billing_spec` (the definition and probe text, and the correct answers),
 :mod:`~pace_bench.amounts` and :mod:`~pace_bench.checks` (the hidden checks),
 :mod:`~pace_bench.filler` (the filler), :mod:`~pace_bench.build` (one session's row). This
 module is the loader: sessions as a cached ``datasets.Dataset``.
@@ -65,7 +65,7 @@ from .build import (GENERATOR_VERSION, SYSTEM_PROMPT, answer_suffix_ids, build_s
                     check_secret, fixed_tokens, is_int, new_secret)
 from .facts import FACT_NAMES, sample_facts
 from .filler import FILLER_MODES, REPEATING_SET_SIZE, filler_identity
-from .spec import PROBES, reference_solution
+from .billing_spec import PROBES, reference_solution
 
 __all__ = [
     "GENERATOR_VERSION",

@@ -176,7 +176,7 @@ def test_no_run_is_given_a_session_fact(rows):
     import random
 
     from pace_bench.checks import build_checks
-    from pace_bench.spec import probe_preamble
+    from pace_bench.billing_spec import probe_preamble
 
     for row in rows[:2]:
         facts = _facts(row)

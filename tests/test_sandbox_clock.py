@@ -16,7 +16,7 @@ from pace_bench import facts as F
 from pace_bench.metrics.pace_coding import pace_coding as M
 from pace_bench.models import load_tokenizer
 from pace_bench.sessions import build_session
-from pace_bench.spec import code_pieces, plain
+from pace_bench.billing_spec import code_pieces, plain
 
 from host_objects import host_unchanged
 

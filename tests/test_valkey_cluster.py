@@ -13,7 +13,7 @@ valkey = pytest.importorskip("valkey")
 
 from pace_hf.tiers import TieredStore  # noqa: E402
 from pace_hf.tiers.errors import LeaseHeld, TierUnavailable  # noqa: E402
-from pace_hf.tiers.spec import parse_store  # noqa: E402
+from pace_hf.tiers.spelling import parse_store  # noqa: E402
 from pace_hf.tiers.valkey_tier import ValkeyTier, hash_tagged, hash_untagged  # noqa: E402
 
 FP = "fingerprint-cluster"

@@ -11,7 +11,7 @@ the cleanup::
     python -m pace_hf.memory delete --all --store disk:runs/kv
     python -m pace_hf.memory list --tenant ada --store valkey://127.0.0.1:6379   # one tenant of pace-serve
 
-``--store`` takes the spelling ``pace-serve --store`` takes (``pace_hf.tiers.spec``), but only tiers
+``--store`` takes the spelling ``pace-serve --store`` takes (``pace_hf.tiers.spelling``), but only tiers
 shared across processes: host memory belongs to the process that holds it. ``delete`` takes each
 session's writer lease first, so it refuses (exit status 1, nothing deleted) a session that a live
 writer is saving; ``--json`` prints the report for scripts. ``--tenant NAME`` works inside one tenant of
@@ -29,7 +29,7 @@ import sys
 from .namespace import TENANT_NAME, belongs_to, scoped, unscoped
 from .persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
 from ..tiers.errors import IntegrityError, TierError, WriterConflict
-from ..tiers.spec import SPELLINGS, parse_store
+from ..tiers.spelling import SPELLINGS, parse_store
 
 
 def _size(n: int) -> str:

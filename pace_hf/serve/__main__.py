@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..tiers.spec import SPELLINGS, parse_store  # the spelling the cleanup command reads too
+from ..tiers.spelling import SPELLINGS, parse_store  # the spelling the cleanup command reads too
 from .tenants import Tenants
 
 

@@ -48,7 +48,7 @@ from ..session import PACESession
 from ..memory.retention import retain
 from ..memory.persist import current_generation
 from ..tiers import TierError, TierUnavailable, WriterConflict
-from .metrics import Metrics
+from .prometheus import Metrics
 from .protocol import APIError
 from ..memory.namespace import scoped, unscoped
 from .tenants import chain_seed

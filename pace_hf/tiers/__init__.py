@@ -28,7 +28,7 @@ from .errors import IntegrityError, LeaseHeld, TierError, TierUnavailable, Write
 from .fingerprint import model_fingerprint
 from .host import HostTier
 from .keys import full_key
-from .spec import parse_store
+from .spelling import parse_store
 from .store import TieredStore
 from .valkey_tier import ValkeyTier
 
