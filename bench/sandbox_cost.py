@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pace_bench.host_slab import SlabPeak, slab_mb
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = "pace_bench/metrics/pace_coding"
 PROGRAM = "from decimal import Decimal\ndef fee_for(amount):\n    return amount * Decimal('0.03')\n"
@@ -60,34 +62,15 @@ def load_sandbox(rev: str | None, tmp: Path):
     return module
 
 
-def slab_mb() -> float:
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return sum(int(fields[k].split()[0]) for k in ("SReclaimable", "SUnreclaim")) / 1024
-
-
 def flood(sandbox, seconds: float) -> dict:
     """One run that stats fresh 250-character names under the standard library for ``seconds``: the
     host's slab before, at its peak while the run lasts, and 1 s after."""
-    import threading
-    before, peak, stop = slab_mb(), [0.0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], slab_mb())
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        limits = sandbox.SandboxLimits(timeout_s=seconds + 4, memory_mb=64, cpu_s=int(seconds) + 2)
+    limits = sandbox.SandboxLimits(timeout_s=seconds + 4, memory_mb=64, cpu_s=int(seconds) + 2)
+    with SlabPeak() as slab:
         result = sandbox.run_calls(FLOOD, [f"flood({seconds}, {secrets.token_hex(8)!r})"], limits)[0]
-    finally:
-        stop.set()
-        sampler.join()
     time.sleep(1.0)
-    return {"lookups": result.value, "slab_before_mb": round(before, 1), "slab_peak_growth_mb": round(peak[0] - before, 1),
-            "slab_growth_after_mb": round(slab_mb() - before, 1)}
+    return {"lookups": result.value, "slab_before_mb": round(slab.before, 1), "slab_peak_growth_mb": round(slab.peak_growth, 1),
+            "slab_growth_after_mb": round(slab_mb() - slab.before, 1)}
 
 
 END = "import time\ndef end():\n    return time.time()\n"

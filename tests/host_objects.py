@@ -5,6 +5,8 @@ import contextlib
 import ctypes
 import os
 
+from pace_bench.host_slab import slab_mb
+
 
 def sysv_objects() -> dict[str, list[str]]:
     """The host's System V shared-memory segments, message queues and semaphores (header lines aside)."""
@@ -26,13 +28,6 @@ def mqueue_exists(name: str | bytes) -> bool:
     os.close(fd)
     libc.mq_unlink(name)
     return True
-
-
-def slab_mb() -> float:
-    """The host's kernel slab (SReclaimable + SUnreclaim), in MB."""
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return sum(int(fields[k].split()[0]) for k in ("SReclaimable", "SUnreclaim")) / 1024
 
 
 def run_cgroups() -> set[str]:

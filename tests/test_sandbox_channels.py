@@ -6,11 +6,11 @@ no sandbox process or memory cgroup left, and the host's kernel slab back where 
 import os
 import secrets
 import textwrap
-import threading
 import time
 
 import pytest
 
+from pace_bench.host_slab import SlabPeak
 from pace_bench.metrics.pace_coding.sandbox import SandboxLimits, run_calls
 
 from host_objects import host_unchanged, slab_mb
@@ -112,16 +112,7 @@ def test_a_stat_flood_is_bounded_by_the_run_and_freed_with_it(host):
     private image, a tmpfs, which keeps no negative dentry and dies with the run; the run's memory
     cgroup, where the host has one, holds the rest to the run's limit while it lasts."""
     limits = SandboxLimits(timeout_s=30.0, memory_mb=64, cpu_s=20)
-    before, peak, stop = slab_mb(), [0.0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], slab_mb())
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    with SlabPeak() as slab:
         results = run("""
             import os, sys
             ROOT = next(p for p in sys.path if os.path.isdir(p))  # the standard library, as imported
@@ -133,17 +124,14 @@ def test_a_stat_flood_is_bounded_by_the_run_and_freed_with_it(host):
                         pass
                 return n
             """, [f"flood(150_000, {secrets.token_hex(8)!r})"], limits)
-    finally:
-        stop.set()
-        sampler.join()
     assert results[0].status == "ok", results
     time.sleep(0.5)
     after = slab_mb()
-    assert after - before < 16, (before, peak[0], after)  # MB: the old sandbox left about 100 here
+    assert after - slab.before < 16, (slab.before, slab.peak, after)  # MB: the old sandbox left about 100 here
     if any(os.path.exists(p) for p in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup/cgroup.controllers")):
         from pace_bench.metrics.pace_coding._sandbox_child import _IMAGE_MB
         cap = limits.memory_mb + _IMAGE_MB + limits.max_disk_mb + 64
-        assert peak[0] - before < cap + 64, (before, peak[0], cap)
+        assert slab.peak_growth < cap + 64, (slab.before, slab.peak, cap)
 
 _INODES = """
 import os, socket
