@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextvars
 import warnings
-import weakref
 from typing import Protocol
 
 import torch
@@ -57,8 +56,8 @@ class ScoreSink(Protocol):
         """Take one layer's column sums ``[batch, kv_heads, kv_len]`` (fp32)."""
 
 
-# The score sink whose forward is running: set by the binding's pre-hook, reset with its token by
-# the post-hook (which runs even when the forward raises).
+# The score sink whose forward is running: set by the binding's pre-hook (``enter_forward``), reset
+# by the post-hook (which runs even when the forward raises).
 ACTIVE_CACHE: contextvars.ContextVar[ScoreSink | None] = contextvars.ContextVar("pace_active_cache", default=None)
 
 
@@ -201,21 +200,37 @@ def _column_sums_masked(query, key, lse, mask, scaling, score_from):
     return sums[:, :, 0] / group
 
 
-_mask_memo: tuple = (None, -1, None)  # (weakref to the last mask seen, its version, what it was)
+# The mask check's answers in the running forward, set and reset with ACTIVE_CACHE (``enter_forward``):
+# transformers builds one mask per forward and hands it to every layer, so the check runs once a forward.
+# Scoped to the forward, not to the tensor's version counter, which inference tensors
+# (``torch.inference_mode()``) do not have.
+_MASK_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pace_mask_memo", default=None)
+
+
+def enter_forward(cache: ScoreSink):
+    """Make ``cache`` the running score sink, with a fresh mask memo; returns what ``exit_forward`` takes."""
+    return ACTIVE_CACHE.set(cache), _MASK_MEMO.set({})
+
+
+def exit_forward(tokens) -> None:
+    """Undo ``enter_forward``: the previous sink and memo (none outside a forward) come back."""
+    active, memo = tokens
+    _MASK_MEMO.reset(memo)
+    ACTIVE_CACHE.reset(active)
 
 
 def _causal_or_mask(attention_mask, q_len: int, kv_len: int):
     """``None`` when ``attention_mask`` is None or exactly the causal mask aligned to the end of the
     keys (bool, or additive with 0 / -inf), else the mask cut to ``kv_len`` keys.
 
-    transformers builds one mask per forward and hands it to every layer, so the answer is kept for
-    the last mask seen."""
-    global _mask_memo
+    Inside a forward the answer is kept for the rest of it (``_MASK_MEMO``); outside one, it is
+    computed every call."""
     if attention_mask is None:
         return None
-    ref, version, answer = _mask_memo
-    if ref is not None and ref() is attention_mask and version == attention_mask._version:
-        return answer
+    memo = _MASK_MEMO.get()
+    key = (id(attention_mask), q_len, kv_len)
+    if memo is not None and key in memo and memo[key][0] is attention_mask:
+        return memo[key][1]
     mask = attention_mask[..., :kv_len]
     causal = torch.arange(kv_len, device=mask.device)[None, :] <= (
         torch.arange(q_len, device=mask.device)[:, None] + (kv_len - q_len))
@@ -225,7 +240,8 @@ def _causal_or_mask(attention_mask, q_len: int, kv_len: int):
         is_causal = mask.shape[-2] == q_len and bool(((mask == 0) == causal).all()) and bool(
             (mask.masked_fill(causal, float("-inf")) <= torch.finfo(mask.dtype).min).all())
     answer = None if is_causal else mask.expand(*mask.shape[:-2], q_len, kv_len)
-    _mask_memo = (weakref.ref(attention_mask), attention_mask._version, answer)
+    if memo is not None:
+        memo[key] = (attention_mask, answer)  # the mask is held, so its id cannot be reused in this forward
     return answer
 
 

@@ -167,13 +167,13 @@ class Binding:
             )
         start = cache.begin_forward(q_len, kwargs.get("input_ids"))
         kwargs["position_ids"] = torch.arange(start, start + q_len, device=tokens.device)[None]
-        self.active_tokens[-1] = attention.ACTIVE_CACHE.set(cache)
+        self.active_tokens[-1] = attention.enter_forward(cache)
         return args, kwargs
 
     def _post_forward(self, module, args, kwargs, output):
         token = self.active_tokens.pop() if self.active_tokens else None
         if token is not None:
-            attention.ACTIVE_CACHE.reset(token)
+            attention.exit_forward(token)
         cache = cache_from_kwargs(kwargs)
         if not _is_pace_cache(cache) or cache.binding is not self or not cache.in_forward:
             return None

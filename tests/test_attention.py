@@ -113,7 +113,20 @@ def test_causal_masks_are_recognised_and_others_kept():
     assert attention._causal_or_mask(min_fill, 5, 9) is None
     flipped = masks["bool"].clone()
     flipped[..., 0, 0] = False
-    assert attention._causal_or_mask(flipped, 5, 9) is not None  # edited in place: the memo is not reused
+    assert attention._causal_or_mask(flipped, 5, 9) is not None  # edited in place: checked again
+
+
+def test_the_mask_check_is_kept_for_one_forward_and_works_on_inference_tensors():
+    with torch.inference_mode():  # inference tensors have no version counter to key a memo on
+        sliding = _masks(5, 9)["sliding_bool"].clone()
+        tokens = attention.enter_forward(_RecordingCache())
+        try:
+            first = attention._causal_or_mask(sliding, 5, 9)
+            assert attention._causal_or_mask(sliding, 5, 9) is first  # every layer of the forward: one check
+        finally:
+            attention.exit_forward(tokens)
+        assert attention.ACTIVE_CACHE.get() is None and attention._MASK_MEMO.get() is None
+        assert attention._causal_or_mask(sliding, 5, 9) is not first  # the next forward checks afresh
 
 
 class _RecordingCache:

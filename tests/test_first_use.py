@@ -1,0 +1,42 @@
+"""What a new user meets first: the caches under ``torch.inference_mode()``, an unbound cache handed to
+``generate``, the deprecation's words and ``ledger()``'s default layer (tiny random models, CPU)."""
+
+import warnings
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from pace_hf import Blueprint, H2OCache, HostTier, PACECache, SnapKVCache, Span, StreamingLLMCache, TieredStore
+
+CACHES = {
+    "pace": lambda model: PACECache(model, Blueprint([Span(0, 20, [1])]), budget=32, limit=112, recent=8),
+    "pace_store": lambda model: PACECache(model, budget=32, limit=112, recent=8, store=TieredStore([HostTier()]),
+                                          session_id="s"),
+    "h2o": lambda model: H2OCache(model, budget=32, recent=8),
+    "snapkv": lambda model: SnapKVCache(model, budget=32, recent=8),
+    "streaming": lambda model: StreamingLLMCache(model, budget=32),
+}
+
+
+def prompt(n, seed=0):
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", sorted(CACHES))
+def test_every_cache_runs_under_inference_mode_as_under_no_grad(kind, name):
+    """Servers and evaluation loops run under inference_mode, whose tensors have no version counter."""
+    model = tiny_model(kind)
+    runs = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        cache = CACHES[name](model)
+        with mode():
+            out = model.generate(prompt(100), cache=cache, max_new_tokens=6, do_sample=False, prefill_chunk_size=16)
+        runs.append((out, [cache.ledger(i) for i, _ in cache.evicting_layers]))
+        assert cache.resident_count() <= 32 + 16  # it evicted
+        cache.unbind()
+    (out_grad, ledgers_grad), (out_inference, ledgers_inference) = runs
+    assert torch.equal(out_grad, out_inference)
+    for (logical_a, physical_a), (logical_b, physical_b) in zip(ledgers_grad, ledgers_inference):
+        assert torch.equal(logical_a, logical_b) and torch.equal(physical_a, physical_b)
