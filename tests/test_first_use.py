@@ -40,3 +40,25 @@ def test_every_cache_runs_under_inference_mode_as_under_no_grad(kind, name):
     assert torch.equal(out_grad, out_inference)
     for (logical_a, physical_a), (logical_b, physical_b) in zip(ledgers_grad, ledgers_inference):
         assert torch.equal(logical_a, logical_b) and torch.equal(physical_a, physical_b)
+
+
+def test_the_design_cards_spelling_fails_before_the_first_forward_and_warns_of_the_call_made():
+    """``model.generate(ids, past_key_values=PACECache(blueprint))``: the cache was never bound."""
+    model = tiny_model("llama")
+    forwards = []
+    model.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.warns(DeprecationWarning) as caught:
+        cache = PACECache(Blueprint([Span(0, 20, [1])]))
+    said = " ".join(str(w.message) for w in caught if w.category is DeprecationWarning)
+    assert "PACECache(blueprint) is deprecated" in said and "PACECache(blueprint, model)" not in said
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values= in generate
+        with pytest.raises(RuntimeError, match=r"not bound to a model.*cache\.bind\(model\)"):
+            model.generate(prompt(40), past_key_values=cache, max_new_tokens=2)
+    stale = H2OCache(model, budget=32, recent=8)
+    stale.unbind()
+    with pytest.raises(RuntimeError, match=r"not bound to a model \(it was unbound\)"):
+        model.generate(prompt(40), cache=stale, max_new_tokens=2)
+    assert not forwards  # refused before the prefill started
+    with pytest.warns(DeprecationWarning, match=r"PACECache\(blueprint, model\) is deprecated"):
+        PACECache(Blueprint(), model).unbind()

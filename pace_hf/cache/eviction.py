@@ -236,6 +236,23 @@ class EvictionCache(DynamicCache):
             self.unbind()
 
     # -- what transformers calls -------------------------------------------------------------------
+    @property
+    def _is_user_defined(self) -> bool:
+        return getattr(self, "_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        """transformers' ``generate`` marks the cache it is handed, before its first forward: the earliest
+        point an unbound cache can be refused, before the prefill starts rather than deep inside it."""
+        if value and self.binding is None:
+            raise RuntimeError(
+                f"this {type(self).__name__} is not bound to a model"
+                + (" (it was unbound)" if self._filled_by is not None else "")
+                + ", so generate cannot use it: bind it first, "
+                f"with {type(self).__name__}(model, ...), `with cache.bound_to(model):` or cache.bind(model)"
+            )
+        self._user_defined = value
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self._chunk is None:
             raise RuntimeError(

@@ -84,8 +84,10 @@ def _model_and_blueprint(args: tuple, model, blueprint):
     if old:
         import warnings
 
-        warnings.warn("PACECache(blueprint, model) is deprecated: the model comes first, as for every other "
-                      "cache (PACECache(model, blueprint), or blueprint=...); the old order goes in the next release",
+        # the warning names the call that was made: PACECache(blueprint) is the old order without a model
+        made = "blueprint" + (", model" if len(args) == 2 else ", model=model" if model is not None else "")
+        warnings.warn(f"PACECache({made}) is deprecated: the model comes first, as for every other cache "
+                      "(PACECache(model, blueprint), or blueprint=...); the old order goes in the next release",
                       DeprecationWarning, stacklevel=3)
     return (given_model if len(args) == 2 or not old else model), (given_blueprint if len(args) == 2 or old else blueprint)
 
