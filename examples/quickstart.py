@@ -19,7 +19,7 @@ with PACECache(blueprint=blueprint, budget=256, limit=768).bound_to(model) as ca
     cache.step = 1
     out = model.generate(ids, cache=cache, max_new_tokens=32, do_sample=False, prefill_chunk_size=256)
 
-logical, physical = cache.ledger(0)
+logical, physical = cache.ledger()
 print(f"seen {cache.get_seq_length()} tokens, resident {cache.resident_count()}, renumbers {cache.renumbers}")
 print(f"planned span resident: {cache.residency(range(40)) == 1.0}, rotary gap {cache.rotary_gap(range(40))}")
 print(f"largest rotary position {int(physical.max())} < limit 768; largest logical {int(logical.max())}")

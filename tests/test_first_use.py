@@ -62,3 +62,16 @@ def test_the_design_cards_spelling_fails_before_the_first_forward_and_warns_of_t
     assert not forwards  # refused before the prefill started
     with pytest.warns(DeprecationWarning, match=r"PACECache\(blueprint, model\) is deprecated"):
         PACECache(Blueprint(), model).unbind()
+
+
+def test_ledger_reads_the_first_layer_that_evicts_by_default():
+    """On Gemma 3 layer 0 is a sliding window: the README's ``cache.ledger()`` must show the planned span."""
+    model = tiny_model("gemma3")  # layers: sliding (window 64), full
+    cache = PACECache(model, Blueprint([Span(0, 20, [1])]), budget=32, limit=112, recent=8)
+    cache.step = 1
+    model.generate(prompt(150), cache=cache, max_new_tokens=2, do_sample=False, prefill_chunk_size=16)
+    assert [i for i, _ in cache.evicting_layers] == [1]
+    logical, physical = cache.ledger()
+    assert torch.equal(logical, cache.ledger(1)[0]) and torch.equal(physical, cache.ledger(1)[1])
+    assert torch.isin(torch.arange(20), logical).all()  # the planned span is resident
+    assert not torch.isin(torch.arange(20), cache.ledger(0)[0]).any()  # the window has moved past it

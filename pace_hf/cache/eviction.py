@@ -289,10 +289,13 @@ class EvictionCache(DynamicCache):
             self._new_spill()
 
     # -- public readings ---------------------------------------------------------------------------
-    def ledger(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def ledger(self, layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logical, physical) positions ``[kv_heads, n]`` of the resident tokens of ``layer_idx``, in
         the order of that layer's stored keys (a sliding window: its last ``n`` tokens; a linear-attention
-        layer holds none)."""
+        layer holds none). By default the first layer that evicts (``evicting_layers``), where the
+        planned spans are kept: on a hybrid model layer 0 may be a sliding window."""
+        if layer_idx is None:
+            layer_idx = next((i for i, _ in self.evicting_layers), 0)
         layer = self.layers[layer_idx]
         if getattr(layer, "logical", None) is None:
             empty = torch.empty(0, 0, dtype=torch.long)
