@@ -10,11 +10,14 @@ setup: $(STAMP)
 
 # Idempotent: the stamp is rebuilt only when pyproject.toml changes.
 # torch is pinned to the CPU build when absent, so nothing pulls a multi-GB CUDA wheel.
+# bfcl-eval (pace-bench --suite bfcl) goes in with --no-deps, which pyproject cannot say: its wheel declares ~30
+# hosted-model clients that its multi-turn modules never import (they need only mpmath, in [bench]).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps bfcl-eval==2026.3.23
 	touch $(STAMP)
 
 test: setup

@@ -347,9 +347,10 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 def _suite_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--suite", choices=("coding", "ruler", "repo"), default="coding",
+    ap.add_argument("--suite", choices=("coding", "ruler", "repo", "bfcl"), default="coding",
                     help="coding: the long-session coding benchmark; ruler: RULER through lm-eval (see --suite ruler "
-                         "--help); repo: sessions over installed packages' real source (see --suite repo --help)")
+                         "--help); repo: sessions over installed packages' real source (see --suite repo --help); "
+                         "bfcl: BFCL v4 multi-turn tool calling, scored by bfcl-eval (see --suite bfcl --help)")
     return ap
 
 
@@ -463,6 +464,10 @@ def main(argv=None) -> int:
         from pace_bench.repo_run import main as repo_main
 
         return repo_main(argv)
+    if suite.suite == "bfcl":  # BFCL v4 multi-turn through bfcl-eval: its own arguments (pace-bench --suite bfcl --help)
+        from pace_bench.bfcl import main as bfcl_main
+
+        return bfcl_main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)

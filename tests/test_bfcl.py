@@ -1,0 +1,140 @@
+"""The BFCL multi-turn suite (pace_bench.bfcl): bfcl-eval's own data, backends and checker, wired so that
+they can fail, and one entry played end to end through the agent loop."""
+
+import json
+
+import pytest
+
+pytest.importorskip("bfcl_eval")
+
+from pace_bench import bfcl  # noqa: E402
+from pace_bench.runner import main  # noqa: E402
+from test_runner import _tiny_model_dir  # noqa: E402
+
+
+def _entry(category="base", index=0):
+    return bfcl.load_entries(category)[index]
+
+
+@pytest.mark.parametrize("category", ["base", "long_context"])
+def test_the_ground_truth_passes_bfcls_checker_and_one_wrong_call_fails_it(category):
+    entry = _entry(category)
+    truth = entry["ground_truth"]
+    backends = bfcl.Backends(entry, "truth")
+    try:
+        assert backends.check([[turn] for turn in truth], forced=False) == {"valid": True}
+    finally:
+        backends.close()
+    wrong = [list(turn) for turn in truth]
+    wrong[0][1] = "mkdir(dir_name='not_temp')"  # the ground truth's mkdir(dir_name='temp'), another name
+    backends = bfcl.Backends(entry, "wrong")
+    try:
+        verdict = backends.check([[turn] for turn in wrong], forced=False)
+        assert not verdict["valid"] and verdict["error_type"] == "multi_turn:instance_state_mismatch"
+        # stopped early: BFCL's force-terminated failure, whatever was called
+        assert backends.check([[turn] for turn in truth[:2]], forced=True)["error_type"] == "multi_turn:force_terminated"
+    finally:
+        backends.close()
+    from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+
+    assert not [k for k in vars(multi_turn_utils) if k.startswith("pace_bench_")]  # no play's state outlives it
+
+
+def test_calls_are_read_leniently_and_only_identifiers_reach_eval():
+    names = {"cd", "mv", "sort"}
+    fenced = 'Sure.\n```json\n{"name": "mv", "arguments": {"source": "a.txt", "destination": "tmp"}}\n```'
+    assert [c.source() for c in bfcl.parse_calls(fenced, names)] == ["mv(source='a.txt',destination='tmp')"]
+    tagged = '<tool_call>\n{"name": "cd", "arguments": "{\\"folder\\": \\"document\\"}"}\n</tool_call>'
+    assert [c.source() for c in bfcl.parse_calls(tagged, names)] == ["cd(folder='document')"]
+    listed = '[{"function": "cd", "parameters": {"folder": ".."}}, {"name": "move_file", "arguments": {}}]'
+    assert [c.name for c in bfcl.parse_calls(listed, names)] == ["cd", "move_file"]  # a wrong name is still a call
+    python = "[cd(folder='temp'), sort('final_report.pdf')] then print(1) and (see above)"
+    assert [c.source() for c in bfcl.parse_calls(python, names)] == ["cd(folder='temp')", "sort('final_report.pdf')"]
+    assert bfcl.parse_calls("I have moved the file (as asked).", names) == []
+    assert bfcl.parse_calls("cd(folder=__import__('os').getcwd())", names) == []  # not a literal: no call
+    hostile = bfcl.parse_calls('{"name": "cd", "arguments": {"x) or exit(": 1}}', names)
+    assert hostile and hostile[0].source() is None  # a key that is no identifier never reaches eval
+
+
+def test_held_out_categories_are_refused_before_anything_loads(nothing_loads, capsys):
+    for held in ("miss_param", "multi_turn_composite"):
+        with pytest.raises(SystemExit):
+            main(["--suite", "bfcl", "--categories", held])
+        assert "held out" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="held out"):
+        bfcl.load_entries("miss_param")
+
+
+def test_the_planner_reads_only_the_conversation():
+    """Tool docs the turn's words match, and windows of earlier messages that name what the turn names."""
+    from pace_bench.models import load_tokenizer
+    from pace_hf.chat import DEFAULT_SYSTEM, ChatTemplate
+
+    tok = load_tokenizer("smollm2-135m")
+    entry = _entry()
+    tools, _ = bfcl.tool_docs(entry)
+    content, native = bfcl.system_with_tools(tok, DEFAULT_SYSTEM, tools)
+    assert not native and '"name": "mkdir"' in content  # SmolLM2's template ignores tools: Qwen's tool section
+    template = ChatTemplate(tok, content)
+    spans = bfcl.tool_spans(template, tools)
+    assert all(s is not None for s in spans)
+    mv = spans[[t["name"] for t in tools].index("mv")]
+    assert '"name": "mv"' in tok.decode(template.system_ids[mv[0]:mv[1]])
+    planner = bfcl.TurnPlanner(tools, spans, budget=1024)
+    conversation = bfcl.Conversation(template)
+    conversation.add("user", "List the files here.")
+    conversation.add("tool", "['notes.txt', 'final_report.pdf', 'archive']")
+    turn = conversation.add("user", entry["question"][0][0]["content"])  # "Move 'final_report.pdf' ... 'temp'"
+    assert {"mv", "mkdir"} <= {planner.names[i] for i in planner.tools_for(turn.content)[:3]}
+    (start, end), = planner.mentions(conversation, turn)  # the tool output that names the file
+    assert conversation.messages[1].start <= start < end <= conversation.messages[1].end
+    assert "final_report" in tok.decode(conversation.ids[start:end])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _tiny_model_dir(tmp_path_factory.mktemp("bfcl") / "model")
+
+
+def test_one_entry_plays_end_to_end_and_resumes(model_dir, tmp_path, monkeypatch):
+    """A tiny random model prefills every step through each arm's cache; its replies are replaced by the
+    ground truth's calls (in BFCL's own Python form) and then a reply with no call, so the backends really
+    run and bfcl-eval's checker passes both arms; the records, the table and a resume follow."""
+    import pace_hf.session as session
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    truth = _entry()["ground_truth"]
+    script = []
+    for turn in truth:
+        script += ["[" + ", ".join(turn) + "]", "Done."]
+    played = {"replies": 0}
+    real = session.generate_reply
+
+    def scripted(model, ids, cache, **kw):
+        real(model, ids, cache, **dict(kw, max_new_tokens=1))  # the real prefill; the one new token is not fed
+        text = script[played["replies"] % len(script)]
+        played["replies"] += 1
+        return tok.encode(text, add_special_tokens=False)
+
+    monkeypatch.setattr(session, "generate_reply", scripted)
+    out = tmp_path / "run"
+    argv = ["--suite", "bfcl", "--model", model_dir, "--categories", "base", "--entries", "1", "--arms", "full,pace",
+            "--budget", "256", "--limit", "1024", "--chunk", "512", "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    records = [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()]
+    assert [r["arm"] for r in records] == ["full", "pace"] and played["replies"] == 2 * len(script)
+    for r in records:
+        assert r["valid"] and r["turns_played"] == len(truth) and r["steps"] == [2] * len(truth)
+        assert bfcl.turn_calls(r) == [[c.replace(", ", ",") for c in turn] for turn in truth]  # bfcl-eval's spelling
+        assert r["tokens"] > r["system_tokens"] > 3000 and r["peak_cache_bytes"] > 0
+    full, pace = records
+    assert pace["peak_cache_bytes"] < full["peak_cache_bytes"]  # B=256 of about 6K tokens
+    assert all(p["planned_tool_tokens"] > 0 for p in pace["planned"])
+    table = (out / "table.md").read_text()
+    assert "**multi_turn_base**" in table and f"| pace | 1 | 1/1 = 100%" in table
+    assert f"| {len(truth)}/{len(truth)} (100%) | 1/1 |" in table  # fidelity to full, full's passes kept
+    assert main(argv + ["--resume"]) == 0  # both pairs kept: nothing played
+    assert played["replies"] == 2 * len(script)
+    with pytest.raises(SystemExit, match="other budget"):
+        main([a if a != "256" else "384" for a in argv] + ["--resume"])
