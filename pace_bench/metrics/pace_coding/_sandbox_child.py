@@ -151,13 +151,17 @@ _X86_64_SETSOCKOPT, _X86_64_GETSOCKOPT, _PIDFD_SOCKOPTS = 54, 55, (76, 77)
 _X86_64_MADVISE, _MADVISE_ALLOW = 28, (0, 1, 2, 4, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
 # ioctl: only terminal/size queries (isatty), FIONREAD and the close-on-exec/non-blocking ones
 _IOCTL_ALLOW = (0x5401, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451)
-# fcntl: dup, fd/file flags, setting record locks, pipe size; not F_SETOWN/F_SETSIG (signals), leases,
-# notify, nor asking whose lock a range holds (F_GETLK, F_OFD_GETLK). Locks are per file, and the
-# standard library and /usr are the same files for every run: with flock (refused, see _X86_64_ALLOW) or
-# F_GETLK one run could hold a lock on a shared file and a concurrent run could see it, a covert channel.
-# Setting a lock cannot see another's on a file a run may only read: a read lock never conflicts with
-# one, and a write lock needs the file open for writing, which only the run's own scratch files are.
-_FCNTL_ALLOW = (0, 1, 2, 3, 4, 6, 7, 37, 38, 1030, 1032)
+# fcntl: dup, fd/file flags, pipe size; not F_SETOWN/F_SETSIG (signals), leases, notify, and no record
+# lock at all (F_GETLK, F_SETLK, F_SETLKW and their OFD forms). A lock seen across runs on a shared file
+# is a covert channel (flock is refused too, see _X86_64_ALLOW); and each byte unlocked from the middle of
+# a locked range splits it in two: the lock cache is charged to no memory cgroup on this kernel and
+# RLIMIT_LOCKS is not enforced, so 4 million splits in 12 s grew the host's slab by 745 MB. No answer needs
+# a lock (SQLite in the scratch directory: ``?vfs=unix-none``, or ``:memory:``).
+_FCNTL_ALLOW = (0, 1, 2, 3, 4, 1030, 1032)
+# mmap: private mappings only. Each shared mapping is a shmem file of its own (inode, dentry, file, page)
+# that never merges with its neighbour: 65,000 of them, the map count's limit, cost 90 MB of slab and
+# 290 MB of shared pages per run. MAP_SHARED and MAP_SHARED_VALIDATE both set bit 0.
+_X86_64_MMAP, _MAP_SHARED = 9, 1
 
 MAX_VALUE_CHARS = 1_000_000  # JSON size of one returned value
 MAX_EXC_CHARS = 65_536  # JSON size of an exception's args (and, separately, its attributes)
@@ -965,15 +969,15 @@ def _install_seccomp(libc, allow_processes):
     namespace flags) unless processes are allowed, and clone3 (whose flags a filter cannot read)
     answers ENOSYS so that glibc falls back to clone; kill/tgkill only to this process (unless
     processes are allowed: then to the run's pid namespace, which holds only its own), prlimit64
-    only on itself, sockets only AF_UNIX stream ones (asyncio's self-pipe), ioctl and fcntl only
-    the harmless commands."""
+    only on itself, sockets only AF_UNIX stream ones (asyncio's self-pipe), mmap only private
+    mappings, ioctl and fcntl only the harmless commands (no locks)."""
     import ctypes
     if sys.platform != "linux" or os.uname().machine != "x86_64":
         return False
     LD, JEQ, JSET, AND, RET = 0x20, 0x15, 0x45, 0x54, 0x06
     ALLOW, KILL = 0x7FFF0000, 0x80000000
     EPERM, ENOSYS, EOPNOTSUPP = 0x00050000 | 1, 0x00050000 | 38, 0x00050000 | 95
-    NR, ARCH, ARG0, ARG1, ARG2 = 0, 4, 16, 24, 32  # offsets in struct seccomp_data (little endian)
+    NR, ARCH, ARG0, ARG1, ARG2, ARG3 = 0, 4, 16, 24, 32, 40  # offsets in struct seccomp_data (little endian)
     me = os.getpid()
 
     def argument_in(offset, values):
@@ -1003,6 +1007,7 @@ def _install_seccomp(libc, allow_processes):
         prog += only(_X86_64_SOCKETPAIR, unix_stream)
     prog += only(_X86_64_IOCTL, argument_in(ARG1, _IOCTL_ALLOW))
     prog += only(_X86_64_FCNTL, argument_in(ARG1, _FCNTL_ALLOW))
+    prog += only(_X86_64_MMAP, [(LD, 0, 0, ARG3), (JSET, 0, 1, _MAP_SHARED), (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)])
     prog += only(_X86_64_MADVISE, argument_in(ARG2, _MADVISE_ALLOW))
     for nr in (_X86_64_SETSOCKOPT, _X86_64_GETSOCKOPT):
         prog += only(nr, [(LD, 0, 0, ARG2), (JEQ, 1, 0, _PIDFD_SOCKOPTS[0]), (JEQ, 0, 1, _PIDFD_SOCKOPTS[1]),

@@ -63,6 +63,7 @@ from typing import Any
 __all__ = [
     "CallResult",
     "CodeExecutionNotAllowed",
+    "SandboxLeak",
     "SandboxLimits",
     "SandboxUnavailable",
     "decode_value",
@@ -711,10 +712,12 @@ def _kill_uid(uid: int) -> bool:
 def _memory_cgroup(limits: SandboxLimits) -> dict | None:
     """A memory cgroup for one run, beneath this process's own (cgroup v1's memory hierarchy, or v2
     where this process may make one), limited to the run's memory, its image and its scratch disk plus
-    64 MB: the kernel charges a run's negative dentries, page cache and slab there, so no run grows the
-    host's kernel memory past that, and :func:`_remove_cgroup` frees what it made. None where the host
-    has no memory controller we may use (not root, no delegation): the layer is then missing from the
-    run's layers, and the private image still frees the run's dentries and pages when it ends."""
+    64 MB: the kernel charges a run's negative dentries, page cache, page tables and most slab there, so
+    no run grows the host's kernel memory past that, and :func:`_remove_cgroup` frees what it made. Its
+    name carries this process's pid (``pace-run-PID-HEX``), so that the first run of a process can sweep
+    the folders that a dead process left (:func:`_sweep_cgroups`). None where the host has no memory
+    controller we may use (not root, no delegation): the layer is then missing from the run's layers, and
+    the private image still frees the run's dentries and pages when it ends."""
     from pace_bench.metrics.pace_coding._sandbox_child import _IMAGE_MB
 
     limit_mb = limits.memory_mb + _IMAGE_MB + limits.max_disk_mb + 64
@@ -730,7 +733,11 @@ def _memory_cgroup(limits: SandboxLimits) -> dict | None:
             base, limit_file = "/sys/fs/cgroup" + path, "memory.max"
         else:
             continue
-        folder = os.path.join(base, "pace-run-" + secrets.token_hex(8))
+        v1 = limit_file == "memory.limit_in_bytes"
+        if base not in _SWEPT:
+            _sweep_cgroups(base, v1)
+            _SWEPT.add(base)
+        folder = os.path.join(base, f"{_CGROUP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         try:
             os.mkdir(folder)
         except OSError:
@@ -738,28 +745,85 @@ def _memory_cgroup(limits: SandboxLimits) -> dict | None:
         try:
             with open(os.path.join(folder, limit_file), "w") as f:
                 f.write(str(limit_mb << 20))
-            return {"path": folder, "limit_mb": limit_mb, "v1": limit_file == "memory.limit_in_bytes"}
+            return {"path": folder, "limit_mb": limit_mb, "v1": v1}
         except OSError:
-            _remove_cgroup({"path": folder, "v1": limit_file == "memory.limit_in_bytes"})
+            _remove_cgroup({"path": folder, "v1": v1})
     return None
 
 
+_CGROUP_PREFIX = "pace-run-"
+_SWEPT: set[str] = set()  # cgroup folders this process has swept of leftovers
+_REMOVE_S = 10.0  # how long the parent may take to empty and remove a run's cgroup before it says so
+
+
+class SandboxLeak(RuntimeError):
+    """A run's memory cgroup could not be emptied and removed: each left behind holds one of the host's
+    65,535 memory-cgroup ids, and once they run out later runs go without one. Raised, never ignored."""
+
+
+def _sweep_cgroups(base: str, v1: bool) -> None:
+    """Remove the run cgroups beneath ``base`` whose owner (the pid in the name) is gone: a parent killed
+    before its cleanup. Folders without an owner pid (the old ``pace-run-HEX`` names) only if empty."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(_CGROUP_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        owner, sep, _ = name[len(_CGROUP_PREFIX):].partition("-")
+        path = os.path.join(base, name)
+        if sep and owner.isdigit():
+            if owner != str(os.getpid()) and os.path.exists(f"/proc/{owner}"):
+                continue  # a live process's run
+        elif _cgroup_pids(path):
+            continue
+        _remove_cgroup({"path": path, "v1": v1})
+
+
+def _cgroup_pids(path: str) -> list[int] | None:
+    """The processes in a cgroup (``cgroup.procs``), or None if it is gone."""
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return [int(pid) for pid in f.read().split()]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return []
+
+
 def _remove_cgroup(cgroup: dict | None) -> None:
-    """Reclaim what the run's cgroup still holds (its processes are dead: negative dentries, pages), so
-    that it is freed rather than handed to the parent cgroup, then remove it."""
+    """Kill every process left in the run's cgroup, wait until ``cgroup.procs`` is empty, reclaim what it
+    still holds (negative dentries, pages), so that it is freed rather than handed to the parent cgroup,
+    then remove it. Raises :class:`SandboxLeak` if that has not happened within ``_REMOVE_S`` seconds
+    (a process that dies slowly, say while the kernel frees millions of its objects, is waited for)."""
     if cgroup is None:
         return
+    path = cgroup["path"]
     control, value = ("memory.force_empty", "0") if cgroup["v1"] else ("memory.reclaim", str(1 << 40))
-    for _ in range(50):
-        try:
-            with open(os.path.join(cgroup["path"], control), "w") as f:
-                f.write(value)
-        except OSError:
-            pass
-        try:
-            os.rmdir(cgroup["path"])
+    deadline, why = time.monotonic() + _REMOVE_S, ""
+    while True:
+        pids = _cgroup_pids(path)
+        if pids is None:
             return
-        except FileNotFoundError:
-            return
-        except OSError:  # a process of the run not reaped yet
-            time.sleep(0.01)
+        if pids:
+            why = f"{len(pids)} processes still in it"
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        else:
+            try:
+                with open(os.path.join(path, control), "w") as f:
+                    f.write(value)
+            except OSError:
+                pass
+            try:
+                os.rmdir(path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                why = f"rmdir: {e}"
+        if time.monotonic() > deadline:
+            raise SandboxLeak(f"the run's memory cgroup {path} could not be removed within {_REMOVE_S:g} s ({why})")
+        time.sleep(0.01)
