@@ -1,6 +1,8 @@
 """Retention (pace_hf.memory.retention): a store stays under a byte cap and an age, whole sessions at a
 time, least recently saved first, never a kept session or one under a live writer's lease."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import prefill, random_ids
@@ -50,3 +52,18 @@ def test_an_age_deletes_the_sessions_saved_before_it(store_with_sessions):
     assert retention.retain(store) == []  # no cap and no age: nothing
     with pytest.raises(ValueError, match=">= 0"):
         retention.retain(store, max_bytes=-1)
+
+
+def test_a_session_whose_manifest_is_damaged_is_never_retired(store_with_sessions):
+    """Issue 50: a damaged manifest read as "no save", dated 0, so retention deleted that session first.
+    Its age cannot be read and a repair would restore it: it stays, file for file, whatever the cap."""
+    store = store_with_sessions
+    path = store.tiers[0].path_for("pace:s0:manifest")
+    with open(path, "r+b") as f:
+        f.seek(40)
+        f.write(b"\xff" * 8)
+    files = {p: p.read_bytes() for p in Path(store.tiers[0].root).rglob("*.kv") if "%3As0%3A" in p.name}
+    assert retention.saved_at(store, "s0") is None and retention.saved_at(store, "nobody") == 0.0
+    assert retention.retain(store, max_bytes=0) == ["s1", "s2", "s3"]
+    assert retention.retain(store, max_age_s=0.0) == []
+    assert {p: p.read_bytes() for p in files} == files

@@ -14,7 +14,8 @@ import torch
 from tiny_models import tiny_model
 
 from pace_hf import CumulativeAttention, PACECache
-from pace_hf.memory.persist import MANIFEST_FINGERPRINT, MANIFEST_KEY, SAVE_FORMAT, IncompleteSave, SaveFailed
+from pace_hf.memory.persist import (MANIFEST_FINGERPRINT, MANIFEST_KEY, SAVE_FORMAT, DamagedSave, IncompleteSave,
+                                   SaveFailed, current_generation)
 from pace_hf.session import PACESession
 from pace_hf.tiers import DiskTier, HostTier, LeaseHeld, TieredStore, TierUnavailable, ValkeyTier, WriterConflict, encode
 
@@ -391,6 +392,67 @@ def test_resume_says_when_no_tier_answered_rather_than_no_save(model, tmp_path):
     (tmp_path / "kv").unlink()
     (tmp_path / "away").rename(tmp_path / "kv")  # back: the save is whole
     PACECache.resume(SID, store=TieredStore([DiskTier(tmp_path / "kv")]), model=model).unbind()
+
+@pytest.mark.parametrize("damage", ["a byte flipped", "truncated", "another session's manifest"])
+def test_a_damaged_manifest_is_damage_not_absence(model, tmp_path, damage):
+    """Issue 50: a manifest that failed verification read as "no save": resume raised KeyError, a caller
+    started afresh, and its save overwrote the manifest, stranding the save it named. It is DamagedSave,
+    naming the entry; nothing saves over it or deletes a file, and once it is put back the session resumes."""
+    disk = DiskTier(tmp_path)
+    cache = _cache(model, TieredStore([disk]))
+    _run(model, cache, _ids(160))
+    gen = cache.save()
+    state = _state(cache)
+    other = _cache(model, cache.store, sid="other")
+    _run(model, other, _ids(64))
+    other.save()
+    for c in (cache, other):
+        c.unbind()
+    cache.store.close()
+    target = Path(disk.path_for(f"pace:{SID}:{MANIFEST_KEY}"))
+    good = target.read_bytes()
+    if damage == "a byte flipped":
+        target.write_bytes(good[:len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1:])
+    elif damage == "truncated":
+        target.write_bytes(good[:-9])
+    else:  # a valid entry, but of another key
+        target.write_bytes(Path(disk.path_for(f"pace:other:{MANIFEST_KEY}")).read_bytes())
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*.kv") if f"pace%3A{SID}%3A" in p.name}
+    store = TieredStore([DiskTier(tmp_path)])
+    with pytest.raises(DamagedSave, match="entry 'manifest' on tier disk fails verification") as refused:
+        PACECache.resume(SID, store=store, model=model)
+    assert not isinstance(refused.value, KeyError) and refused.value.key == MANIFEST_KEY
+    with pytest.raises(DamagedSave, match="'manifest'"):
+        current_generation(store, SID)
+    assert current_generation(store, "nobody") is None  # absence is still None, and resume's KeyError
+    with pytest.raises(KeyError, match="no saved session 'nobody'"):
+        PACECache.resume("nobody", store=store, model=model)
+    fresh = _cache(model, store)  # what a caller that took damage for absence did: start afresh and save
+    _run(model, fresh, _ids(160, seed=2))
+    with pytest.raises(DamagedSave, match="'manifest'"):
+        fresh.save()
+    fresh.unbind()
+    store.flush()
+    assert {p: p.read_bytes() for p in files} == files  # every file of the save as it was, the manifest too
+    target.write_bytes(good)
+    assert current_generation(store, SID) == gen
+    _assert_resumes_as(model, store, state, _resumed_logits(model, store))
+    store.close()
+
+
+def test_a_damaged_layer_entry_is_named_as_damaged_not_missing(model, tmp_path):
+    disk = DiskTier(tmp_path)
+    cache = _cache(model, TieredStore([disk]))
+    _run(model, cache, _ids(160))
+    gen = cache.save()
+    cache.unbind()
+    cache.store.close()
+    target = Path(disk.path_for(f"pace:{SID}:L1/state@{gen}"))
+    target.write_bytes(target.read_bytes()[:-16] + b"\0" * 16)
+    with pytest.raises(DamagedSave, match=f"entry 'L1/state@{gen}' on tier disk fails verification") as refused:
+        PACECache.resume(SID, store=TieredStore([DiskTier(tmp_path)]), model=model)
+    assert refused.value.kind in ("corrupt", "truncated")
+
 
 def test_session_conversation_is_part_of_the_same_save(tmp_path):
     from session_worker import TURN1, session_model

@@ -162,6 +162,42 @@ def test_a_tenant_sees_and_deletes_only_its_own_sessions(model, spec, capsys):
         main(["list", "--tenant", "ada~x", "--store", spec])
 
 
+def test_gc_collects_generations_no_manifest_names_and_never_a_damaged_save(model, spec, capsys):
+    """Issue 50: entries of a generation no manifest names are found and deleted by an explicit ``gc``,
+    and only there; a session whose manifest fails verification is left whole and named."""
+    gen = _saved_session(model, spec, "s", 200)
+    _saved_session(model, spec, "lost", 160)
+    _saved_session(model, spec, "hurt", 160)
+    dead = {"x": torch.zeros(4)}
+    with parse_store(spec) as store:
+        for sid in ("s", "hurt"):  # what a save killed before its manifest leaves
+            store.put("L0/state@g9-dead00", dead, {}, fingerprint="fp", session_id=sid).result()
+        store.delete(MANIFEST_KEY, session_id="lost")  # every generation of it is named by no manifest now
+        store.put(MANIFEST_KEY, dead, {}, fingerprint="another", session_id="hurt").result()  # fails verification
+    before = {sid: _stored_bytes(spec, sid) for sid in ("s", "lost", "hurt")}
+    assert main(["gc", "--store", spec, "--dry-run", "--json"]) == 1  # hurt is not collected
+    report = json.loads(capsys.readouterr().out)
+    assert report["s"]["orphaned_generations"] == ["g9-dead00"] and report["s"]["current_generation"] == gen
+    assert report["lost"]["current_generation"] is None and report["lost"]["entries"] >= 2
+    assert "hurt" not in report
+    assert {sid: _stored_bytes(spec, sid) for sid in before} == before  # a dry run deletes nothing
+    assert main(["gc", "--store", spec]) == 1
+    out, err = capsys.readouterr()
+    assert "s: deleted 1 entries of g9-dead00" in out
+    assert "hurt: not collected: " in err and "entry 'manifest'" in err and "fails verification" in err
+    assert _stored_bytes(spec, "hurt") == before["hurt"]
+    with parse_store(spec) as store:
+        keys = {sid: {k for _s, _t, k, _n in store.scan(sid)} for sid in before}
+        assert "L0/state@g9-dead00" not in keys["s"] and f"L0/state@{gen}" in keys["s"]
+        assert not [k for k in keys["lost"] if "@" in k] and any("/spill/" in k for k in keys["lost"])
+        PACECache.resume("s", store=store, model=model).unbind()
+    assert main(["gc", "s", "lost", "--store", spec]) == 0
+    assert "nothing to collect" in capsys.readouterr().out
+    with parse_store(spec) as writer, writer.lease("s"):  # a live writer's session is not touched
+        assert main(["gc", "s", "--store", spec]) == 1
+    assert "s: not collected" in capsys.readouterr().err
+
+
 def test_the_command_refuses_bad_stores_and_arguments(tmp_path, capsys):
     for argv, message in ((["list", "--store", "host"], "live in one process's memory"),
                           (["list", "--store", "foo:bar"], "bad store part 'foo:bar'"),

@@ -1,4 +1,4 @@
-"""See and clean what a store holds: ``python -m pace_hf.memory list|inspect|delete --store SPEC``.
+"""See and clean what a store holds: ``python -m pace_hf.memory list|inspect|delete|gc --store SPEC``.
 
 A session's store grows with every token its cache evicts (the spill: key and value per layer and KV
 head, about 24 KB a token on SmolLM2-135M in bf16) and keeps it after the session ends, until the
@@ -9,6 +9,7 @@ the cleanup::
     python -m pace_hf.memory inspect agent-42 --store valkey://127.0.0.1:6379 --keys
     python -m pace_hf.memory delete agent-42 old-7 --store disk:runs/kv,valkey://127.0.0.1:6379
     python -m pace_hf.memory delete --all --store disk:runs/kv
+    python -m pace_hf.memory gc --store disk:runs/kv --dry-run         # generations no manifest names
     python -m pace_hf.memory list --tenant ada --store valkey://127.0.0.1:6379   # one tenant of pace-serve
 
 ``--store`` takes the spelling ``pace-serve --store`` takes (``pace_hf.tiers.spelling``), but only tiers
@@ -17,6 +18,15 @@ session's writer lease first, so it refuses (exit status 1, nothing deleted) a s
 writer is saving; ``--json`` prints the report for scripts. ``--tenant NAME`` works inside one tenant of
 pace-serve's (``--api-keys``): sessions are named as that tenant names them (its ``X-Session-Id``),
 ``list`` shows only its sessions and ``delete --all`` deletes only them.
+
+``gc`` deletes the entries of save generations that no manifest names: what a save killed before its
+manifest left in a session that never saved again, a session whose manifest was lost, or the save that
+a damaged manifest named once an older pace_hf had saved over it. Nothing else collects them, and a
+server never does: a damaged save is never cleaned up under the operator. Each session is collected under
+its writer lease (a live writer's session is skipped, exit status 1); a session whose manifest fails
+verification is skipped whole and named (exit status 1): which generation it names cannot be read, so
+put the manifest back or ``delete`` the session. Spill entries belong to no generation and are left to
+the session's next save (a session in memory may index them in its next save).
 """
 
 from __future__ import annotations
@@ -27,8 +37,9 @@ import os
 import sys
 
 from .namespace import TENANT_NAME, belongs_to, scoped, unscoped
-from .persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
+from .persist import MANIFEST_FINGERPRINT, MANIFEST_KEY, DamagedSave, current_generation
 from ..tiers.errors import IntegrityError, TierError, WriterConflict
+from ..tiers.keys import generation_of
 from ..tiers.spelling import SPELLINGS, parse_store
 
 
@@ -113,7 +124,7 @@ def cmd_inspect(store, args) -> int:
               f"step {manifest.get('step')})")
         stale = sorted({g for row in report[args.session].values() for g in row["generations"]} - {current})
         if stale:
-            print(f"left by interrupted saves: {' '.join(stale)} (the session's next save deletes them)")
+            print(f"left by interrupted saves: {' '.join(stale)} (`gc` deletes them)")
     if keys is not None:
         print(_table([["tier", "key", "bytes"]] + [[t, k, _size(n)] for t, k, n in keys]))
     return 0
@@ -145,6 +156,44 @@ def cmd_delete(store, args) -> int:
     return status
 
 
+def cmd_gc(store, args) -> int:
+    report = _usage(store, args)
+    status, out = 0, {}
+    for sid in args.sessions or list(report):
+        full = scoped(args.tenant, sid)
+        if sid not in report:
+            print(f"no session {sid!r} in this store" + (f" for tenant {args.tenant!r}" if args.tenant else ""),
+                  file=sys.stderr)
+            status = 1
+            continue
+        try:
+            with store.lease(full):
+                current = current_generation(store, full)
+                orphans = {}  # key -> (generation, bytes on its largest tier)
+                for _sid, _tier, key, n in store.scan(full):
+                    gen = generation_of(key)
+                    if gen is not None and gen != current:
+                        orphans[key] = (gen, max(n, orphans.get(key, (gen, 0))[1]))
+                if not args.dry_run:
+                    for key in orphans:
+                        store.delete(key, session_id=full)
+        except (DamagedSave, WriterConflict) as e:
+            print(f"{sid}: not collected: {e}", file=sys.stderr)
+            status = 1
+            continue
+        gens = sorted({gen for gen, _ in orphans.values()})
+        out[sid] = {"current_generation": current, "orphaned_generations": gens, "entries": len(orphans),
+                    "bytes": sum(n for _, n in orphans.values()), "deleted": not args.dry_run}
+        if not args.json and orphans:
+            print(f"{sid}: {'would delete' if args.dry_run else 'deleted'} {len(orphans)} entries of "
+                  f"{' '.join(gens)}, {_size(out[sid]['bytes'])} (its save is {current or 'gone'})")
+    if args.json:
+        print(json.dumps(out, indent=1))
+    elif not any(row["entries"] for row in out.values()):
+        print("nothing to collect: every generation is the one its manifest names")
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--store", required=True, help=f"the tiers, comma-separated: {SPELLINGS}")
@@ -160,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     delete = sub.add_parser("delete", parents=[common], help="delete sessions (each under its writer lease)")
     delete.add_argument("sessions", nargs="*")
     delete.add_argument("--all", action="store_true", help="delete every session in the store")
+    gc = sub.add_parser("gc", parents=[common], help="delete the entries of generations no manifest names")
+    gc.add_argument("sessions", nargs="*", help="the sessions to collect (default: every one)")
+    gc.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
     args = p.parse_args(argv)
     if args.command == "delete" and args.all == bool(args.sessions):
         p.error("delete: name the sessions to delete, or give --all (not both)")
@@ -177,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         missing = [t.root for t in store.tiers if getattr(t, "root", None) and not os.path.isdir(t.root)]
         if missing:  # a mistyped path would read as an empty store
             p.error(f"--store: no such directory {missing[0]!r}: no store was ever written there")
-        return {"list": cmd_list, "inspect": cmd_inspect, "delete": cmd_delete}[args.command](store, args)
+        return {"list": cmd_list, "inspect": cmd_inspect, "delete": cmd_delete, "gc": cmd_gc}[args.command](store, args)
     except BrokenPipeError:  # `list | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -26,7 +26,11 @@ older generation put back, another writer's) refuses the resume with ``Incomplet
 save committed while resume was reading, resume starts over on the new manifest.
 
 The session's current save is the manifest its first durable tier holds (the first that answers): a
-host tier may hold a stale one.
+host tier may hold a stale one. A manifest that tier holds but that fails verification is damage, not
+absence: resume, save and ``current_generation`` raise ``DamagedSave`` naming it (absence is resume's
+``KeyError``, which a caller may answer by starting afresh; a save over a damaged manifest would strand
+the entries it names). Nothing deletes them: once the manifest is put back the session resumes, and
+``python -m pace_hf.memory gc`` is the one thing that collects generations no manifest names.
 
 One writer per session. A save holds the session's lease (``TieredStore.lease``: flock on disk, SET NX
 PX in Valkey, a table in host memory), and refuses with ``WriterConflict`` when the session's current
@@ -67,6 +71,16 @@ class IncompleteSave(ValueError):
     """A save's manifest names an entry that is missing or is not the one it wrote: resume refused."""
 
 
+class DamagedSave(IncompleteSave):
+    """The session has a save, but its manifest (or another entry read by name) fails verification: not
+    "no save", so nothing may start the session afresh over it. ``key``, ``tier``, ``kind`` say which."""
+
+    def __init__(self, sid: str, key: str, tier: str, error: IntegrityError):
+        super().__init__(f"session {sid!r}: entry {key!r} on tier {tier} fails verification ({error}); the "
+                         "save is kept as it is: put the entry back, or delete the session to start it over")
+        self.key, self.tier, self.kind = key, tier, error.kind
+
+
 def check_store(store, session_id) -> None:
     """Refuse what cannot hold a session before anything uses it: a tier passed bare, a path, no session id."""
     if not isinstance(store, TieredStore):
@@ -100,7 +114,10 @@ def save(cache, attachments: dict | None = None, lease=None) -> str:
     with held:
         with _fails_the_save(sid):
             current = _read(store, sid, MANIFEST_KEY)
-            pending = (_read(store, sid, PENDING_KEY) or {}).get("pending", [])
+            try:
+                pending = (_read(store, sid, PENDING_KEY) or {}).get("pending", [])
+            except DamagedSave:  # bookkeeping only: what it listed is named by no manifest, and gc finds it
+                pending = []
         # a save of an older format cannot be continued: any new cache may replace it
         current_gen = None if current is None or current.get("format") != SAVE_FORMAT else current.get("generation")
         if current_gen != spill.generation:
@@ -187,13 +204,19 @@ def _put(store, sid: str, key: str, tensors, meta, *, fingerprint: str = MANIFES
 def _read(store, sid: str, key: str) -> dict | None:
     """The meta under ``key`` on the first durable tier that answers: the session's save is the one that
     tier holds (host memory may hold a stale one, e.g. after another process saved). Raises
-    ``TierUnavailable`` when none answers: that is not "there is none", which would start the session over."""
+    ``TierUnavailable`` when none answers, and ``DamagedSave`` when it holds one that fails verification:
+    neither is "there is none", which would start the session over."""
     failed = []
     for tier in store.durable_tiers:
-        errors = store.stats[tier]["errors"]
-        got = store.get(key, fingerprint=MANIFEST_FINGERPRINT, session_id=sid, tiers=[tier])
+        errors, damaged = store.stats[tier]["errors"], {}
+        try:
+            got = store.get(key, fingerprint=MANIFEST_FINGERPRINT, session_id=sid, tiers=[tier], damaged=damaged)
+        except IntegrityError:  # a strict store raises what a lenient one records
+            got = None
         if got is not None:
             return got[1]
+        if key in damaged:
+            raise DamagedSave(sid, key, *damaged[key])
         if store.healthy(tier) and store.stats[tier]["errors"] == errors:
             return None  # it answered: there is none
         failed.append(tier)
@@ -277,7 +300,7 @@ def resume(cls, session_id: str, *, store, model, scoring=None):
             raise TierUnavailable(f"session {session_id!r} cannot be resumed now: {e}; its save may exist, "
                                   "try again once the tier is back") from e
         if manifest is None:
-            raise KeyError(f"no saved session {session_id!r} in this store (or its manifest failed verification)")
+            raise KeyError(f"no saved session {session_id!r} in this store")
         check_manifest(manifest, session_id, fingerprint)
         policy = manifest["scoring"]["type"]
         if scoring is not None and type(scoring).__name__ != policy:  # the save's own policy would be lost
@@ -293,7 +316,7 @@ def resume(cls, session_id: str, *, store, model, scoring=None):
         except IncompleteSave:
             try:
                 again = _read(store, session_id, MANIFEST_KEY)
-            except TierUnavailable:
+            except (TierUnavailable, DamagedSave):
                 again = None
             if attempt == 2 or again is None or again.get("generation") == manifest.get("generation"):
                 raise
@@ -304,9 +327,10 @@ def resume(cls, session_id: str, *, store, model, scoring=None):
 
 def current_generation(store, session_id: str) -> str | None:
     """The generation of ``session_id``'s current save in ``store`` (None: it has none). Raises
-    ``TierUnavailable`` when no durable tier answers. A process that holds the session in memory compares
-    it with the generation its cache continues (``cache.spill.generation``): another writer (a second
-    replica) saved in between when they differ, and the copy in memory is stale."""
+    ``TierUnavailable`` when no durable tier answers, and ``DamagedSave`` when its manifest fails
+    verification (a save whose generation cannot be read, not none). A process that holds the session in
+    memory compares it with the generation its cache continues (``cache.spill.generation``): another
+    writer (a second replica) saved in between when they differ, and the copy in memory is stale."""
     manifest = _read(store, session_id, MANIFEST_KEY)
     return None if manifest is None else manifest.get("generation")
 
@@ -335,17 +359,17 @@ def check_manifest(m: dict, session_id: str, fingerprint: str) -> None:
 def _verified(store, sid: str, m: dict, fingerprint: str):
     """Every entry ``m`` names, fetched and checked against its digest. Returns the layer states
     ``{layer: (tensors, meta)}`` and the attachments; the spill entries are checked, not kept."""
-    gen = m["generation"]
+    gen, damaged = m["generation"], {}
     keys = list(m["entries"])
-    got = dict(zip(keys, store.get_many(keys, fingerprint=fingerprint, session_id=sid)))
+    got = dict(zip(keys, store.get_many(keys, fingerprint=fingerprint, session_id=sid, damaged=damaged)))
     for key in keys:
-        _check_entry(sid, gen, key, got[key], m["entries"][key])
+        _check_entry(sid, gen, key, got[key], m["entries"][key], damaged)
     spill = versions_of(m["spill"])
     for start in range(0, len(spill), VERIFY_BATCH):
         batch = spill[start:start + VERIFY_BATCH]
-        values = store.get_many([key for key, *_ in batch], fingerprint=fingerprint, session_id=sid)
+        values = store.get_many([key for key, *_ in batch], fingerprint=fingerprint, session_id=sid, damaged=damaged)
         for (key, layer_idx, page, dig), value in zip(batch, values):
-            _check_entry(sid, gen, key, value, dig)
+            _check_entry(sid, gen, key, value, dig, damaged)
             held = (value[1].get("layer"), value[1].get("page"))
             if held != (layer_idx, page):
                 raise IncompleteSave(f"session {sid!r}, save {gen}: spill entry {key!r} is indexed for layer "
@@ -355,10 +379,12 @@ def _verified(store, sid: str, m: dict, fingerprint: str):
     return states, attachments
 
 
-def _check_entry(sid: str, gen: str, key: str, value, expected: str) -> None:
+def _check_entry(sid: str, gen: str, key: str, value, expected: str, damaged: dict) -> None:
+    if value is None and key in damaged:
+        raise DamagedSave(sid, key, *damaged[key])
     if value is None:
-        raise IncompleteSave(f"session {sid!r}, save {gen}: entry {key!r} is missing from every tier (or "
-                             "failed verification); refusing to resume part of a save")
+        raise IncompleteSave(f"session {sid!r}, save {gen}: entry {key!r} is missing from every tier; "
+                             "refusing to resume part of a save")
     try:
         actual = digest(*value, algorithm=digest_algorithm(expected))
     except IntegrityError as e:

@@ -6,7 +6,8 @@ requests of 3.9K tokens on SmolLM2 left 2.5 GB on disk. ``retain`` deletes whole
 recently saved first (the manifest records when, ``saved_at``), until the store holds at most
 ``max_bytes`` and no session's last save is older than ``max_age_s``. A session is deleted under its
 writer lease, as ``python -m pace_hf.memory delete`` does: a session being saved by a live writer, and
-the ones named in ``keep`` (being served), are never touched. Deleting part of a session would leave a
+the ones named in ``keep`` (being served), are never touched, and neither is one whose manifest fails
+verification (its age cannot be read, and deleting it would destroy what a repair restores). Deleting part of a session would leave a
 save that no longer resumes, so it is never done; a session that is alone larger than the cap is
 deleted whole too, unless kept.
 """
@@ -24,13 +25,17 @@ def session_sizes(store) -> dict[str, int]:
     return {sid: max(row["bytes"] for row in tiers.values()) for sid, tiers in store.usage().items()}
 
 
-def saved_at(store, session_id: str) -> float:
-    """When the session's current save was made (0: it has none, or it predates the stamp)."""
+def saved_at(store, session_id: str) -> float | None:
+    """When the session's current save was made (0: it has none, or it predates the stamp; None: its
+    manifest fails verification)."""
+    damaged = {}
     try:
-        got = store.get(MANIFEST_KEY, fingerprint=MANIFEST_FINGERPRINT, session_id=session_id)
+        got = store.get(MANIFEST_KEY, fingerprint=MANIFEST_FINGERPRINT, session_id=session_id, damaged=damaged)
     except TierError:
-        return 0.0
-    return float(got[1].get("saved_at", 0.0)) if got is not None else 0.0
+        got = None
+    if got is None:
+        return None if damaged else 0.0
+    return float(got[1].get("saved_at", 0.0))
 
 
 def retain(store, *, max_bytes: int | None = None, max_age_s: float | None = None, keep=(),
@@ -46,7 +51,8 @@ def retain(store, *, max_bytes: int | None = None, max_age_s: float | None = Non
     sizes = session_sizes(store)
     total = sum(sizes.values())
     kept = set(keep)
-    order = sorted((saved_at(store, sid), sid) for sid in sizes if sid not in kept)
+    dated = {sid: saved_at(store, sid) for sid in sizes if sid not in kept}
+    order = sorted((when, sid) for sid, when in dated.items() if when is not None)
     deleted = []
     for when, sid in order:
         too_old = max_age_s is not None and now - when > max_age_s

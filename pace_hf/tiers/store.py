@@ -8,6 +8,8 @@ value that fails is a miss for that tier: counted in ``integrity_failures``, log
 the others through the writer). ``get_many`` reads each tier once for all remaining keys: a Valkey
 pipeline, a thread pool for the disk. ``get(..., tiers=[name])`` reads only what those tiers hold (a
 save reads its session's manifest from the first durable tier, never from a host copy that may be stale).
+``get(..., damaged={})`` also says which misses were entries that failed verification, and why: a caller
+that must tell a damaged entry from an absent one (a save's manifest) reads that, never the counters.
 
 Tiers are ``Tier`` subclasses (``base``), and the store reads their capabilities, never their class:
 ``evicts`` (a byte-capped cache whose pushed-out entries are demoted), ``in_process`` (promoted into
@@ -131,19 +133,22 @@ class TieredStore:
         fk = full_key(key, session_id)
         return self._writer.put(fk, key, tensors, meta, fingerprint, session_id, through)
 
-    def get(self, key: str, *, fingerprint: str, session_id: str,
-            tiers: Sequence[str] | None = None) -> tuple[dict[str, torch.Tensor], dict] | None:
+    def get(self, key: str, *, fingerprint: str, session_id: str, tiers: Sequence[str] | None = None,
+            damaged: dict | None = None) -> tuple[dict[str, torch.Tensor], dict] | None:
         """The verified ``(tensors, meta)`` under ``key``, or ``None`` (see module docstring)."""
-        return self.get_many([key], fingerprint=fingerprint, session_id=session_id, tiers=tiers)[0]
+        return self.get_many([key], fingerprint=fingerprint, session_id=session_id, tiers=tiers, damaged=damaged)[0]
 
     def get_many(self, keys: Sequence[str], *, fingerprint: str, session_id: str,
-                 tiers: Sequence[str] | None = None) -> list:
+                 tiers: Sequence[str] | None = None, damaged: dict | None = None) -> list:
         """``get`` for many keys; each tier is read once for all keys it still has to answer. ``tiers``
-        (names): read only those, and not the pending writes (what a tier itself holds)."""
+        (names): read only those, and not the pending writes (what a tier itself holds). ``damaged``: a
+        dict that gets ``{key: (tier name, IntegrityError)}`` for each entry a tier held but that failed
+        verification (a lenient store's ``None`` does not tell it from a missing entry)."""
         fks = [full_key(k, session_id) for k in keys]
         if tiers is not None:
             return self._read_tiers(fks, [i for i, t in enumerate(self.tiers) if t.name in tiers],
-                                    list(range(len(fks))), [None] * len(fks), fingerprint, session_id)
+                                    list(range(len(fks))), [None] * len(fks), fingerprint, session_id,
+                                    damaged, keys)
         with self._lock:
             self._gets += len(fks)
         out: list = [None] * len(fks)
@@ -164,9 +169,9 @@ class TieredStore:
                 except IntegrityError as e:
                     self._health.integrity("host", e)
             todo.append(i)
-        return self._read_tiers(fks, range(len(self.tiers)), todo, out, fingerprint, session_id)
+        return self._read_tiers(fks, range(len(self.tiers)), todo, out, fingerprint, session_id, damaged, keys)
 
-    def _read_tiers(self, fks, tier_indices, todo, out, fingerprint, session_id) -> list:
+    def _read_tiers(self, fks, tier_indices, todo, out, fingerprint, session_id, damaged=None, keys=()) -> list:
         """Fill ``out[i]`` for each ``i`` in ``todo`` from the tiers at ``tier_indices``, in order."""
         for ti in tier_indices:
             tier = self.tiers[ti]
@@ -200,6 +205,8 @@ class TieredStore:
                     out[i] = _entry.decode(data, key=fks[i], fingerprint=fingerprint, session_id=session_id)
                     self._health.add(name, "read_seconds", time.perf_counter() - t1)
                 except IntegrityError as e:
+                    if damaged is not None:
+                        damaged.setdefault(keys[i], (name, e))
                     self._health.integrity(name, e)
                     still.append(i)
                     continue
