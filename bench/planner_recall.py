@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bisect
 import functools
 import json
 import random
@@ -610,6 +611,11 @@ def merged(spans) -> list[tuple[int, int]]:
     return out
 
 
+def message_at(messages, token: int) -> int:
+    """The position of the message that holds ``token``."""
+    return bisect.bisect_right([m.start for m in messages], token) - 1
+
+
 def covered(need, planned) -> float:
     """The share of a need's tokens (its spans) that ``planned`` holds."""
     return sum(overlap(n, planned) for n in need) / max(1, sum(e - s for s, e in need))
@@ -626,7 +632,9 @@ def score_session(session, planner, budget) -> list[dict]:
         found = share >= 0.9
         if step in session["heads"]:  # over B/2: a part that holds its first line counts
             found = share > 0 and covered(session["heads"][step], planned) >= 0.9
-        stray = [p for p in merged(planned) if not overlap(p, need)]  # a planned piece of something else
+        # a false positive: a piece planned from a message (a file) that holds nothing the step needs
+        wanted = {message_at(session["messages"], s) for s, _ in need}
+        stray = [p for p in merged(planned) if message_at(session["messages"], p[0]) not in wanted]
         row = {"step": step, "label": session["labels"][step], "needs": 1, "found": int(found),
                "share": share, "needed_tokens": sum(e - s for s, e in need),
                "planned_tokens": sum(e - s for s, e in planned), "correct_tokens": sum(overlap(p, need) for p in planned),
@@ -657,7 +665,7 @@ def summarize(rows, budget) -> dict:
         "stray": sum(r["stray"] for r in rows) / max(1, len(rows)),
         "by_label": {k: {"steps": len(v), "recall": sum(r["found"] for r in v) / len(v),
                          "precision": sum(r["correct_tokens"] for r in v) / max(1, sum(r["planned_tokens"] for r in v)),
-                         # steps that plan a piece of something they do not need (a false positive)
+                         # steps that plan a piece of a file they need nothing from (a false positive)
                          "stray": sum(r["stray"] for r in v) / len(v),
                          # steps that plan nothing of their need, and the mean share of it planned
                          "none": sum(r["none"] for r in v), "share": statistics.mean(r["share"] for r in v)}
