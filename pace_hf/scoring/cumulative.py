@@ -9,6 +9,9 @@ from .base import ScoringPolicy
 
 @dataclass(frozen=True)
 class CumulativeAttention(ScoringPolicy):
+    """H2O: a token's score is the attention it has received from every query so far (``H2OCache``'s
+    policy, and the one under PACE's foresight bonus by default)."""
+
     def accumulate(self, scores: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
         return scores.add_(fresh)
 

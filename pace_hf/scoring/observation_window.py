@@ -14,6 +14,9 @@ from .base import ScoringPolicy
 
 @dataclass(frozen=True)
 class ObservationWindow(ScoringPolicy):
+    """SnapKV: each forward's last ``window`` queries score the tokens afresh, max-pooled over ``kernel``
+    neighbours (an odd number) so that a kept token keeps its context (``SnapKVCache``'s policy)."""
+
     window: int = 32
     kernel: int = 7
 

@@ -10,6 +10,9 @@ from .base import ScoringPolicy
 
 @dataclass(frozen=True)
 class Recency(ScoringPolicy):
+    """StreamingLLM: newer tokens rank higher, and no attention is read (``StreamingLLMCache``'s policy;
+    the sinks are the cache's own)."""
+
     needs_attention: ClassVar[bool] = False
 
     def query_window(self, q_len: int) -> int | None:
