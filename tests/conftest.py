@@ -41,3 +41,13 @@ def prefill(model, cache, ids, chunk):
     with torch.no_grad():
         for piece in ids.split(chunk, dim=1):
             model(piece, cache=cache)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The documentation's browser checks skipped for want of Chromium are said last, in red: a run
+    without the browser must not pass for one that opened every page."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "Chromium is not installed" in str(r.longrepr)]
+    if skipped:
+        terminalreporter.write_sep("!", f"{len(skipped)} browser checks of the documentation site were SKIPPED: "
+                                   "Debian's Chromium is missing (apt-get install chromium; .ci/run installs it)",
+                                   red=True, bold=True)

@@ -214,3 +214,101 @@ def test_no_internal_link_is_dead(base_url, visits):
         if fragment not in parser.ids:
             missing.append(f"{target}#{fragment}, linked from {source}")
     assert not missing, "links to anchors that do not exist:\n" + "\n".join(missing)
+
+
+class _Text(HTMLParser):
+    """A page's prose: its text outside scripts, styles and code (a command may name a revision)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts, self.skip = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        self.skip += tag in ("script", "style", "code", "pre")
+
+    def handle_endtag(self, tag):
+        self.skip -= tag in ("script", "style", "code", "pre")
+
+    def handle_data(self, data):
+        if not self.skip:
+            self.parts.append(data)
+
+
+def test_every_name_of_pace_hf_all_has_a_reference_entry(site):
+    import pace_hf
+
+    ids = set()
+    for html in (site / "reference").rglob("index.html"):
+        parser = _Ids()
+        parser.feed(html.read_text())
+        ids.update(i for i in parser.ids if i.startswith("pace_hf."))
+    missing = [name for name in pace_hf.__all__ if name != "__version__"
+               and not any(i.endswith("." + name) for i in ids)]
+    assert not missing, f"names of pace_hf.__all__ with no reference anchor: {missing}"
+
+
+def test_no_page_cites_an_issue_or_a_commit(site):
+    """Public prose says what changed, not which issue or commit changed it."""
+    import re
+
+    cited = {}
+    for html in site.rglob("index.html"):
+        parser = _Text()
+        parser.feed(html.read_text())
+        text = " ".join(parser.parts)
+        hits = re.findall(r"(?i)\bissues? ?#?\d+", text) + [
+            h for h in re.findall(r"(?<![\w-])[0-9a-f]{7,12}(?![\w-])|(?<![\w-])[0-9a-f]{40}(?![\w-])", text)
+            if re.search(r"[a-f]", h) and re.search(r"\d", h)]
+        if hits:
+            cited[html.relative_to(site).parent.as_posix()] = sorted(set(hits))[:5]
+    assert not cited, f"pages that cite an issue or a commit: {cited}"
+
+
+def test_the_sitemap_lists_every_page_and_result_tables_come_last(site):
+    sitemap = (site / "sitemap.xml").read_text()
+    assert sitemap.count("<loc>") == len(page_urls(site, "")), "sitemap.xml is missing pages (site_url unset?)"
+    import re
+
+    home = (site / "index.html").read_text()  # the navigation comes first in every page
+    at = {name: re.search(rf">\s*{name}\s*<", home).start() for name in ("API reference", "Limitations", "Result tables")}
+    assert at["Result tables"] > at["Limitations"] > at["API reference"], "the result tables' ~50 entries come last"
+
+
+def test_wide_tables_keep_their_key_columns_in_view(base_url, site, browser):
+    """At 1,280 px every table of the benchmark pages fits its column, or scrolls sideways with its first
+    column held in view and a line above it naming the columns out of view (docs/assets/tables.*)."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    tab = context.new_page()
+    bad, wide = [], 0
+    try:
+        for url in page_urls(site, base_url):
+            if not url.startswith(base_url + "benchmarks/"):
+                continue
+            tab.goto(url)
+            tab.wait_for_load_state("load")
+            for seen in tab.evaluate("""() => Array.from(document.querySelectorAll('article table')).map((table) => {
+                const wrap = table.closest('.md-typeset__scrollwrap') || table.parentElement;
+                const hint = wrap.previousElementSibling;
+                const edge = wrap.getBoundingClientRect().right + 1;
+                return {
+                    overflows: table.scrollWidth > wrap.clientWidth + 1,
+                    scrolls: ['auto', 'scroll'].includes(getComputedStyle(wrap).overflowX),
+                    sticky: getComputedStyle(table.rows[0].cells[0]).position === 'sticky',
+                    hint: hint && hint.classList.contains('pace-scroll-hint') && hint.offsetHeight > 0
+                        ? hint.innerText : null,
+                    hidden: Array.from(table.rows[0].cells).filter((c) => c.getBoundingClientRect().right > edge)
+                        .map((c) => c.innerText.trim()),
+                    first: table.rows[0].cells[0].innerText.trim(),
+                };
+            })"""):
+                if not seen["overflows"]:
+                    continue
+                wide += 1
+                if not (seen["scrolls"] and seen["sticky"] and seen["hint"]
+                        and all(name in seen["hint"] for name in seen["hidden"])):
+                    bad.append((url, seen["first"], seen["hidden"], seen["hint"]))
+    finally:
+        context.close()
+    assert not bad, f"wide tables with no scroll hint or with their first column out of view: {bad[:5]}"
+    assert wide, "no table is wider than its column: the check saw nothing to check"
+
