@@ -298,7 +298,14 @@ def _ensure_split(spec: SplitGGUF, directory: Path) -> Path:
         # A stale or damaged file: drop it and rebuild from the parts.
         dest.unlink(missing_ok=True)
         _stamp_path(dest).unlink(missing_ok=True)
+    _note(f"reassembling {spec.filename} ({spec.size / 1e9:.1f} GB) from its wheels into {directory}, once")
     return _assemble(spec, directory)
+
+
+def _note(text: str) -> None:
+    """A first load's slow steps and the disk they take, said on stderr as they start: a first
+    ``load_model`` takes minutes and writes GBs, and a newcomer should not have to guess why."""
+    print(f"pace_bench.models: {text} (PACE_HF_CACHE moves the cache)", file=sys.stderr, flush=True)
 
 
 def resolve_gguf(name: str, cache_dir: str | os.PathLike | None = None) -> tuple[str, str]:
@@ -380,6 +387,8 @@ def _load_packaged(name: str, dtype: torch.dtype, cache_dir, use_dense_cache: bo
             import shutil
 
             shutil.rmtree(dense, ignore_errors=True)
+    _note(f"the first load of {name} in {ident['dtype']} converts its GGUF to dense tensors (1-2 minutes) and "
+          f"keeps them in {dense.parent}; later loads take seconds")
     model, tokenizer = _load_gguf(directory, filename, dtype, **kwargs)
     try:
         import shutil
@@ -391,6 +400,7 @@ def _load_packaged(name: str, dtype: torch.dtype, cache_dir, use_dense_cache: bo
             tokenizer.save_pretrained(tmp)
             (tmp / "pace_hf_source.json").write_text(json.dumps(ident, indent=1, sort_keys=True))
             os.replace(tmp, dense)
+            _note(f"kept {sum(f.stat().st_size for f in dense.iterdir()) / 1e9:.1f} GB in {dense}")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -74,14 +74,17 @@ def fake_parts(monkeypatch, tmp_path):
     return install
 
 
-def test_reassembly_ok(fake_parts, tmp_path):
+def test_reassembly_ok(fake_parts, tmp_path, capsys):
     fake_parts([b"GGUF" + b"a" * 100, b"b" * 50, b"c"], b"GGUF" + b"a" * 100 + b"b" * 50 + b"c")
     cache = tmp_path / "cache"
     d, f = models.resolve_gguf("fake-model", cache_dir=cache)
     assert (cache / f).read_bytes() == b"GGUF" + b"a" * 100 + b"b" * 50 + b"c"
     assert d == str(cache)
-    # A second call reuses the verified file.
+    said = capsys.readouterr().err  # a first load says what it writes, and where
+    assert "reassembling fake.gguf" in said and str(cache) in said and "PACE_HF_CACHE" in said
+    # A second call reuses the verified file, silently.
     assert models.resolve_gguf("fake-model", cache_dir=cache) == (d, f)
+    assert capsys.readouterr().err == ""
 
 
 def test_hash_mismatch_raises_and_leaves_no_file(fake_parts, tmp_path):
