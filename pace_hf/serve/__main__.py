@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..tiers.spelling import SPELLINGS, parse_store  # the spelling the cleanup command reads too
-from .tenants import Tenants
+from .tenants import Tenants, read_key
 
 
 def load(name_or_path: str, dtype: str = "auto", loader=None):
@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     p.add_argument("--api-keys", default=os.environ.get("PACE_SERVE_API_KEYS"), metavar="FILE",
                    help="'TENANT KEY' lines: every request needs a key, each tenant's sessions are its own "
                         "(also $PACE_SERVE_API_KEYS)")
+    p.add_argument("--metrics-key", default=os.environ.get("PACE_SERVE_METRICS_KEY"), metavar="FILE",
+                   help="a file holding the operator's key: /metrics needs it (with --api-keys, /metrics is refused "
+                        "without it: it counts every tenant's tokens) (also $PACE_SERVE_METRICS_KEY)")
     p.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback --host without --api-keys (anyone who reaches it shares one namespace)")
     p.add_argument("--port", type=int, default=8000)
@@ -107,6 +110,15 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     elif not _loopback(args.host) and not args.insecure:
         p.error(f"--host {args.host} is reachable from other machines, and without --api-keys every client "
                 "would share (continue, rewind, time) every session: give --api-keys FILE, or --insecure")
+    metrics_key = None
+    if args.metrics_key:
+        try:
+            metrics_key = read_key(args.metrics_key)
+        except (OSError, ValueError) as e:
+            p.error(f"--metrics-key: {e}")
+        if tenants is not None and tenants.tenant_of(f"Bearer {metrics_key}") is not None:
+            p.error("--metrics-key: this key is also a tenant's (--api-keys): that tenant would see every tenant's "
+                    "token counts")
     if args.retain_mb < 0 or args.retain_hours < 0:
         p.error("--retain-mb and --retain-hours must be >= 0 (0: off)")
     if args.max_body_mb <= 0 or args.body_timeout <= 0:
@@ -133,11 +145,13 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     except ValueError as e:
         raise SystemExit(f"pace-serve: --budget/--limit/--chunk: {e}") from None
     app = create_app(engine, names, max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout,
-                     tenants=tenants)
+                     tenants=tenants, metrics_key=metrics_key)
     retention = (f"retention: {args.retain_mb:g} MB, {args.retain_hours:g} h" if args.retain_mb or args.retain_hours
                  else "no retention: saved sessions stay until deleted (--retain-mb, --retain-hours)")
     access = (f"API keys for {len(tenants.names)} tenant(s)" if tenants else
               "no API keys: one namespace for every client" + ("" if _loopback(args.host) else " (--insecure)"))
+    access += ("; /metrics: the operator's key" if metrics_key else
+               "; /metrics: refused (--metrics-key FILE serves it)" if tenants else "; /metrics: open")
     print(f"pace-serve: serving {names[0]} on http://{args.host}:{args.port}/v1 ({access}; store: {args.store}; "
           f"{retention})",
           file=sys.stderr, flush=True)

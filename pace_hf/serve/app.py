@@ -81,19 +81,41 @@ class BodyLimit:
         await _error(e)(scope, receive, send)
 
 
-def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int = 16 << 20,
-               body_timeout_s: float = 60.0, tenants: Tenants | None = None) -> FastAPI:
-    """The app around a (not yet started) engine; the app's lifespan starts and closes it. With
-    ``tenants``, every ``/v1`` request needs a key, and its tenant's sessions are its own."""
+class KeyCheck:
+    """Every ``/v1`` request needs a tenant's key, checked before the app validates its body: without one
+    it is a 401 whatever it sends (a bad body is not a 400 that shows what the server takes). The body
+    was read by ``BodyLimit`` (size and time), never parsed. The tenant goes into the request's state."""
 
-    def tenant_of(request: Request) -> str | None:
-        if tenants is None:
-            return None
-        tenant = tenants.tenant_of(request.headers.get("authorization"))
-        if tenant is None:
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer KEY' with a key this "
-                                "server was given (--api-keys)", type="invalid_request_error", code="invalid_api_key")
-        return tenant
+    def __init__(self, app, tenants: Tenants, metrics):
+        self.app, self.tenants, self.metrics = app, tenants, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            tenant = self.tenants.tenant_of(_authorization(scope))
+            if tenant is None:
+                self.metrics.requests.labels("401").inc()
+                return await _error(_unauthorized("missing or invalid API key: send 'Authorization: Bearer KEY' "
+                                                  "with a key this server was given (--api-keys)"))(scope, receive, send)
+            scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)
+
+
+def _authorization(scope) -> str | None:
+    """The request's ``Authorization`` header, decoded as Starlette decodes headers (latin-1)."""
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, type="invalid_request_error", code="invalid_api_key")
+
+
+def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int = 16 << 20,
+               body_timeout_s: float = 60.0, tenants: Tenants | None = None, metrics_key: str | None = None) -> FastAPI:
+    """The app around a (not yet started) engine; the app's lifespan starts and closes it. With
+    ``tenants``, every ``/v1`` request needs a key, and its tenant's sessions are its own. ``/metrics``
+    counts every tenant's tokens: with ``metrics_key`` it needs that key (the operator's), and with
+    ``tenants`` but no ``metrics_key`` it is refused."""
+    operator = Tenants({metrics_key: "operator"}) if metrics_key is not None else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -102,6 +124,8 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
         await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="pace-serve", lifespan=lifespan)
+    if tenants is not None:
+        app.add_middleware(KeyCheck, tenants=tenants, metrics=engine.metrics)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s, metrics=engine.metrics)
     created = int(time.time())
 
@@ -132,13 +156,18 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
         return _error(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
-    async def models(request: Request):
-        tenant_of(request)
+    async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "pace_hf"}
                                            for name in served_names]}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
-    async def metrics():
+    async def metrics(request: Request):
+        if operator is not None and operator.tenant_of(request.headers.get("authorization")) is None:
+            raise _unauthorized("/metrics needs the operator's key: send 'Authorization: Bearer KEY' with the key "
+                                "of --metrics-key")
+        if operator is None and tenants is not None:
+            raise _unauthorized("/metrics counts every tenant's tokens, so a server with --api-keys serves it only "
+                                "to the operator: start it with --metrics-key FILE")
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -154,7 +183,7 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
             raise
 
     async def _chat(body: ChatRequest, request: Request):
-        tenant = tenant_of(request)
+        tenant = request.state.tenant if tenants is not None else None  # KeyCheck's
         if body.model not in served_names:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served_names}",
                            code="model_not_found", param="model")

@@ -46,7 +46,7 @@ from ..chat import DEFAULT_SYSTEM
 from ..planner import SymbolPlanner
 from ..session import PACESession
 from ..memory.retention import retain
-from ..memory.persist import current_generation
+from ..memory.persist import DamagedSave, current_generation
 from ..tiers import TierError, TierUnavailable, WriterConflict
 from .prometheus import Metrics
 from .protocol import APIError
@@ -319,7 +319,11 @@ class Engine:
         if held is not None:
             if held.saving is not None:
                 held.saving.result()  # its previous turn is still being written
-            if self._fresh(session_id, held.session):
+            try:
+                fresh = self._fresh(session_id, held.session)
+            except DamagedSave as e:  # whether another replica saved since cannot be read: serve nothing
+                raise self._unavailable(session_id, e) from None
+            if fresh:
                 self.resident.move_to_end(session_id)
                 return held.session
             self.metrics.stale.inc()  # another replica saved it since: never serve the copy in memory
@@ -328,7 +332,7 @@ class Engine:
             session = PACESession.resume(session_id, self.model, self.tokenizer, store=self.store,
                                          planner=SymbolPlanner(), rehydrate=True, retrieval=self.retrieval)
             self.metrics.resumes.inc()
-        except KeyError:  # no such session: a new one, from the messages
+        except KeyError:  # no such session (a damaged manifest is DamagedSave): a new one, from the messages
             session = self._new(system, session_id)
         except TierUnavailable as e:  # the save may be whole behind a tier that is down: keep it, serve afresh
             log.warning("pace-serve: session %s cannot be resumed now (%s); serving it afresh", session_id, e)
@@ -339,17 +343,22 @@ class Engine:
             raise APIError(409, f"session busy: {e}", type="server_error", code="session_busy",
                            headers={"Retry-After": "1"}) from None
         except Exception as e:  # noqa: BLE001 - corrupt, foreign, a save in flight: never delete it, say so
-            log.warning("pace-serve: session %s could not be resumed (%s); it is kept as it is", session_id, e)
-            self.metrics.resume_failures.inc()
-            raise APIError(503, f"this conversation's saved session could not be resumed ({type(e).__name__}: {e}); "
-                                "nothing was deleted: retry, or start a new conversation",
-                           type="server_error", code="session_unavailable", headers={"Retry-After": "1"}) from None
+            raise self._unavailable(session_id, e) from None
         return self._admit(session_id, session)
+
+    def _unavailable(self, session_id: str, e: Exception) -> APIError:
+        """The 503 for a save that exists but cannot be served (a damaged manifest or entry, another model's):
+        counted and logged, and nothing is deleted, so it resumes once repaired."""
+        log.warning("pace-serve: session %s could not be resumed (%s); it is kept as it is", session_id, e)
+        self.metrics.resume_failures.inc()
+        return APIError(503, f"this conversation's saved session could not be resumed ({type(e).__name__}: {e}); "
+                             "nothing was deleted: retry, or start a new conversation",
+                        type="server_error", code="session_unavailable", headers={"Retry-After": "1"})
 
     def _fresh(self, session_id: str, session: PACESession) -> bool:
         """Whether the store's current save of ``session_id`` is the one this copy last wrote or resumed
         (a session never saved must have none). Unknown (a tier down) counts as fresh: nothing newer can be
-        read either."""
+        read either. A damaged manifest raises ``DamagedSave``: a save is there, but not which."""
         try:
             return current_generation(self.store, session_id) == session.cache.spill.generation
         except TierError:

@@ -4,12 +4,17 @@ A tenant's sessions are found only by that tenant. Session ids are scoped by ten
 store and in memory, and the hash chain that finds a session by its messages is seeded with a secret
 per tenant (an HMAC of the server's secret, kept in its store, over the tenant and the request's
 ``cache_salt``). So tenant B sending tenant A's exact messages lands in a session of B's own: it reuses
-nothing of A's, its time to first token is a fresh prefill's, and ``usage.cached_tokens`` is 0. vLLM's
-per-request ``cache_salt`` isolates further inside a tenant.
+nothing of A's, its time to first token is a fresh prefill's, and ``usage.cached_tokens`` is 0.
+
+vLLM's per-request ``cache_salt`` scopes what is found by messages: within a tenant, a conversation is
+continued only by requests with its salt. It does not scope a named session: ``X-Session-Id`` names one
+session of the tenant, whatever the salt (a client that names its sessions keeps those names apart).
 
 Keys come from a file of ``TENANT KEY`` lines (``#`` comments and blank lines allowed). A key is compared
 in constant time against every key the server knows, so the time of a refusal says nothing of how much of
-a key was right.
+a key was right, and after stripping ASCII whitespace only: a key with any other character around it
+(U+00A0, a no-break space) is another key. ``/metrics`` counts every tenant's tokens, so a server with
+keys serves it only to the operator's key (``read_key``, ``--metrics-key``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from ..memory.namespace import TENANT_NAME
 
 MIN_KEY_CHARS = 16
+ASCII_SPACE = " \t\n\r\x0b\x0c"  # what str.strip() would strip of ASCII; it also strips U+00A0 and more
 
 
 class Tenants:
@@ -57,12 +63,21 @@ class Tenants:
         """The tenant whose key an ``Authorization: Bearer KEY`` header carries, or None. Every known key is
         compared, each in constant time, whatever matched before."""
         scheme, _, key = (authorization or "").partition(" ")
-        digest = hashlib.sha256(key.strip().encode()).digest()
+        digest = hashlib.sha256(key.strip(ASCII_SPACE).encode()).digest()
         found = None
         for known, tenant in self._digests:
             if hmac.compare_digest(digest, known) and scheme.lower() == "bearer":
                 found = tenant
         return found
+
+
+def read_key(path: str | Path) -> str:
+    """The one key a file holds (the operator's, for ``/metrics``): at least ``MIN_KEY_CHARS`` characters,
+    no whitespace inside."""
+    key = Path(path).read_text().strip(ASCII_SPACE)
+    if len(key) < MIN_KEY_CHARS or any(c.isspace() for c in key):
+        raise ValueError(f"{path}: expected one key of {MIN_KEY_CHARS} characters or more, without whitespace")
+    return key
 
 
 def chain_seed(secret: bytes, tenant: str | None, cache_salt: str | None) -> str:
@@ -73,4 +88,4 @@ def chain_seed(secret: bytes, tenant: str | None, cache_salt: str | None) -> str
     return hmac.new(secret, f"{tenant or ''}\0{cache_salt or ''}".encode(), hashlib.sha256).hexdigest()
 
 
-__all__ = ["Tenants", "chain_seed"]
+__all__ = ["Tenants", "chain_seed", "read_key"]
