@@ -25,6 +25,7 @@ from ..memory.restore import Restores
 from ..memory.spill import SpillLog
 from .layer import EvictingLayer, keep_index
 from .layout import LayerSpec, describe, layer_specs
+from .probe import read_layers
 from .window import RecurrentLayer, WindowLayer
 
 DEFAULT_SINKS = 4
@@ -156,17 +157,22 @@ class EvictionCache(DynamicCache):
         specs = layer_specs(config)
         check_not_compiled(model)
         self._check_attention(model)
-        if self.bounded:
-            try:
-                self.rotary = [None if s.rope is None else RotaryParams.from_config(config, layer_type=s.rope or None)
-                               for s in specs]
-            except ValueError as e:
-                raise ValueError(f"{e}. Bounded positions (limit={self.limit}) re-rotate rotary keys exactly; with "
-                                 "limit=None the cache keeps positions unbounded and takes this model") from None
+        binding = Binding.acquire(model)  # the probe scores through pace_attention
+        try:
+            specs, rotary = read_layers(model, specs, self.bounded)
+        except ValueError as e:  # only a RoPE that bounded positions cannot re-rotate exactly
+            binding.release()
+            raise ValueError(f"{e}. Bounded positions (limit={self.limit}) re-rotate rotary keys exactly; with "
+                             "limit=None the cache keeps positions unbounded and takes this model") from None
+        except BaseException:
+            binding.release()
+            raise
+        if self.layers and describe(specs) != self.layout:
+            binding.release()
+            raise ValueError(f"this cache holds the layers {_short(self.layout)}; the model has {_short(describe(specs))}")
+        self.rotary = rotary if self.bounded else []
         if not self.layers:
             self.layers = self._new_layers(specs)
-        elif describe(specs) != self.layout:
-            raise ValueError(f"this cache holds the layers {_short(self.layout)}; the model has {_short(describe(specs))}")
         if self.store is not None:
             from ..tiers import model_fingerprint
 
@@ -174,7 +180,7 @@ class EvictionCache(DynamicCache):
             if self.spill is None or fingerprint != self.fingerprint:  # new, or empty and bound to another model
                 self.fingerprint = fingerprint
                 self._new_spill()
-        self.binding = Binding.acquire(model)
+        self.binding = binding
         self._release = weakref.finalize(self, self.binding.release)
         self._filled_by = weakref.ref(model)
         return self

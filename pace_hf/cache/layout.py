@@ -12,7 +12,9 @@ there (see ``EvictionCache``):
 
 ``rope`` names the layer's rotary embedding: the key of ``config.rope_parameters`` when the config
 nests one RoPE per layer type (Gemma 3), ``""`` for the one RoPE of a flat config, and None for a NoPE
-layer (no rotary embedding: its keys carry no position and are never re-rotated).
+layer (no rotary embedding: its keys carry no position and are never re-rotated). The config only
+declares it (``no_rope_layers``, a layer type whose RoPE is ``None``, a per-layer theta of 0); at bind
+``pace_hf.cache.probe`` reads what each layer really does from the model, and that is what the cache uses.
 
 Layer kinds are read with transformers' own ``get_layer_types_and_kwargs`` (``layer_types``, or
 ``sliding_window`` when a config sets it without them). Kinds no pace_hf cache handles are refused by
@@ -40,11 +42,6 @@ REFUSED = {
     "dummy": "a layer that reads another layer's KV (KV sharing, as in Gemma 3n / 4) or holds none",
 }
 
-# Model types whose full-attention layers carry no rotary embedding when the model also has sliding
-# layers (the modeling code applies RoPE only where the layer slides).
-ROPE_ONLY_WHERE_SLIDING = frozenset({"cohere2", "exaone4"})
-
-
 @dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer: its kind, its window (sliding only) and its rotary embedding (None: NoPE)."""
@@ -63,6 +60,12 @@ def layer_specs(config) -> list[LayerSpec]:
     Raises ``NotImplementedError`` naming a layer kind no pace_hf cache handles."""
     config = config.get_text_config(decoder=True)
     types, kwargs = get_layer_types_and_kwargs(config)
+    if isinstance(kwargs, dict):  # transformers before 5.2x: one dict of kwargs for every layer
+        kwargs = [kwargs] * len(types)
+    layers = getattr(config, "num_hidden_layers", len(types))
+    if len(kwargs) != len(types) or len(types) != layers:
+        raise NotImplementedError(f"this model ({config.model_type}) has {layers} decoder layers but {len(types)} cache "
+                                  "layers (layers that share another's KV): pace_hf does not support it")
     refused = sorted({t for t in types if t not in KINDS})
     if refused:
         why = "; ".join(f"{t!r}: {REFUSED.get(t, 'a layer kind pace_hf does not know')}" for t in refused)
@@ -71,20 +74,15 @@ def layer_specs(config) -> list[LayerSpec]:
             f"({config.model_type}) also has {why}")
     rope = getattr(config, "rope_parameters", None) or {}
     nested = is_nested(rope)
-    sliding = any(t == "sliding_attention" for t in types)
     no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3, Llama 4: 1 = this layer uses RoPE
+    thetas = getattr(config, "layer_rope_theta", None)  # per layer; 0 = no RoPE
     specs = []
     for i, (t, kw) in enumerate(zip(types, kwargs)):
         kind = KINDS[t]
-        if kind == "linear":
-            specs.append(LayerSpec(kind, rope=None))
-            continue
-        uses_rope = True
-        if no_rope is not None:
-            uses_rope = bool(no_rope[i])
-        elif config.model_type in ROPE_ONLY_WHERE_SLIDING and sliding:
-            uses_rope = kind == "sliding"
-        specs.append(LayerSpec(kind, window=kw.get("sliding_window"), rope=(t if nested else "") if uses_rope else None))
+        declared = kind != "linear" and not (nested and rope.get(t) is None) and not (
+            no_rope is not None and not no_rope[i]) and not (thetas is not None and not thetas[i])
+        window = kw.get("sliding_window") if kind == "sliding" else None
+        specs.append(LayerSpec(kind, window=window, rope=(t if nested else "") if declared else None))
     return specs
 
 

@@ -1,0 +1,205 @@
+"""What each attention layer of a model does with positions, read from the model itself at bind.
+
+Config fields name a model's RoPE-free layers only by convention (``no_rope_layers``, a per-layer-type
+``None``, a theta of 0, or nothing at all when a family's attention code simply skips RoPE on its
+global layers), and families that share a design do not share those names. A cache that guessed would
+re-rotate keys the model never rotated, and the output would change silently. So at bind the cache
+runs the model on ``PROBE_TOKENS`` tokens twice, at positions ``0..n-1`` and ``SHIFT..SHIFT+n-1``, with
+a ``DynamicCache`` that records what every layer stores. A uniform shift changes no hidden state (attention
+reads relative positions only), so per attention layer:
+
+- keys equal under the shift: the layer carries no position (NoPE). It keeps no reference keys and is
+  never re-rotated; bounded positions cost nothing there.
+- keys that move exactly as the config's RoPE moves them (pairs ``half`` or ``interleaved``, whichever
+  reproduces the model's keys): that RoPE.
+- anything else: refused by name under ``limit``, never guessed.
+
+A model whose output itself changes under the shift reads absolute positions (learned position
+embeddings, a query scale that grows with position): renumbering would change what it computes, so
+``limit`` is refused for it.
+
+The same probe refuses, whatever ``limit``, a layer whose stored tensors are not the keys its attention
+scores (a compressed MLA cache, ``cache.update(compressed_kv, k_rot)``), and a model that does not run
+on transformers' own ``DynamicCache`` (one with its own cache class). Results are kept per model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import weakref
+
+import torch
+from transformers import DynamicCache
+
+from .. import attention
+from ..rope import RotaryParams, rerotate_reference
+from .layout import LayerSpec
+
+PROBE_TOKENS = 8
+SHIFT = 29  # positions of the second probe: far enough that every rotating pair moves measurably
+TOLERANCE = 0.05  # relative key difference: bf16 rounding stays far below it, a wrong rotation far above
+
+_MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> _Reading
+
+
+class _Recorder(DynamicCache):
+    """A DynamicCache that also keeps the keys and values each layer was handed."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.handed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.handed[layer_idx] = (key_states.detach().float().cpu(), value_states.detach().float().cpu())
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class _ScoreShapes:
+    """A score sink for ``pace_attention``: records the (KV heads, keys) each layer's scores cover."""
+
+    def __init__(self):
+        self.shapes: dict[int, tuple[int, int]] = {}
+
+    def scores_layer(self, layer_idx: int) -> bool:
+        return True
+
+    def score_query_window(self, q_len: int):
+        return None
+
+    def record_attention(self, layer_idx: int, column_sums: torch.Tensor) -> None:
+        self.shapes[layer_idx] = tuple(column_sums.shape[1:])
+
+
+@dataclasses.dataclass
+class _Reading:
+    """The two probes' stored keys per layer, and the score shapes of the first."""
+
+    keys: list[dict[int, tuple[torch.Tensor, torch.Tensor]]]
+    scored: dict[int, tuple[int, int]]
+    logits: list[torch.Tensor]
+
+
+def _run(model) -> _Reading:
+    config = model.config
+    text = config.get_text_config(decoder=True)
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    if vocab < 2:
+        raise NotImplementedError(f"pace_hf cannot probe {text.model_type}: its config has no vocab_size")
+    ids = torch.randint(min(3, vocab - 1), vocab, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
+    modes = {module: module.training for module in model.modules()}
+    model.eval()  # dropout would make the two probes differ
+    readings, logits, sink = [], [], _ScoreShapes()
+    try:
+        for n, start in enumerate((0, SHIFT)):
+            cache = _Recorder(config)
+            positions = torch.arange(start, start + PROBE_TOKENS, device=ids.device)[None]
+            tokens = attention.enter_forward(sink) if n == 0 else None
+            try:
+                with torch.no_grad():
+                    out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+            finally:
+                if tokens is not None:
+                    attention.exit_forward(tokens)
+            readings.append(cache.handed)
+            logits.append(out.logits.detach().float().cpu())
+    except NotImplementedError:
+        raise
+    except Exception as err:  # the model refused transformers' own cache, or the score pass failed in it
+        raise NotImplementedError(
+            f"pace_hf caches are transformers Cache objects scored through {attention.ATTN_NAME!r}, and a probe "
+            f"forward of this model ({text.model_type}) with a DynamicCache failed: {type(err).__name__}: {err}. "
+            "Models with their own cache class, or attention that cannot be scored, are not supported") from err
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+    return _Reading(readings, sink.shapes, logits)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _matching_rotation(params: RotaryParams, k0: torch.Tensor, k1: torch.Tensor) -> RotaryParams | None:
+    """``params`` in the pair layout that moves the first probe's keys onto the second's, or None."""
+    src = torch.arange(k0.shape[-2])
+    for layout in dict.fromkeys((params.layout, "half", "interleaved")):
+        candidate = dataclasses.replace(params, layout=layout)
+        try:
+            moved = rerotate_reference(k0, src, src + SHIFT, candidate, out_dtype=torch.float32)
+        except ValueError:  # another head size: these are not the keys this RoPE rotates
+            return None
+        if _relative(moved, k1) < TOLERANCE:
+            return candidate
+    return None
+
+
+def _layer_config(config, i: int):
+    """``config`` as layer ``i`` rotates: a per-layer ``layer_rope_theta`` (Granite) replaces the shared theta."""
+    thetas = getattr(config, "layer_rope_theta", None)
+    if not thetas:
+        return config
+    config = copy.copy(config)
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": thetas[i]}
+    return config
+
+
+def read_layers(model, specs: list[LayerSpec], bounded: bool) -> tuple[list[LayerSpec], list[RotaryParams | None]]:
+    """``specs`` with ``rope`` set to None on every attention layer whose keys carry no position, and,
+    when ``bounded``, the verified ``RotaryParams`` of each layer (None where nothing rotates).
+    Raises ``NotImplementedError`` naming what cannot be supported, ``ValueError`` for a RoPE that
+    cannot be re-rotated exactly (only under ``limit``)."""
+    reading = _MEMO.get(model)
+    if reading is None:
+        reading = _MEMO[model] = _run(model)
+    config = model.config.get_text_config(decoder=True)
+    kind = config.model_type
+    if bounded and _relative(reading.logits[1], reading.logits[0]) >= TOLERANCE:
+        raise ValueError(f"this model's ({kind}) output changes when every position moves by the same amount: it reads "
+                         "absolute positions (learned position embeddings, or a query scale that grows with position), "
+                         "which renumbering would change")
+    out, rotary = [], []
+    for i, spec in enumerate(specs):
+        if spec.kind == "linear":
+            out.append(spec)
+            rotary.append(None)
+            continue
+        if i not in reading.keys[0] or i not in reading.keys[1]:
+            raise NotImplementedError(f"layer {i} of this model ({kind}) is an attention layer that stored nothing "
+                                      "in the cache (it reads another layer's KV): pace_hf does not support it")
+        (k0, v0), (k1, _) = reading.keys[0][i], reading.keys[1][i]
+        scored = reading.scored.get(i)
+        if scored is None:
+            raise NotImplementedError(
+                f"layer {i} of this model ({kind}) computes attention in its own code, not through transformers' "
+                f"attention interface, so {attention.ATTN_NAME!r} cannot score its keys for eviction")
+        if k0.shape[:-1] != v0.shape[:-1] or scored != (k0.shape[1], k0.shape[2]):
+            compressed = getattr(config, "kv_lora_rank", None) is not None
+            raise NotImplementedError(
+                f"layer {i} of this model ({kind}) stores tensors of shapes {tuple(k0.shape)} and {tuple(v0.shape)} "
+                f"that are not the keys its attention reads ({scored[0]} heads, {scored[1]} keys): " + ("a compressed-KV (MLA) cache, cache.update(compressed_kv, k_rot), whose tokens pace_hf "
+                              "cannot score, evict and re-rotate" if compressed else "pace_hf cannot score it"))
+        if _relative(k1, k0) < TOLERANCE:  # no position in the keys
+            out.append(dataclasses.replace(spec, rope=None))
+            rotary.append(None)
+            continue
+        out.append(dataclasses.replace(spec, rope=spec.rope if spec.rope is not None else ""))
+        if not bounded:
+            rotary.append(None)
+            continue
+        if spec.rope is None:
+            raise NotImplementedError(f"layer {i} of this model ({kind}) rotates its keys, but its config declares no "
+                                      "RoPE for it: bounded positions cannot re-rotate what they cannot reproduce")
+        params = RotaryParams.from_config(_layer_config(config, i), layer_type=spec.rope or None)
+        found = _matching_rotation(params, k0, k1)
+        if found is None:
+            raise NotImplementedError(
+                f"layer {i} of this model ({kind}) moves its keys with position in a way its config's RoPE "
+                f"({params.rope_type}, rotary dim {params.rotary_dim}) does not reproduce in either pair layout: "
+                "bounded positions would re-rotate them wrongly")
+        rotary.append(found)
+    return out, rotary
+
+
+__all__ = ["PROBE_TOKENS", "SHIFT", "read_layers"]
