@@ -513,7 +513,7 @@ def plan_text(style, t: Target, wordings, rng, c: Corpus):
             return None
         return rng.choice(wordings["dot"]).format(dot=f"`.{t.name}()`"), "dot", whole
     if style == "large":  # a definition over B/2, named literally, bare or in words
-        kind = "large-class" if t.kind == "large" or t.kind == "class" else "large-function"
+        kind = {"large": "large-class", "class": "large-class", "constant": "large-constant"}.get(t.kind, "large-function")
         if t.owner is None and c.top_count.get(t.name, 0) > 1 or t.owner and c.member_count.get(t.name, 0) > 1:
             return None
         form = rng.choice(["literal", "bare", "words"])

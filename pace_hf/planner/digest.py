@@ -15,9 +15,18 @@ their context):
    their whole source, best first;
 5. then the signatures and docstring first lines of the other members, up to the room.
 
+A function (or a method) too large for its step is planned, while it fits, as (why: what a change to
+it reads first is its interface, then the lines about what the step is about, then what it gives back):
+
+1. for a method, its class's header;
+2. its signature (decorators and ``def`` lines) and its docstring's first line;
+3. the statement lines that use a name or word the step mentions (a compound statement by its header:
+   the condition, not the block);
+4. its ``return`` statements;
+5. then its other statement lines in source order, up to the room.
+
 A piece that does not fit is skipped, and smaller later pieces still go in. A definition with no
-outline (a function, an assignment) is planned from its start (signature, docstring, first lines) up
-to the room.
+outline (an assignment) is planned from its start up to the room.
 """
 
 from __future__ import annotations
@@ -40,14 +49,17 @@ def union_size(spans) -> int:
 
 
 def digest(definition: Definition, named: set[str], relevance: dict[str, float], room: int, tokens,
-           context: bool = False):
+           context: bool = False, words: set[str] = frozenset()):
     """Token spans of ``definition``'s digest within ``room`` tokens. ``named``: the member names the
     step names; ``relevance``: BM25 score of each member for the step; ``tokens(parts)``: character
     ranges of the message to absolute token spans; ``context``: only parts 1-3, the context of the
-    named members (for a class named as their owner)."""
-    if definition.outline is None:
-        return _head(tokens(definition.parts), room)
+    named members (for a class named as their owner); ``words``: the step's other words (a function's
+    lines that use one of them, or a name, come first)."""
     outline = definition.outline
+    if outline is None:
+        return _head(tokens(definition.parts), room)
+    if definition.kind != "class":
+        return _function(definition, set(named) | set(words), room, tokens, context)
     members = outline.members
     score = {m.name: relevance.get(m.name, 0.0) for m in members}
     chosen = [m for m in members if m.name in named]
@@ -55,6 +67,8 @@ def digest(definition: Definition, named: set[str], relevance: dict[str, float],
     by_relevance = sorted(members, key=lambda m: -score[m.name])  # stable: source order among equals
     best = max(score.values(), default=0.0)
     relevant = [m for m in by_relevance if best > 0 and score[m.name] >= RELEVANT * best]
+    if not _fill([(outline.header,)], room, tokens):
+        return []  # members without their class are no use
     pieces = [(outline.header,)]
     pieces += [(m.whole,) for m in chosen]
     pieces += [(m.signature,) for m in members if m.name in used]
@@ -62,8 +76,34 @@ def digest(definition: Definition, named: set[str], relevance: dict[str, float],
         pieces += [(m.signature,) + ((m.doc,) if m.doc else ()) for m in relevant]
         pieces += [(m.whole,) for m in relevant]
         pieces += [(m.signature,) + ((m.doc,) if m.doc else ()) for m in by_relevance]
-    out: list[tuple[int, int]] = []
-    for parts in pieces:
+    return _fill(pieces, room, tokens)
+
+
+def _function(definition: Definition, mentioned: set[str], room: int, tokens, context: bool = False):
+    """A function's digest (see the module docstring): nothing when not even its signature fits (lines
+    without it are no use), and its other lines in order only while they fit (no scattered lines);
+    ``context``: its signature and docstring line only."""
+    outline = definition.outline
+    head = (definition.parts[0],) if len(definition.parts) > 1 else ()  # a method's class header
+    head += (outline.header,)
+    out = _fill([head + (outline.doc,)] if outline.doc else [], room, tokens) or _fill([head], room, tokens)
+    if not out or context:
+        return out
+    out = _fill([(line.chars,) for line in outline.lines if line.names & mentioned]
+                + [(line.chars,) for line in outline.lines if line.returns], room, tokens, out)
+    for line in outline.lines:
+        spans = tokens((line.chars,))
+        if union_size(out + spans) > room:
+            break
+        out += spans
+    return out
+
+
+def _fill(pieces, room: int, tokens, out=()) -> list[tuple[int, int]]:
+    """``out`` and the pieces' token spans, in order, each while the union stays within ``room`` (a piece
+    that does not fit is skipped; a later, smaller one may still go in)."""
+    out = list(out)
+    for parts in dict.fromkeys(pieces):  # a line both named and returning is tried once
         spans = tokens(parts)
         if spans and union_size(out + spans) <= room:
             out += spans

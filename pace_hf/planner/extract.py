@@ -114,7 +114,8 @@ class Definition:
     ``parts`` of its source in the message. ``doc``: its signature and docstring (for the lexical
     ranker); ``fields``: the attribute names a function reads or writes
     on its parameters (``record.status``); ``path``: the file it came from, when the text says;
-    ``outline``: a class's header and members."""
+    ``bases``: a class's bases as written (dotted); ``outline``: a class's header and members, a
+    function's signature, docstring line and statement lines."""
 
     name: str
     owner: str | None
@@ -141,12 +142,26 @@ class Member:
 
 
 @dataclass(frozen=True)
+class Line:
+    """A statement line of a function's body: its character range (a compound statement's header only),
+    the names it uses (``Name`` ids and attribute names), and whether it returns (``return``)."""
+
+    chars: tuple[int, int]
+    names: frozenset[str]
+    returns: bool = False
+
+
+@dataclass(frozen=True)
 class Outline:
-    """A class's ``header`` (decorators and ``class`` line) and its ``members`` in source order: what a
-    digest of a class too large to plan whole is made of (``pace_hf.planner.digest``)."""
+    """What a digest of a definition too large to plan whole is made of (``pace_hf.planner.digest``): a
+    class's ``header`` (decorators and ``class`` line) and its ``members`` in source order; a function's
+    ``header`` (decorators and signature), its docstring's first line (``doc``) and its body's statement
+    ``lines`` in source order."""
 
     header: tuple[int, int]
     members: tuple[Member, ...] = ()
+    doc: tuple[int, int] | None = None
+    lines: tuple[Line, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,11 +195,16 @@ class Reading:
 @dataclass(frozen=True)
 class Mentions:
     """What a step or a turn names: bare ``names`` (with how literally: 2 code or identifier-shaped,
-    1 a capitalized word or a call), dotted ``chains`` and the prose ``words`` in order."""
+    1 a capitalized word or a call), dotted ``chains``, the prose ``words`` in order, the names written
+    after a dot alone (``dots``: `.put()`, a method) and the other prose words with their context
+    (``bare``: ``(word, previous word, next word, starts a sentence)``, lowercase neighbours, or the
+    punctuation between: a plain word may still be a name the session defines)."""
 
     names: dict[str, int] = field(default_factory=dict)
     chains: frozenset[tuple[str, ...]] = frozenset()
     words: tuple[str, ...] = ()
+    dots: frozenset[str] = frozenset()
+    bare: tuple[tuple[str, str, str, bool], ...] = ()
 
 
 # ------------------------------------------------------------------------------------------- regions
@@ -524,7 +544,7 @@ def _class(node: ast.ClassDef, region: Region, base: int, path) -> list[Definiti
     first = _first_line(node) + base
     body_first = _first_line(node.body[0]) + base
     header = region.chars(first, max(node.lineno + base, body_first - 1))
-    bases = tuple(d.rsplit(".", 1)[-1] for d in map(_dotted, node.bases) if d)
+    bases = tuple(d for d in map(_dotted, node.bases) if d)  # dotted: ``textwrap.TextWrapper``
     out = [Definition(node.name, None, "class", (region.chars(first, node.end_lineno + base),), bases,
                       _doc(node), path, outline=_outline(node, region, base, header))]
     members: dict[str, Definition] = {}
@@ -537,8 +557,10 @@ def _class(node: ast.ClassDef, region: Region, base: int, path) -> list[Definiti
         own = region.chars(_first_line(stmt) + base, stmt.end_lineno + base)
         parts = (header, own) if own[0] > header[1] else (region.chars(first, stmt.end_lineno + base),)
         members.pop(name, None)
+        outline = _function_outline(stmt, region, base) if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+            else None
         members[name] = Definition(name, node.name, kind, parts, (), _doc(stmt), path,
-                                   _fields(stmt))
+                                   _fields(stmt), outline)
 
     for stmt in node.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -582,6 +604,43 @@ def _outline(node: ast.ClassDef, region: Region, base: int, header: tuple[int, i
     return Outline(header, tuple(members))
 
 
+_COMPOUND = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef,
+             ast.AsyncFunctionDef, ast.ClassDef) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ()) \
+    + ((ast.Match,) if hasattr(ast, "Match") else ())
+
+
+def _names(nodes) -> frozenset[str]:
+    return frozenset(n.id if isinstance(n, ast.Name) else n.attr for node in nodes for n in ast.walk(node)
+                     if isinstance(n, (ast.Name, ast.Attribute)))
+
+
+def _function_outline(node, region: Region, base: int) -> Outline:
+    """A function's signature, docstring first line and statement lines (a compound statement by its
+    header line(s): the condition or the loop, without its body)."""
+    body = node.body[0]
+    header = region.chars(_first_line(node) + base, max(node.lineno + base, _first_line(body) + base - 1))
+    doc = None
+    if isinstance(body, ast.Expr) and isinstance(body.value, ast.Constant) and isinstance(body.value.value, str):
+        doc = region.chars(body.lineno + base, body.lineno + base)
+    lines = []
+    for stmt in ast.walk(node):
+        if stmt is node or not isinstance(stmt, ast.stmt) or stmt is body and doc is not None:
+            continue
+        if isinstance(stmt, _COMPOUND):
+            inner = []
+            for f in ("test", "target", "iter", "items", "subject"):
+                value = getattr(stmt, f, None)
+                inner += value if isinstance(value, list) else [value] if value else []
+            block = getattr(stmt, "body", None) or [c.pattern for c in getattr(stmt, "cases", ())]  # match: cases
+            first_body = min(_first_line(b) for b in block) if block else stmt.end_lineno + 1
+            last = max(stmt.lineno, first_body - 1)
+            lines.append(Line(region.chars(_first_line(stmt) + base, last + base), _names(inner)))
+        else:
+            lines.append(Line(region.chars(stmt.lineno + base, stmt.end_lineno + base), _names([stmt]),
+                              isinstance(stmt, ast.Return)))
+    return Outline(header, doc=doc, lines=tuple(sorted(lines, key=lambda line: line.chars)))
+
+
 def _module(tree: ast.Module, region: Region, base: int, owner: str | None = None) -> tuple[list, list]:
     """Definitions and import aliases of a parsed block whose line 1 is region line ``base + 1``."""
     defs, imports = [], []
@@ -592,7 +651,7 @@ def _module(tree: ast.Module, region: Region, base: int, owner: str | None = Non
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             defs.append(Definition(node.name, owner, "function" if owner is None else "method",
                                    (region.chars(_first_line(node) + base, node.end_lineno + base),), (),
-                                   _doc(node), path, _fields(node)))
+                                   _doc(node), path, _fields(node), _function_outline(node, region, base)))
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             span = (region.chars(node.lineno + base, node.end_lineno + base),)
             for target in getattr(node, "targets", None) or [node.target]:
@@ -692,6 +751,19 @@ def _code_names(code: str, out: dict[str, int], chains: set) -> None:
         chains.add(tuple(m.group().split(".")))
 
 
+_DOT_NAME = re.compile(r"(?:^|(?<=[\s`(\"']))\.(" + NAME + r")(?![\w.])")
+_NEXT = re.compile(r"[ \t]*([A-Za-z_][\w']*|\S?)")
+_PREVIOUS = re.compile(r"([A-Za-z_][\w']*|\S?)[ \t]*$")
+
+
+def _context(plain: str, start: int, end: int) -> tuple[str, str, bool]:
+    """The word (lowercase) or punctuation right before and after ``plain[start:end]``, and whether it
+    starts a sentence."""
+    before = _PREVIOUS.search(plain, max(0, start - 40), start).group(1)
+    after = _NEXT.match(plain, end).group(1)
+    return before.lower(), after.lower(), sentence_start(plain, start)
+
+
 @lru_cache(maxsize=4096)
 def mentions(text: str) -> Mentions:
     """What a step or a user turn names (see the module docstring)."""
@@ -704,9 +776,15 @@ def mentions(text: str) -> Mentions:
     for m in _FENCED.finditer(text):
         _code_names(m.group(1), names, chains)
     prose = _FENCED.sub("\n", prose)
+    dots = set()
     for m in _INLINE.finditer(prose):
         _code_names(m.group(1), names, chains)
+        dots.update(_DOT_NAME.findall(m.group(1)))
     plain = _INLINE.sub(" ", prose)
+    for name in _DOT_NAME.findall(plain):  # ".put() blocks" written without backquotes
+        dots.add(name)
+        names[name] = 2
+    bare = []
     for m in _QUOTED.finditer(plain):
         _code_names(m.group(2), names, chains)
     for m in _WORD.finditer(plain):
@@ -721,5 +799,7 @@ def mentions(text: str) -> Mentions:
         elif plain.startswith("(", m.end()) or (word[0].isupper() and not sentence_start(plain, m.start())
                                                 and not plain_word(word)):
             names.setdefault(word, 1)
+        elif word not in names:
+            bare.append((word, *_context(plain, m.start(), m.end())))
     words = tuple(re.findall(r"[A-Za-z][A-Za-z0-9]*|\d+", plain))  # "http 304 not modified"
-    return Mentions(names, frozenset(chains), words)
+    return Mentions(names, frozenset(chains), words, frozenset(dots), tuple(bare))

@@ -13,6 +13,17 @@ readings turn such a step into the session's definitions:
   document of its name split into words (weighted), its class's name, its signature and its docstring.
   Used for a step that resolves nothing through names: it finds single lowercase words the session
   defines ("fix the dispatch") and descriptions that name nothing at all.
+* **Bare names** (:func:`is_thing`, :func:`english`): a plain word that is exactly a name the session
+  defines ("after decodebytes runs"). A word that is no English word is taken as the name, unless a
+  modal makes it a verb ("should stop"). An English one ("wait", "request") is a name only where the
+  sentence's grammar makes it a thing (after "the", "by", "inside" ...; before "should", "runs") and not
+  a verb ("then wait for the build", "to wait for"), and only when it is the step's only candidate. In
+  a description's many words a name that is a word is mostly a coincidence ("... into a YAML stream"):
+  there an English word must be a subject or follow "by", "inside", "after" ..., and one that is no
+  English word must not stand as a verb or after "a", and score, by the lexical ranker, at least half
+  the best match. A word is English here when the session's own
+  prose (docstrings, comments, remarks) uses it between two lowercase words at least twice: the
+  vocabulary of the code at hand, with no dictionary.
 """
 
 from __future__ import annotations
@@ -88,6 +99,59 @@ def bagged(names) -> dict[frozenset[str], set[str]]:
         if len(bag(words)) >= 2:
             out.setdefault(bag(words), set()).add(name)
     return out
+
+
+# Grammar around a bare word (lowercase neighbours, or the punctuation there). A thing follows these ...
+THING_BEFORE = frozenset("""the of by in inside into from with within call calls calling called use uses
+using after before around through via whether does did if when once about""".split())
+# ... of which these rarely introduce a common noun ("raised by X", "after X"; not "the stream")
+NAME_BEFORE = frozenset("""by inside within call calls calling called after before around through via whether
+does did once""".split())
+# ... or is the subject of one of these (an auxiliary; a third-person verb is any "-s" word: "runs")
+SUBJECT_OF = frozenset("""should must can could will would may might does did is was has had isn't doesn't
+can't won't shouldn't""".split())
+# after a verb comes its object: "wait for the build", "print the result"
+OBJECT_START = frozenset("the a an for until on up out it them this that these those all some".split())
+# after one of these comes a verb: "should stop swallowing"
+MODALS = frozenset("should must can could will would may might shall".split())
+
+
+def is_verb(previous: str) -> bool:
+    """Whether a word after ``previous`` is a verb whatever it is ("should stop"): never a name."""
+    return previous in MODALS
+
+
+def is_common(previous: str, following: str) -> bool:
+    """Whether a word between ``previous`` and ``following`` stands where a name rarely does: a verb
+    ("to wait for", "wait for the build") or a common noun ("a stream")."""
+    return is_verb(previous) or previous in ("a", "an") or previous == "to" and following not in ".;:!?" \
+        or following in OBJECT_START and previous not in ("the", "this", "that")
+
+
+def is_thing(previous: str, following: str, strict: bool = False) -> bool:
+    """Whether an English word between ``previous`` and ``following`` (lowercase words or punctuation)
+    stands where a sentence puts a thing, not a verb (see the module docstring): after a determiner or
+    a preposition, or as the subject of a verb ("wait returns", "wait's"). ``strict``: only where a
+    common noun rarely stands (a subject, or after "by", "inside", "after" ...): for descriptions."""
+    if is_common(previous, following):
+        return False
+    third_person = len(following) > 3 and following.endswith("s") and not following.endswith("ss") \
+        and following not in STOPWORDS
+    subject = following in SUBJECT_OF or third_person or following.startswith("'")
+    return subject or previous in (NAME_BEFORE if strict else THING_BEFORE)
+
+
+_BETWEEN_WORDS = re.compile(r"(?<=[a-z,] )([a-z]+)(?= [a-z])")
+
+
+def english(texts) -> dict[str, int]:
+    """How often each lowercase word stands between two lowercase words in ``texts``: its use as a word
+    in the session's prose (a name is rarely written so; an English word is)."""
+    counts: dict[str, int] = {}
+    for text in texts:
+        for w in _BETWEEN_WORDS.findall(text):
+            counts[w] = counts.get(w, 0) + 1
+    return counts
 
 
 ROLE_KINDS = {"class": "class", "classes": "class", "function": "function", "functions": "function",
@@ -171,6 +235,7 @@ class Lexicon:
         self.entries = entries
         docs = [self._document(d) for _, d in entries]
         self.where = np.array([i for i, _ in entries], dtype=np.int64)
+        self.position = {entry: j for j, entry in enumerate(entries)}
         self.bm25 = bm25_index(docs) if entries else None
 
     def _document(self, d: Definition) -> list[str]:
@@ -192,6 +257,14 @@ class Lexicon:
         scores = np.asarray(self.bm25.get_scores(q), dtype=np.float64)
         scores[self.where >= before] = 0.0
         return scores
+
+    def near_best(self, words, before: int, entry, ratio: float = 0.5) -> bool:
+        """Whether ``entry`` (a ``(message position, Definition)`` pair) scores at least ``ratio`` of the
+        best definition's score for ``words``."""
+        scores = self.scores(words, before)
+        if scores is None or entry not in self.position:
+            return False
+        return scores[self.position[entry]] >= ratio * scores.max() > 0
 
     def rank(self, words, before: int, k: int = 1, ratio: float = 0.75) -> list[tuple[int, Definition]]:
         """The best definitions in messages before ``before``: the top one and any within ``ratio`` of its

@@ -72,8 +72,9 @@ from dataclasses import dataclass
 
 from ..blueprint import Blueprint, Span, as_index
 from .digest import digest, union_size
-from .extract import Definition, mentions, plain_word, read, shaped
-from .prose import KIND_WORDS, Lexicon, bagged, by_role, candidates, keyed, root, split_name, variants
+from .extract import STOPWORDS, Definition, mentions, plain_word, read, shaped
+from .prose import KIND_WORDS, Lexicon, bagged, by_role, candidates, english, is_common, is_thing, is_verb, keyed, root, \
+    split_name, variants
 
 LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
 
@@ -161,6 +162,14 @@ class _Index:
             if kind in ("class", "function", "assignment", "method") and words:
                 self.heads.setdefault((kind, root(words[-1])), set()).add(d.name)
         self._lexicon = None
+        self._english = None
+
+    def english(self, word: str) -> bool:
+        """Whether ``word`` is an English word here: a stopword, keyword or builtin, or used as a word in
+        the session's own prose at least twice (``pace_hf.planner.prose.english``)."""
+        if self._english is None:
+            self._english = english(m.content for m in self.messages)
+        return plain_word(word) or self._english.get(word.lower(), 0) >= 2
 
     @property
     def lexicon(self) -> Lexicon:
@@ -187,21 +196,37 @@ class _Index:
         return self.latest(self.top, name, before) or self.latest(self.facts, name, before) \
             or self.latest(self.member_names, name, before)
 
-    def mro(self, cls: str, before: int) -> list[str]:
-        """``cls`` and the bases the session defines, in C3 order (depth-first where C3 fails)."""
+    def base_class(self, entry, base: str, before: int):
+        """The class that the base ``base`` (dotted, as written) of class ``entry`` names, never ``entry``
+        itself (``class TextWrapper(textwrap.TextWrapper)``): a module written or imported (``import
+        textwrap``; ``from .base import Base as B``) picks the class of the file whose path ends with it;
+        else a class of the same message, else the latest."""
+        i, _ = entry
+        *qualifier, name = base.split(".")
+        module = self.expand(qualifier, i + 1) if qualifier else []
+        if not qualifier:
+            alias = self.latest(self.aliases, name, i + 1)
+            if alias and "." in alias[1]:
+                *module, name = alias[1].split(".")
+        found = [e for e in self.classes.get(name, ()) if e[0] < before and e != entry]
+        if not found:
+            return None
+        if module:
+            for e in reversed(found):
+                parts = self.path_of(*e)
+                if parts and (parts[-len(module):] == module or parts[-1] == module[-1]):
+                    return e
+        return next((e for e in reversed(found) if e[0] == i), found[-1])
+
+    def mro(self, cls, before: int) -> list:
+        """The class entry ``cls`` (or the latest class of that name) and the bases the session defines,
+        in C3 order (depth-first where C3 fails), each base found by :meth:`base_class`."""
+        start = self.latest(self.classes, cls, before) if isinstance(cls, str) else cls
+        if start is None:
+            return []
+
         def bases(c):
-            """The bases of ``c``; one the session does not define as a class is looked up through its
-            file's imports (``from .base import Base as B``: ``B`` is ``Base``)."""
-            got = self.latest(self.classes, c, before)
-            if not got:
-                return []
-            out = []
-            for b in got[1].bases:
-                alias = None if self.latest(self.classes, b, before) else self.latest(self.aliases, b, got[0] + 1)
-                b = alias[1].rsplit(".", 1)[-1] if alias else b
-                if b != c:
-                    out.append(b)
-            return out
+            return [b for b in (self.base_class(c, base, before) for base in c[1].bases) if b is not None]
 
         def linearize(c, stack):
             if c in stack:
@@ -221,14 +246,33 @@ class _Index:
                 seqs = [t for t in seqs if t]
             return out
 
-        return list(dict.fromkeys(linearize(cls, frozenset())))
+        return list(dict.fromkeys(linearize(start, frozenset())))
 
-    def member(self, owner: str, name: str, before: int):
-        for cls in self.mro(owner, before):
-            got = self.latest(self.members, (cls, name), before)
+    def member(self, owner, name: str, before: int):
+        """Member ``name`` of class ``owner`` (a name or a class entry) through its MRO: each class's own
+        member, from the message that defines that class; else any class of that name's member."""
+        classes = self.mro(owner, before)
+        for i, cls in classes:
+            got = [e for e in self.members.get((cls.name, name), ()) if e[0] == i]
+            if got:
+                return got[-1]
+        for c in [cls.name for _, cls in classes] or [owner]:
+            got = self.latest(self.members, (c, name), before)
             if got:
                 return got
         return None
+
+    def dotted(self, name: str, before: int, about=()):
+        """A method named by ``.name()`` alone: the only class's that defines it, else that of the first
+        class in ``about`` (the step's own classes, then the surrounding steps') that has it through its
+        bases, else the latest."""
+        where = [e for e in self.member_names.get(name, ()) if e[0] < before]
+        if len({e[1].owner for e in where}) > 1:
+            for cls in about:
+                got = self.member(cls, name, before) if self.latest(self.classes, cls, before) else None
+                if got:
+                    return got
+        return where[-1] if where else self.name(name, before)
 
     def expand(self, qualifier: list[str], before: int) -> list[str]:
         """A qualifier through the session's import aliases (``c`` -> ``a.b`` for ``import a.b as c``)."""
@@ -331,9 +375,12 @@ class SymbolPlanner:
         """Names that ``text`` defines (top-level names, class members and prose facts)."""
         return {d.name for d in read(text).definitions}
 
-    def needs(self, index: _Index, text: str, step: int, before: int, lexical: bool = True) -> list[Need]:
+    def needs(self, index: _Index, text: str, step: int, before: int, lexical: bool = True,
+              nearby: tuple[str, ...] = ()) -> list[Need]:
         """What a step (or turn) ``text`` needs from the messages before position ``before``; ``lexical``:
-        rank the definitions when the text names nothing literally (for plans, not for user turns)."""
+        rank the definitions when the text names nothing literally (for plans, not for user turns);
+        ``nearby``: the classes the surrounding steps are about, nearest first (a method named by
+        ``.name()`` that several classes define is theirs)."""
         said = mentions(text)
         found: dict[tuple[int, Definition], int] = {}
         owners: dict[tuple[int, Definition], set[str]] = {}  # classes named as owners: member names
@@ -355,7 +402,7 @@ class SymbolPlanner:
                     add(owner, LITERAL)
         resolved: dict[str, tuple] = {}  # a bare name: (what it resolves to, how it was named)
         for name, how in said.names.items():
-            if name in chained:
+            if name in chained or name in said.dots:
                 continue
             got = index.name(name, before)
             if got is not None:
@@ -367,16 +414,33 @@ class SymbolPlanner:
         words_in_any_order = None if described else index.by_bag  # in a description, a coincidence
         for name in candidates(said.words, index.by_key, words_in_any_order) | by_role(said.words, index.heads):
             resolved.setdefault(name, (index.name(name, before), DERIVED))
+        # Plain words that are names the session defines ("after decodebytes runs"): a word that is not
+        # English is the name; an English one only where it stands as a thing and nothing else is named.
+        # In a description (see pace_hf.planner.prose) they need more.
+        bare = [(w, p, n) for w, p, n, start in said.bare if w not in resolved and w in index.defined
+                and w.lower() not in STOPWORDS and not is_verb(p) and not (start and w[0].isupper() and index.english(w))]
+        english = [(w, p, n) for w, p, n in bare if index.english(w)]
+        query = list(said.words) + list(said.names)
+        for w, p, n in bare:
+            if (w, p, n) not in english and (not described or not is_common(p, n) and index.lexicon.near_best(
+                    query, before, index.name(w, before))):
+                resolved.setdefault(w, (index.name(w, before), DERIVED))
+        things = {w for w, p, n in english if is_thing(p, n, strict=described)}
+        if len(things) == 1 and not said.chains and not said.dots and not any(got for got, _ in resolved.values()):
+            w = things.pop()
+            resolved[w] = (index.name(w, before), DERIVED)
         # A class and a name in one step ("subclass `Retry` and override `sleep`", "the get bucket method
         # of the bytecode cache"): the name is the class's member, through its bases, and the class is
         # needed as that member's context.
         classes = {got for got, _ in resolved.values() if got and got[1].kind == "class"}
         for cls in classes:
             for name, (got, how) in list(resolved.items()):  # a top-level name stays top-level
-                member = None if got is None or got[1].owner is None else index.member(cls[1].name, name, before)
+                member = None if got is None or got[1].owner is None else index.member(cls, name, before)
                 if member:
                     resolved[name] = (member, how)
                     owners.setdefault(cls, set()).add(name)
+        for name in said.dots:  # `.put()`: a method, of the only class that defines it, else of a class
+            resolved[name] = (index.dotted(name, before, [c[1].name for c in classes] + list(nearby)), LITERAL)
         for got, how in resolved.values():
             add(got, how)
         if lexical and not found and said.words and (LITERAL not in said.names.values() or described):
@@ -388,9 +452,10 @@ class SymbolPlanner:
             # a description that also names other definitions ("the inverse of `parseaddr()`, this
             # takes ..."): its best lexical match joins them if it clearly outranks every one it named
             add(index.lexicon.outranking(list(said.words) + list(said.names), before, set(found)), LEXICAL)
-        # a digest only for what the step names in code, and not in a step that describes what it needs
-        # (there a large class named in passing is context, rarely the need)
-        named = set() if described else {key for key, how in found.items() if how == LITERAL}
+        # a full digest for what the step names in code, or in words in a step that does not describe what
+        # it needs (in a description a word that looks like a name is often a coincidence: "a Vortex
+        # expression"); what else does not fit whole gets its head only
+        named = {key for key, how in found.items() if how == LITERAL or how == DERIVED and not described}
         if self.depth:
             for (i, d), how in list(found.items()):
                 for got in index.closure(i, d):
@@ -408,9 +473,10 @@ class SymbolPlanner:
             if scores is not None:
                 relevance = {e.name: float(scores[j]) for j, (i, e) in enumerate(index.lexicon.entries)
                              if i == need.message and e.owner == d.name}
-        named = set(need.members or ()) | set(mentions(text).names)
+        said = mentions(text)
+        named = set(need.members or ()) | set(said.names) | set(said.dots)
         return digest(d, named, relevance, room, lambda parts: self._tokens(message, template, parts),
-                      context=context)
+                      context=context, words={w for w in said.words if not plain_word(w)})
 
     def _tokens(self, message, template, parts) -> list[tuple[int, int]]:
         """Absolute token spans of a definition's character ``parts`` in ``message``."""
@@ -442,12 +508,20 @@ class SymbolPlanner:
         steps = self.steps if steps is None else steps
         index = _Index(messages)
         msg_steps = [m.step for m in index.messages]
-        wanted = []
+        wanted, needs = [], {}
         for step, text in sorted(steps.items()):
-            if step <= now:
-                continue
-            before = bisect.bisect_left(msg_steps, step)  # messages of earlier steps
-            for need in self.needs(index, text, step, before):
+            if step > now:
+                needs[step] = self.needs(index, text, step, bisect.bisect_left(msg_steps, step))
+        about = {step: [n.definition.name if n.definition.kind == "class" else n.definition.owner for n in got
+                        if n.definition.kind == "class" or n.definition.owner not in (None, "?")]
+                 for step, got in needs.items()}
+        order = sorted(needs)
+        for k, step in enumerate(order):
+            if mentions(steps[step]).dots:  # `.put()`: the classes the surrounding steps are about, nearest first
+                nearby = sorted(order[:k] + order[k + 1:], key=lambda s: (abs(s - step), s > step))
+                needs[step] = self.needs(index, steps[step], step, bisect.bisect_left(msg_steps, step),
+                                         nearby=tuple(c for s in nearby for c in about[s]))
+            for need in needs[step]:
                 spans = self._tokens(index.messages[need.message], template, need.definition.parts)
                 if spans:
                     wanted.append((need, spans))
@@ -464,11 +538,16 @@ class SymbolPlanner:
             mine += spans
             live += spans
             kept.append((need, spans))
-        for need in over:  # then digests of what did not fit whole, in the room that whole needs left
+        # then digests of what did not fit whole, in the room that whole needs left: named ones first, each
+        # a fair share of what is left in its step and in the live plan (what one leaves unused goes to the
+        # next), so that every need gets a part of itself
+        over.sort(key=lambda n: (n.step, not n.named, -n.how))
+        for k, need in enumerate(over):
             mine = per_step[need.step]
-            room = min(cap - union_size(mine), budget - union_size(live))
-            spans = self._digest(index, need, steps[need.step], template, room,
-                                 context=need.members is not None) if room > 0 and need.named else []
+            sharing = sum(1 for n in over[k:] if n.step == need.step)
+            room = min((cap - union_size(mine)) // sharing, (budget - union_size(live)) // (len(over) - k))
+            spans = self._digest(index, need, steps[need.step], template, room,  # not named in code: its head
+                                 context=need.members is not None or not need.named) if room > 0 else []
             if not spans:
                 dropped.append(need)
                 continue
