@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import weakref
 
 import torch
@@ -98,7 +99,7 @@ def _run(model) -> _Reading:
             tokens = attention.enter_forward(sink) if n == 0 else None
             try:
                 with torch.no_grad():
-                    out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+                    out = model(input_ids=ids, position_ids=positions, use_cache=True, **{_cache_argument(model): cache})
             finally:
                 if tokens is not None:
                     attention.exit_forward(tokens)
@@ -115,6 +116,11 @@ def _run(model) -> _Reading:
         for module, mode in modes.items():
             module.training = mode
     return _Reading(readings, sink.shapes, logits)
+
+
+def _cache_argument(model) -> str:
+    """The forward's cache argument: ``cache`` (transformers >= 5.24), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
