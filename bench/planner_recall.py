@@ -176,7 +176,7 @@ class Target:
     owner: str | None
     kind: str
     doc: str
-    node: ast.ClassDef | None = None
+    node: ast.ClassDef | tuple | None = None  # style ``imported``: the subclass's header (file, first, last)
     via: str | None = None  # a subclass in another file that inherits this member (style ``imported``)
 
 
@@ -424,7 +424,7 @@ def build_session(files, split, style, rng, tokens, template, n_steps, budget, p
                 m = rng.choice(methods)
                 key = ("imported", sub, m.name)
                 by_name[key] = [Target(bfi, _first(m), m.end_lineno, m.name, base.name, "method",
-                                       ast.get_docstring(m) or "", via=sub)]
+                                       ast.get_docstring(m) or "", (fi, *class_header(sub_node)), via=sub)]
                 pool.append(key)
     top_count, member_count, heads = {}, {}, {}
     for fi in printed:  # a bare name is ambiguous when another printed file also binds it
@@ -495,11 +495,11 @@ def plan_text(style, t: Target, wordings, rng, c: Corpus):
     does not suit the style."""
     whole = [(t.file, t.first, t.last)]
     path = c.files[t.file][0]
-    if style == "imported":
-        ref = f"`{t.via}.{t.name}`"
+    if style == "imported":  # the answer reads the member and the subclass's header
+        ref, pieces = f"`{t.via}.{t.name}`", [t.node] + whole
         if rng.random() < 0.5:
-            return rng.choice(wordings["indirect"]).format(ref=ref), "imported", whole
-        return rng.choice(wordings["chained"]).format(cls=f"`{t.via}`", member=f"`{t.name}`"), "imported", whole
+            return rng.choice(wordings["indirect"]).format(ref=ref), "imported", pieces
+        return rng.choice(wordings["chained"]).format(cls=f"`{t.via}`", member=f"`{t.name}`"), "imported", pieces
     if style == "bare":  # a name written as a plain word, no backquotes or parentheses
         unique = c.top_count.get(t.name, 0) == 1 and c.member_count.get(t.name, 0) == 0 if t.owner is None \
             else c.member_count.get(t.name, 0) == 1 and c.top_count.get(t.name, 0) == 0
@@ -508,8 +508,8 @@ def plan_text(style, t: Target, wordings, rng, c: Corpus):
             return None
         label = "bare-word" if t.name.lower().strip("_") in english_words() else "bare-rare"
         return rng.choice(wordings["bare"]).format(name=t.name), label, whole
-    if style == "dot":  # a method named by ``.name()`` alone, where one class of the session defines it
-        if t.kind != "method" or c.member_count.get(t.name, 0) != 1 or c.top_count.get(t.name, 0):
+    if style == "dot":  # a method named by ``.name()`` alone, where one class of the session defines it (a
+        if t.kind != "method" or c.member_count.get(t.name, 0) != 1:  # function may have the name too)
             return None
         return rng.choice(wordings["dot"]).format(dot=f"`.{t.name}()`"), "dot", whole
     if style == "large":  # a definition over B/2, named literally, bare or in words
