@@ -500,3 +500,140 @@ def test_a_description_that_names_another_definition_still_finds_the_one_it_desc
     assert covered(got, target) >= 0.9, (got, target)
     file = sess.messages[2]
     assert size(got) < 0.1 * (file.end - file.start)  # the definitions (join, and the split it names), not the file
+
+
+# ------------------------------------------------------------------------------ issue 55: third pass
+import ast  # noqa: E402
+import fnmatch  # noqa: E402
+import json.decoder  # noqa: E402
+import posixpath  # noqa: E402
+import queue  # noqa: E402
+import quopri  # noqa: E402
+import tokenize  # noqa: E402
+
+from pace_hf.planner.symbols import DERIVED, _Index  # noqa: E402
+
+
+def _source(function) -> str:
+    """A function's source read from its module's file (frozen modules such as posixpath have no
+    ``inspect.getsource`` of their functions)."""
+    text = inspect.getsource(inspect.getmodule(function))
+    node = next(n for n in ast.parse(text).body if getattr(n, "name", None) == function.__name__)
+    return ast.get_source_segment(text, node)
+
+
+def _session_of(template, *modules):
+    turns = [("user", "Task: read the code.")]
+    for m in modules:
+        turns += cat(m.__name__.replace(".", "/") + ".py", inspect.getsource(m))
+    return Session(template, *turns)
+
+
+def _position(sess, module) -> int:
+    return next(k for k, m in enumerate(sess.messages) if m.content == inspect.getsource(module))
+
+
+@pytest.mark.parametrize("step, functions", [
+    ("After relpath runs, the cache gets stale data.", [posixpath.relpath]),
+    ("fnmatchcase should stop swallowing errors raised by splitext", [fnmatch.fnmatchcase, posixpath.splitext]),
+])
+def test_bare_names_in_prose_are_planned(template, step, functions):
+    """A plain word that is a name the session defines, and no English word, is that name."""
+    sess = _session_of(template, posixpath, fnmatch)
+    plan = sess.plan({2: step})
+    for f in functions:
+        assert_found(sess, plan, 2, _position(sess, inspect.getmodule(f)), _source(f), tight=2 * len(functions))
+
+
+def test_an_english_name_needs_the_grammar_of_a_thing(template):
+    """``get`` and ``put`` are English words in queue.py's own prose: a verb or a common noun is no name,
+    a subject is, when it is the step's only candidate."""
+    sess = _session_of(template, queue)
+    index, planner, k = _Index(sess.messages), SymbolPlanner(), len(sess.messages)
+    assert index.english("put") and not index.english("qsize")
+
+    def bare(text):
+        return {n.definition.name for n in planner.needs(index, text, 2, k) if n.how == DERIVED}
+
+    assert "put" in bare("Make sure put handles a full queue.")
+    assert "qsize" in bare("Then wrap qsize in a lock.")  # not English here: a name wherever it stands
+    assert not bare("Then get a summary and put it in the notes.") & {"get", "put"}  # verbs
+    assert not bare("Make sure put handles it, and that get raises.")  # two candidates: neither
+    assert not bare("Callers should qsize twice.") & {"qsize"}  # after a modal: a verb
+
+
+def test_a_large_function_is_planned_as_a_digest_in_any_format(template):
+    source = inspect.getsource(tokenize)
+    body = inspect.getsource(tokenize._tokenize).rstrip("\n")
+    lines = source.rstrip("\n").split("\n")
+    numbered = "\n".join(f"{n:6d}\t{line}" for n, line in enumerate(lines, 1))
+    diff = f"--- /dev/null\n+++ b/tokenize.py\n@@ -0,0 +1,{len(lines)} @@\n" + "".join(f"+{x}\n" for x in lines)
+    for text in (source, numbered, diff):
+        sess = Session(template, ("user", "Task."), ("assistant", "$ show tokenize.py"), ("tool", text))
+        whole = sess.tokens(2, body.split("\n")[0]), sess.tokens(2, body.split("\n")[-1])
+        assert whole[1][1] - whole[0][0] > 1024
+        plan = sess.plan({2: "Refactor `_tokenize`: how it handles `parenlev`."})
+        got = planned(plan, 2)
+        assert [n.definition.name for n in plan.partial] == ["_tokenize"] and not plan.dropped
+        assert 512 < size(got) <= 1024
+        assert all(whole[0][0] <= s and e <= whole[1][1] for s, e in got)  # inside the function
+        assert covered(got, sess.tokens(2, "def _tokenize(readline, encoding):")) == 1.0
+        uses = next(line.strip() for line in body.split("\n")[100:] if "parenlev" in line)  # late in the body
+        assert covered(got, sess.tokens(2, uses)) == 1.0
+
+
+def test_every_need_over_the_room_gets_a_part_of_itself(template):
+    """Two large definitions in one step, and more in the steps after it: each gets a part that holds
+    its first line, in a fair share of the step's and the live plan's room; none is dropped."""
+    sess = _session_of(template, tokenize, textwrap)
+    k_tok, k_tw = _position(sess, tokenize), _position(sess, textwrap)
+    plan = sess.plan({2: "Refactor `_tokenize` and `TextWrapper`.", 3: "Explain generate_tokens.",
+                      4: "Review the TextWrapper class, then `_tokenize` again."})
+    assert not plan.dropped
+    for step in (2, 4):
+        got = planned(plan, step)
+        assert covered(got, sess.tokens(k_tok, "def _tokenize(readline, encoding):")) == 1.0
+        assert covered(got, sess.tokens(k_tw, "class TextWrapper:")) == 1.0
+        assert size(got) <= 1024
+    assert size({(s.start, s.end) for s in plan}) <= 2048
+
+
+def test_a_method_named_by_a_dot_alone_is_a_method(template):
+    """``.decode()`` is a method even where a module-level ``decode`` function exists (quopri's)."""
+    sess = _session_of(template, json.decoder, quopri)
+    plan = sess.plan({2: "Update `.decode()` so it logs a warning."})
+    assert [(n.definition.owner, n.definition.name) for n in plan.needs] == [("JSONDecoder", "decode")]
+
+
+def test_a_method_named_by_a_dot_alone_goes_to_the_class_the_steps_are_about(template):
+    sess = _session_of(template, json.decoder, queue)
+    steps = {2: "Read `Queue` first.", 3: "Then change `.get()` so that it logs.", 4: "Now `JSONDecoder`."}
+    plan = sess.plan(steps)
+    assert {n.definition.owner for n in plan.needs if n.step == 3} == {"Queue"}
+    steps = {2: "Read `JSONDecoder` first.", 3: "Then make `.decode()` stricter.", 4: "Now `Queue`."}
+    assert {n.definition.owner for n in sess.plan(steps).needs if n.step == 3} == {"JSONDecoder"}
+
+
+BASE = """class TextWrapper:
+    width = 70
+
+    def wrap(self, text):
+        return [text[:self.width]]
+"""
+DERIVED_FILE = """import base
+
+
+class TextWrapper(base.TextWrapper):
+    def extra_indent(self, indent):
+        return indent
+"""
+
+
+@pytest.mark.parametrize("step", ["Call `TextWrapper.wrap`.", "Override `TextWrapper`.`wrap`."])
+def test_a_base_of_the_same_name_in_another_file_is_found_through_the_import(template, step):
+    """``class TextWrapper(base.TextWrapper)``: the base is base.py's class, not the subclass itself."""
+    sess = Session(template, ("user", "Task."), *cat("pkg/base.py", BASE), *cat("pkg/ui.py", DERIVED_FILE))
+    plan = sess.plan({2: step})
+    wrap = "    def wrap(self, text):\n        return [text[:self.width]]"
+    assert_found(sess, plan, 2, 2, wrap, tight=4)
+    assert covered(planned(plan, 2), sess.tokens(4, "class TextWrapper(base.TextWrapper):")) == 1.0

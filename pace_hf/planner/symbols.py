@@ -395,11 +395,10 @@ class SymbolPlanner:
             got = index.chain(chain, before)
             add(got, LITERAL)
             qualifier = [q for q in chain[:-1] if q not in ("self", "cls")]
-            if got and got[1].owner and qualifier and got[1].owner != qualifier[-1]:
-                owner = index.latest(index.classes, qualifier[-1], before)  # inherited: the subclass's
-                if owner:                                                   # header is the context
-                    owners.setdefault(owner, set())
-                    add(owner, LITERAL)
+            owner = index.latest(index.classes, qualifier[-1], before) if got and got[1].owner and qualifier else None
+            if owner and (owner[0] != got[0] or owner[1].name != got[1].owner):  # inherited (from a base of any
+                owners.setdefault(owner, set())                                  # name): the subclass's header
+                add(owner, LITERAL)                                              # is the context
         resolved: dict[str, tuple] = {}  # a bare name: (what it resolves to, how it was named)
         for name, how in said.names.items():
             if name in chained or name in said.dots:
