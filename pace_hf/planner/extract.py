@@ -781,10 +781,11 @@ def mentions(text: str) -> Mentions:
         _code_names(m.group(1), names, chains)
         dots.update(_DOT_NAME.findall(m.group(1)))
     plain = _INLINE.sub(" ", prose)
+    marked = _INLINE.sub(" ` ", prose)  # the bare words' context keeps where code stood ("read `X`")
     for name in _DOT_NAME.findall(plain):  # ".put() blocks" written without backquotes
         dots.add(name)
         names[name] = 2
-    bare = []
+    bare = set()
     for m in _QUOTED.finditer(plain):
         _code_names(m.group(2), names, chains)
     for m in _WORD.finditer(plain):
@@ -800,6 +801,7 @@ def mentions(text: str) -> Mentions:
                                                 and not plain_word(word)):
             names.setdefault(word, 1)
         elif word not in names:
-            bare.append((word, *_context(plain, m.start(), m.end())))
+            bare.add(word)
+    bare = [(m.group(1), *_context(marked, m.start(), m.end())) for m in _WORD.finditer(marked) if m.group(1) in bare]
     words = tuple(re.findall(r"[A-Za-z][A-Za-z0-9]*|\d+", plain))  # "http 304 not modified"
     return Mentions(names, frozenset(chains), words, frozenset(dots), tuple(bare))

@@ -21,7 +21,8 @@ readings turn such a step into the session's definitions:
   a description's many words a name that is a word is mostly a coincidence ("... into a YAML stream"):
   there an English word must be a subject or follow "by", "inside", "after" ..., and one that is no
   English word must not stand as a verb or after "a", and score, by the lexical ranker, at least half
-  the best match. A word is English here when the session's own
+  the best match. In a step that also names code, any bare word must be a subject or follow "by",
+  "inside", "after" ... ("Next, read `X`": the plan is `X`). A word is English here when the session's own
   prose (docstrings, comments, remarks) uses it between two lowercase words at least twice: the
   vocabulary of the code at hand, with no dictionary.
 """
@@ -123,9 +124,10 @@ def is_verb(previous: str) -> bool:
 
 def is_common(previous: str, following: str) -> bool:
     """Whether a word between ``previous`` and ``following`` stands where a name rarely does: a verb
-    ("to wait for", "wait for the build") or a common noun ("a stream")."""
+    ("to wait for", "wait for the build", "read `X`": a backquote is where code stood) or a common noun
+    ("a stream")."""
     return is_verb(previous) or previous in ("a", "an") or previous == "to" and following not in ".;:!?" \
-        or following in OBJECT_START and previous not in ("the", "this", "that")
+        or following in OBJECT_START and previous not in ("the", "this", "that") or following == "`"
 
 
 def is_thing(previous: str, following: str, strict: bool = False) -> bool:
