@@ -25,8 +25,9 @@ it reads first is its interface, then the lines about what the step is about, th
 4. its ``return`` statements;
 5. then its other statement lines in source order, up to the room.
 
-A piece that does not fit is skipped, and smaller later pieces still go in. A definition with no
-outline (an assignment) is planned from its start up to the room.
+A piece that does not fit is skipped, and smaller later pieces still go in; but a definition whose
+header (a class's) or signature (a function's) does not fit gets nothing: its lines alone are no use.
+A definition with no outline (an assignment) is planned from its start up to the room.
 """
 
 from __future__ import annotations

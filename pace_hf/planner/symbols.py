@@ -11,10 +11,12 @@ definition wins.
 
 * Two namespaces: top-level names, and members keyed by class. A bare name is the top-level one; a
   prose fact only when no code defines the name (a remark is a mention, not a definition); a member
-  (a method named without its class) only when no top-level name exists.
-* ``C.m`` is member ``m`` of ``C``, looked up through the bases the session defines, in MRO order (a
-  base the session does not define under its name is looked up through the imports: ``from .base
-  import Base as B``). A step that names a class and, apart, a member of it ("subclass `C` and override
+  (a method named without its class) only when no top-level name exists. A name written after a dot
+  alone (`` `.put()` ``) is a method: the only class's that defines it, else that of the step's own
+  class or of the class the surrounding steps are about (nearest first), else the latest.
+* ``C.m`` is member ``m`` of ``C``, looked up through the bases the session defines, in MRO order, each
+  base the class of the file its import names (``from .base import Base as B``; ``import textwrap``
+  then ``textwrap.TextWrapper``, a base of the same name as the subclass), never the class itself. A step that names a class and, apart, a member of it ("subclass `C` and override
   `m`", "the m method of the c class") means ``C.m`` the same way, and needs ``C`` only as the member's
   context (its header, the member's body and the signatures it uses on ``self``); ``C.m`` inherited
   from a base also plans ``C``'s header.
@@ -33,6 +35,10 @@ definition wins.
   definition it named. On agent-like sessions over real source files (the README's planner table) this
   took steps that are a docstring's first sentence from recall 0.73 to 0.86; literal plans of long
   sentences kept their precision (0.955 against 0.954).
+* A plain word that is exactly a name the session defines ("after decodebytes runs") is that name when
+  it is no English word (the session's own prose says which words are), and an English one when the
+  sentence's grammar makes it a thing and nothing else in the step is a candidate; descriptions and
+  steps that also name code ask for more (``pace_hf.planner.prose``, "Bare names").
 * Closure (``depth``, default 1): a needed function also needs the class of a field it uses on a
   parameter, when only one class declares that field in its body (``record.status`` of a dataclass), as
   its own message saw it. Nothing else is followed (free names, constants, any attribute name): in
@@ -45,11 +51,14 @@ Without a template (``blueprint_for(messages)`` alone) each definition plans its
 Budget: each step's plan is kept under ``share * budget`` tokens (default half the cache budget), and
 the live plan (every span with a reader after the current step) under ``budget``, since the cache
 cannot hold more. Needs are ranked by their soonest reader, then by how literally the step named them,
-then by size. A need that does not fit whole waits until every need that fits whole is planned; then,
-if the step names it in code, its digest (``pace_hf.planner.digest``: a large class's header,
-the members the step names, signatures, the most relevant members) is planned in the room left and it
-is listed on ``Plan.partial``; else it is dropped and listed on ``Plan.dropped``. A later ``plan()``
-(after the early readers pass) brings it back.
+then by size. A need that does not fit whole waits until every need that fits whole is planned; then
+each gets its digest (``pace_hf.planner.digest``: of a class its header, the members the step names,
+signatures, the most relevant members; of a function its signature, docstring line, the lines with the
+step's names, its returns) in a fair share of the room left, in its step and in the live plan (what one
+leaves goes to the next), so that a step with several large needs plans a part of each; it is listed
+on ``Plan.partial``. One that the step does not name in code (or names in words in a description)
+gets only its head (header or signature). A need with no room left (or whose head does not fit) is
+dropped and listed on ``Plan.dropped``. A later ``plan()`` (after the early readers pass) brings it back.
 
 ``plan(session)`` keeps the cache's blueprint equal to ``blueprint_for(...)`` for the spans it added:
 it adds what is new and removes its own spans that went stale (never spans someone else added, such
@@ -84,9 +93,9 @@ class Need:
     """A definition (``message`` position, ``definition``) that step ``step`` needs, and how it was
     named (``LITERAL``, ``DERIVED`` from prose or a respelling, ``LEXICAL``). ``members``: for a class
     named as the owner of members the step names, those names (the class is then needed as their
-    context, not whole). ``named``: whether the step names it in code and does not describe a need (a
-    digest is planned only for those: a word that only looks like a name, "a Vortex expression", or a
-    class a description names in passing, is too weak a reason)."""
+    context, not whole). ``named``: whether the step names it in code, or in words and does not describe
+    a need (a need too large for its room gets a full digest only then, else its head: a word that only
+    looks like a name, "a Vortex expression", is too weak a reason)."""
 
     step: int
     message: int
