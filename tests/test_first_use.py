@@ -55,11 +55,13 @@ def test_the_design_cards_spelling_fails_before_the_first_forward_and_warns_of_t
         warnings.simplefilter("ignore", FutureWarning)  # past_key_values= in generate
         with pytest.raises(RuntimeError, match=r"not bound to a model.*cache\.bind\(model\)"):
             model.generate(prompt(40), past_key_values=cache, max_new_tokens=2)
+    assert not forwards  # refused before the prefill started
     stale = H2OCache(model, budget=32, recent=8)
     stale.unbind()
+    before = len(forwards)  # binding may run the model (a probe of its layers); generate must not
     with pytest.raises(RuntimeError, match=r"not bound to a model \(it was unbound\)"):
         model.generate(prompt(40), cache=stale, max_new_tokens=2)
-    assert not forwards  # refused before the prefill started
+    assert len(forwards) == before
     with pytest.warns(DeprecationWarning, match=r"PACECache\(blueprint, model\) is deprecated"):
         PACECache(Blueprint(), model).unbind()
 
