@@ -426,7 +426,9 @@ class SymbolPlanner:
         # English is the name; an English one only where it stands as a thing and nothing else is named.
         # In a description (see pace_hf.planner.prose) they need more.
         code = LITERAL in said.names.values() or bool(said.chains)
+        joined = {w for name in resolved for w in split_name(name)}  # "templates not found": one name, joined
         bare = [(w, p, n) for w, p, n, start in said.bare if w not in resolved and w in index.defined
+                and w.lower() not in joined
                 and w.lower() not in STOPWORDS and not is_verb(p) and not (start and w[0].isupper() and index.english(w))
                 and not (code and not is_thing(p, n, strict=True))]
         english = [(w, p, n) for w, p, n in bare if index.english(w)]
