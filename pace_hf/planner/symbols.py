@@ -16,10 +16,11 @@ definition wins.
   class or of the class the surrounding steps are about (nearest first), else the latest.
 * ``C.m`` is member ``m`` of ``C``, looked up through the bases the session defines, in MRO order, each
   base the class of the file its import names (``from .base import Base as B``; ``import textwrap``
-  then ``textwrap.TextWrapper``, a base of the same name as the subclass), never the class itself. A step that names a class and, apart, a member of it ("subclass `C` and override
-  `m`", "the m method of the c class") means ``C.m`` the same way, and needs ``C`` only as the member's
-  context (its header, the member's body and the signatures it uses on ``self``); ``C.m`` inherited
-  from a base also plans ``C``'s header.
+  then ``textwrap.TextWrapper``, a base of the same name as the subclass), never the class itself. A
+  step that names a class and, apart, a member of it ("subclass `C` and override `m`", "the m method of
+  the c class") means ``C.m`` the same way, and needs ``C`` only as the member's context (its header,
+  the member's body and the signatures it uses on ``self``); ``C.m`` inherited from a base also plans
+  ``C``'s header.
   ``mod.f`` is ``f`` of the file whose path ends with ``mod``, through the session's import aliases
   (``import a.b as c``; ``from pkg import mod``).
 * A name the session defines is an identifier even if it is a builtin or an English word, when the
@@ -82,8 +83,8 @@ from dataclasses import dataclass
 from ..blueprint import Blueprint, Span, as_index
 from .digest import digest, union_size
 from .extract import STOPWORDS, Definition, mentions, plain_word, read, shaped
-from .prose import KIND_WORDS, Lexicon, bagged, by_role, candidates, english, is_common, is_thing, is_verb, keyed, root, \
-    split_name, variants
+from .prose import (KIND_WORDS, Lexicon, bagged, by_role, candidates, english, is_common, is_thing, is_verb,
+                    keyed, root, split_name, variants)
 
 LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
 
@@ -424,12 +425,13 @@ class SymbolPlanner:
             resolved.setdefault(name, (index.name(name, before), DERIVED))
         # Plain words that are names the session defines ("after decodebytes runs"): a word that is not
         # English is the name; an English one only where it stands as a thing and nothing else is named.
-        # In a description (see pace_hf.planner.prose) they need more.
+        # In a description, or a step that also names code, they need more (pace_hf.planner.prose).
         code = LITERAL in said.names.values() or bool(said.chains)
         joined = {w for name in resolved for w in split_name(name)}  # "templates not found": one name, joined
         bare = [(w, p, n) for w, p, n, start in said.bare if w not in resolved and w in index.defined
                 and w.lower() not in joined
-                and w.lower() not in STOPWORDS and not is_verb(p) and not (start and w[0].isupper() and index.english(w))
+                and w.lower() not in STOPWORDS and not is_verb(p)
+                and not (start and w[0].isupper() and index.english(w))
                 and not (code and not is_thing(p, n, strict=True))]
         english = [(w, p, n) for w, p, n in bare if index.english(w)]
         query = list(said.words) + list(said.names)
