@@ -181,8 +181,8 @@ def test_a_numpy_prefill_chunk_size_is_a_token_count():
     outs = []
     for chunk in (32, np.int64(32)):
         counted = []
+        cache = PACECache(model, budget=32, limit=80, recent=8)  # before the hook: binding probes the model once
         handle = model.model.embed_tokens.register_forward_hook(lambda m, args, out: counted.append(args[0].shape[1]))
-        cache = PACECache(model, budget=32, limit=80, recent=8)
         outs.append(model.generate(prompt(100), max_new_tokens=2, do_sample=False, cache=cache, prefill_chunk_size=chunk))
         handle.remove()
         assert counted == [32, 32, 32, 4, 1]
