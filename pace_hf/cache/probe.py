@@ -4,7 +4,8 @@ Config fields name a model's RoPE-free layers only by convention (``no_rope_laye
 ``None``, a theta of 0, or nothing at all when a family's attention code simply skips RoPE on its
 global layers), and families that share a design do not share those names. A cache that guessed would
 re-rotate keys the model never rotated, and the output would change silently. So at bind the cache
-runs the model on ``PROBE_TOKENS`` tokens twice, at positions ``0..n-1`` and ``SHIFT..SHIFT+n-1``, with
+runs the model on ``PROBE_TOKENS`` tokens twice, at positions ``0..n-1`` and ``s..s+n-1`` (``s`` = ``SHIFT``, less
+where the model has fewer positions), with
 a ``DynamicCache`` that records what every layer stores. A uniform shift changes no hidden state (attention
 reads relative positions only), so per attention layer:
 
@@ -38,8 +39,10 @@ from ..rope import RotaryParams, rerotate_reference
 from .layout import LayerSpec
 
 PROBE_TOKENS = 8
-SHIFT = 29  # positions of the second probe: far enough that every rotating pair moves measurably
-TOLERANCE = 0.05  # relative key difference: bf16 rounding stays far below it, a wrong rotation far above
+SHIFT = 509  # positions of the second probe: far enough that every rotating pair, and a slow position scale, moves
+# Relative difference below which two probes agree: rounding stays far below it, a wrong rotation far above.
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
+HALF_TOLERANCE = 0.05  # bf16 and fp16
 
 _MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> _Reading
 
@@ -74,11 +77,19 @@ class _ScoreShapes:
 
 @dataclasses.dataclass
 class _Reading:
-    """The two probes' stored keys per layer, and the score shapes of the first."""
+    """The two probes' stored keys per layer and logits, the score shapes of the first, and how far apart
+    they are and how close counts as equal (the model's dtype)."""
 
     keys: list[dict[int, tuple[torch.Tensor, torch.Tensor]]]
     scored: dict[int, tuple[int, int]]
     logits: list[torch.Tensor]
+    shift: int
+    tolerance: float
+
+
+def _shift(config) -> int:
+    most = getattr(config, "max_position_embeddings", None)
+    return SHIFT if not most else max(1, min(SHIFT, int(most) - PROBE_TOKENS))
 
 
 def _run(model) -> _Reading:
@@ -93,7 +104,7 @@ def _run(model) -> _Reading:
     model.eval()  # dropout would make the two probes differ
     readings, logits, sink = [], [], _ScoreShapes()
     try:
-        for n, start in enumerate((0, SHIFT)):
+        for n, start in enumerate((0, _shift(text))):
             cache = _Recorder(config)
             positions = torch.arange(start, start + PROBE_TOKENS, device=ids.device)[None]
             tokens = attention.enter_forward(sink) if n == 0 else None
@@ -115,7 +126,7 @@ def _run(model) -> _Reading:
     finally:
         for module, mode in modes.items():
             module.training = mode
-    return _Reading(readings, sink.shapes, logits)
+    return _Reading(readings, sink.shapes, logits, _shift(text), TOLERANCE.get(model.dtype, HALF_TOLERANCE))
 
 
 def _cache_argument(model) -> str:
@@ -127,16 +138,17 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _matching_rotation(params: RotaryParams, k0: torch.Tensor, k1: torch.Tensor) -> RotaryParams | None:
+def _matching_rotation(params: RotaryParams, k0: torch.Tensor, k1: torch.Tensor, shift: int,
+                       tolerance: float) -> RotaryParams | None:
     """``params`` in the pair layout that moves the first probe's keys onto the second's, or None."""
     src = torch.arange(k0.shape[-2])
     for layout in dict.fromkeys((params.layout, "half", "interleaved")):
         candidate = dataclasses.replace(params, layout=layout)
         try:
-            moved = rerotate_reference(k0, src, src + SHIFT, candidate, out_dtype=torch.float32)
+            moved = rerotate_reference(k0, src, src + shift, candidate, out_dtype=torch.float32)
         except ValueError:  # another head size: these are not the keys this RoPE rotates
             return None
-        if _relative(moved, k1) < TOLERANCE:
+        if _relative(moved, k1) < tolerance:
             return candidate
     return None
 
@@ -154,14 +166,14 @@ def _layer_config(config, i: int):
 def read_layers(model, specs: list[LayerSpec], bounded: bool) -> tuple[list[LayerSpec], list[RotaryParams | None]]:
     """``specs`` with ``rope`` set to None on every attention layer whose keys carry no position, and,
     when ``bounded``, the verified ``RotaryParams`` of each layer (None where nothing rotates).
-    Raises ``NotImplementedError`` naming what cannot be supported, ``ValueError`` for a RoPE that
-    cannot be re-rotated exactly (only under ``limit``)."""
+    Raises ``NotImplementedError`` naming what no cache can support, ``ValueError`` naming what bounded
+    positions cannot re-rotate exactly (only when ``bounded``)."""
     reading = _MEMO.get(model)
     if reading is None:
         reading = _MEMO[model] = _run(model)
     config = model.config.get_text_config(decoder=True)
     kind = config.model_type
-    if bounded and _relative(reading.logits[1], reading.logits[0]) >= TOLERANCE:
+    if bounded and _relative(reading.logits[1], reading.logits[0]) >= reading.tolerance:
         raise ValueError(f"this model's ({kind}) output changes when every position moves by the same amount: it reads "
                          "absolute positions (learned position embeddings, or a query scale that grows with position), "
                          "which renumbering would change")
@@ -186,7 +198,7 @@ def read_layers(model, specs: list[LayerSpec], bounded: bool) -> tuple[list[Laye
                 f"layer {i} of this model ({kind}) stores tensors of shapes {tuple(k0.shape)} and {tuple(v0.shape)} "
                 f"that are not the keys its attention reads ({scored[0]} heads, {scored[1]} keys): " + ("a compressed-KV (MLA) cache, cache.update(compressed_kv, k_rot), whose tokens pace_hf "
                               "cannot score, evict and re-rotate" if compressed else "pace_hf cannot score it"))
-        if _relative(k1, k0) < TOLERANCE:  # no position in the keys
+        if _relative(k1, k0) < reading.tolerance:  # no position in the keys
             out.append(dataclasses.replace(spec, rope=None))
             rotary.append(None)
             continue
@@ -195,12 +207,12 @@ def read_layers(model, specs: list[LayerSpec], bounded: bool) -> tuple[list[Laye
             rotary.append(None)
             continue
         if spec.rope is None:
-            raise NotImplementedError(f"layer {i} of this model ({kind}) rotates its keys, but its config declares no "
+            raise ValueError(f"layer {i} of this model ({kind}) rotates its keys, but its config declares no "
                                       "RoPE for it: bounded positions cannot re-rotate what they cannot reproduce")
         params = RotaryParams.from_config(_layer_config(config, i), layer_type=spec.rope or None)
-        found = _matching_rotation(params, k0, k1)
+        found = _matching_rotation(params, k0, k1, reading.shift, reading.tolerance)
         if found is None:
-            raise NotImplementedError(
+            raise ValueError(
                 f"layer {i} of this model ({kind}) moves its keys with position in a way its config's RoPE "
                 f"({params.rope_type}, rotary dim {params.rotary_dim}) does not reproduce in either pair layout: "
                 "bounded positions would re-rotate them wrongly")
