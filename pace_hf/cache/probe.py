@@ -42,7 +42,7 @@ PROBE_TOKENS = 8
 SHIFT = 509  # positions of the second probe: far enough that every rotating pair, and a slow position scale, moves
 # Relative difference below which two probes agree: rounding stays far below it, a wrong rotation far above.
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
-HALF_TOLERANCE = 0.05  # bf16 and fp16
+HALF_TOLERANCE = 0.1  # bf16 and fp16: real models differ by about 0.02 under the shift (Qwen 0.5B, Gemma 3 270M)
 
 _MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> _Reading
 
