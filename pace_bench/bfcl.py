@@ -575,11 +575,11 @@ def turn_calls(r: dict) -> list[list[str]]:
 
 
 def fidelity(r: dict, full: dict) -> tuple[int, int]:
-    """(turns whose executed calls equal the full cache's, turns of the entry): a turn one of the two did
-    not play (it stopped early) differs."""
+    """(turns whose executed calls equal the full cache's, turns either played): a turn only one of the two
+    reached (the other stopped early) differs; one neither reached is not counted."""
     mine, theirs = turn_calls(r), turn_calls(full)
     same = sum(1 for t in range(min(len(mine), len(theirs))) if mine[t] == theirs[t])
-    return same, r["turns"]
+    return same, max(len(mine), len(theirs))
 
 
 def table(records: list[dict]) -> str:
@@ -605,7 +605,7 @@ def table(records: list[dict]) -> str:
                 fid = kept = "-"
             else:
                 same, turns = map(sum, zip(*(fidelity(r, f) for r, f in paired)))
-                fid = f"{same}/{turns} ({100 * same / turns:.0f}%)"
+                fid = f"{same}/{turns} ({100 * same / max(turns, 1):.0f}%)"
                 passes = [r for r, f in paired if f["valid"]]
                 kept = f"{sum(r['valid'] for r in passes)}/{len(passes)}"
             called = sum(sum(1 for t in r["calls"] if t) for r in rs)
