@@ -20,7 +20,16 @@ decorators included). Plan styles:
   through its subclass (``Sub.method`` where a base defines it, "subclass `Sub` and override
   `method`"), a name through its module (``utils.quote``) or an import alias that a session file binds;
 * ``description``: only the first sentence of the docstring (five words or more), as a RepoQA needle
-  describes a function without its name: the lexical ranker alone must find it.
+  describes a function without its name: the lexical ranker alone must find it;
+* ``bare``: a name as a plain word, no backquotes or parentheses ("After {name} runs, ..."), of a
+  definition that fits in B/2 and that one definition binds; ``bare-word`` when the name is an English
+  word (``wonderwords``' lists, which the planner does not use), else ``bare-rare``;
+* ``large``: a definition over B/2 (class, function, method, constant), printed by ``cat``, ``cat -n``
+  or as a new file's diff, named in code, bare or in words; found when a part of it that holds its
+  first line is planned (``none``: no token of it is);
+* ``dot``: a method named by ``.name()`` alone, where one class of the session defines it;
+* ``imported``: a base's member named through a subclass in another file that imports the base (the
+  answer needs the member and the subclass's header).
 
 Large classes (40 lines or more) are named with one of their members ("subclass `TextWrapper` and
 override `_wrap_chunks`", or in words). What such a step's answer uses is read with ``ast``: the
@@ -29,11 +38,13 @@ class's header, the member whole, and the signature of every class member it use
 results also give the share of that reading, and of the whole class, that is planned.
 
 A step's need is found when at least 90% of its tokens are planned for the step.
-Precision is token-level: the share of a step's planned tokens that lie in what the step needs.
+Precision is token-level: the share of a step's planned tokens that lie in what the step needs. A step
+is ``stray`` when it plans a piece of a file it needs nothing from (a false positive).
 Plan tokens are those planned for a step; the budget check is plan tokens <= budget // 2.
 
-Split: ``dev`` packages and wordings (used while building the planner) and ``held-out`` packages and
-wordings (chosen and written before any result on them was seen; never tuned on). Report both.
+Split: ``dev`` packages and wordings (used while building the planner), ``held-out`` packages and
+wordings (chosen and written before any result on them was seen; seen since) and ``fresh`` (the same,
+for the bare/large/dot/imported styles; never tuned on). Report all three.
 
 ``--corpus synthetic`` runs the earlier edge-level measure on the generated coding sessions.
 
