@@ -23,7 +23,7 @@ from .billing_spec import (ANSWER_PREFIX, MAX_NEW_TOKENS, PROBE_READS, PROBE_REC
 __all__ = ["GENERATOR_VERSION", "SYSTEM_PROMPT", "MIN_CHUNK_TOKENS", "build_session", "answer_suffix_ids",
            "check_knobs", "check_length", "check_secret", "new_secret"]
 
-GENERATOR_VERSION = "14"  # bump whenever the generated content changes
+GENERATOR_VERSION = "15"  # bump whenever the generated content changes
 SECRET_HEX = 32  # a session secret: 128 bits, as hex digits
 
 SYSTEM_PROMPT = (
@@ -170,6 +170,7 @@ def build_session(
         prompt = chat.user_block(text) + chat.gen_header + ANSWER_PREFIX[name]
         recall = [facts[x] for x in PROBE_RECALL[name]]
         reference = {"probe": name, "step": step + k, "checks": checks[name], "recall": recall,
+                     "recall_facts": list(PROBE_RECALL[name]),
                      "preamble": probe_preamble(name, stand_in), "answer_prefix": ANSWER_PREFIX[name]}
         probes.append({
             "name": name, "step": step + k, "prompt": text, "prompt_ids": chat.encode(prompt),

@@ -7,10 +7,12 @@ checks must tell apart), and :func:`fee` is the fee rule of step 3.
 
 from __future__ import annotations
 
+import functools
 import random
+import re
 from decimal import ROUND_DOWN, ROUND_HALF_EVEN, ROUND_HALF_UP, ROUND_UP, Decimal
 
-__all__ = ["FACT_NAMES", "FACT_STEPS", "ROUNDING_MODES", "sample_facts", "fact_alternatives", "fee"]
+__all__ = ["FACT_NAMES", "FACT_STEPS", "ROUNDING_MODES", "sample_facts", "fact_alternatives", "in_pool", "numeral", "fee"]
 
 CLASS_NAMES = ["Invoice", "Order", "Shipment", "Booking", "Payment", "Ticket", "Parcel", "Rental",
                "Transfer", "Voucher"]
@@ -74,6 +76,36 @@ def fact_alternatives(facts: dict[str, str], name: str) -> list[str]:
         pool = pools[name]
     taken = {facts[k] for k in ("field_id", "field_amount", "field_status")} if name.startswith("field_") else set()
     return [v for v in pool if v != facts[name] and v not in taken]
+
+
+def numeral(text: str) -> str:
+    """A decimal numeral without leading or trailing zeros ("1.250" -> "1.25", "1.00" -> "1")."""
+    whole, _, frac = text.partition(".")
+    whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
+    return whole + "." + frac if frac else whole
+
+
+@functools.lru_cache(maxsize=1)
+def _pools() -> dict[str, frozenset[str]]:
+    names = {"class_name": CLASS_NAMES, "field_amount": AMOUNT_FIELDS, "field_status": STATUS_FIELDS,
+             "status_open": STATUS_OPEN, "status_settled": STATUS_SETTLED, "exception_name": EXCEPTION_NAMES,
+             "rounding_mode": ROUNDING_MODES,
+             "field_id": [f.format(c=c.lower()) for f in ID_FIELDS for c in CLASS_NAMES]}
+    numbers = {"base_fee": BASE_FEES, "fee_rate": FEE_RATES, "quantum": QUANTA}
+    return {**{k: frozenset(v) for k, v in names.items()},
+            **{k: frozenset(numeral(x) for x in v) for k, v in numbers.items()}}
+
+
+_CODE = re.compile(r"(?:%s)-[1-9][0-9]{2}" % "|".join(CODE_PREFIXES))
+
+
+def in_pool(name: str, value: str) -> bool:
+    """Whether ``value`` is one that fact ``name`` can take in some session (numbers as numerals without
+    leading or trailing zeros: "1" for "1.00"). For the recall score: what an answer that lists a pool
+    uses besides the session's value."""
+    if name == "exception_code":
+        return _CODE.fullmatch(value) is not None
+    return value in _pools()[name]
 
 
 def fee(facts: dict[str, str], amount: Decimal) -> Decimal:

@@ -93,15 +93,56 @@ def test_extract_code():
     assert M.extract_code("```python\na = 1\n```\n```\nnot python\n```") == "a = 1\n"
 
 
-def test_recall_on_handcrafted_answers():
-    facts = ["Invoice", "0.05", "ROUND_HALF_UP", "state", "E-417", "1.25"]
-    assert M.recall_hits('class Invoice: ...\nQ = Decimal("0.050")  # ROUND_HALF_UP\nx.state\nE-417 1.25',
-                         facts) == [True] * 6
-    assert M.recall_hits("invoice statement 0.5 ROUND_HALF_UPPER E-4170 11.25 Invoices", facts) == [False] * 6
-    assert M.recall_hits('BASE = Decimal("1.250"); QUANTUM = .05', ["1.25", "0.05"]) == [True, False]
+def _recall(code, facts):
+    """Recall of ``{fact: value}`` for an answer that is ``code`` in a python block, scored for real."""
+    ref = {"probe": "x", "checks": [], "recall": list(facts.values()), "recall_facts": list(facts)}
+    out = M.score_answer("```python\n" + code + "```", json.dumps(ref))
+    return out["recall_hits"], out["recall_missing"]
+
+
+def test_recall_counts_values_as_the_code_uses_them():
+    """A fact is recalled where the code uses its value as the spec's code does: a class it defines, a
+    raised exception, a field, a whole string, a number (by value), a rounding mode it reads. Prose,
+    comments, imports and near misses recall nothing."""
+    facts = {"class_name": "Invoice", "quantum": "0.05", "rounding_mode": "ROUND_HALF_UP",
+             "field_status": "state", "exception_code": "E-417", "base_fee": "1.25"}
+    used = ('from decimal import Decimal, ROUND_HALF_UP\nclass Invoice:\n    state: str\n'
+            'def f(x):\n    if x.state != "E-417":\n        pass\n'
+            '    return (Decimal("1.250") + Decimal(".050")).quantize(Decimal("1"), rounding=ROUND_HALF_UP)\n')
+    assert _recall(used, facts) == (6, [])
+    mentioned = ('"""Invoice with state, quantum 0.05, base 1.25, E-417, ROUND_HALF_UP."""\n'
+                 'from decimal import ROUND_HALF_UP  # Invoice state E-417\nclass Invoices:\n    statement: str\n'
+                 'x = ["E-4170", 11.25, 0.5]\n')
+    assert _recall(mentioned, facts) == (0, list(facts.values()))
     out = M.score_answer("no code at all, Invoice and 1.25", json.dumps(
-        {"probe": "x", "checks": [], "recall": ["Invoice", "1.25", "E-417", "state"]}))
-    assert (out["recall_hits"], out["recall_total"], out["recall_missing"]) == (2, 4, ["E-417", "state"])
+        {"probe": "x", "checks": [], "recall": ["Invoice", "1.25"], "recall_facts": ["class_name", "base_fee"]}))
+    assert (out["recall_hits"], out["recall_total"]) == (0, 2)  # prose that does not parse: no code uses them
+
+
+def test_an_answer_that_lists_every_pool_value_recalls_nothing(rows):
+    """Issue 54: an answer listing every value of every fact pool (every error code, every name) got recall
+    22/22 with no check passed. Recall now needs the value used as the code uses it and no other value of
+    its pool used so: the list recalls no more than an answer that lists nothing."""
+    pools = {name: [facts[name]] + S.fact_alternatives(facts, name) for facts in [_facts(rows[0])]
+             for name in S.FACT_NAMES}
+    codes = ["E-%d" % n for n in range(100, 1000)] + ["%s-%d" % (p, n) for p in S.CODE_PREFIXES for n in (100, 417, 999)]
+    strings = sorted({v for vs in pools.values() for v in vs} | set(codes))
+    listing = ("```python\nfrom decimal import Decimal\n"
+               + "".join(f"class {c}(Exception):\n    {f}: str\n" for c, f in zip(
+                   sorted(set(S.CLASS_NAMES) | set(S.EXCEPTION_NAMES)),
+                   sorted({v for k in ("field_id", "field_amount", "field_status") for v in pools[k]}) * 3))
+               + "def settle(r):\n" + "".join(f"    raise {e}(r.{f})\n" for e in S.EXCEPTION_NAMES
+                                               for f in S.STATUS_FIELDS)
+               + "VALUES = " + repr(strings) + "\n"
+               + "NUMBERS = [" + ", ".join(f'Decimal("{v}")' for k in ("base_fee", "fee_rate", "quantum")
+                                          for v in pools[k]) + "]\n"
+               + "MODES = [" + ", ".join(f"__import__('decimal').{m}" for m in S.ROUNDING_MODES) + "]\n```")
+    for probe in rows[0]["probes"]:
+        listed = M.score_answer(listing, probe["reference"])
+        silent = M.score_answer("```python\nx = 1\n```", probe["reference"])
+        assert listed["recall_hits"] <= silent["recall_hits"] == 0, (probe["name"], listed["recall_missing"])
+        good = M.score_answer(reference_solution(rows[0], probe["name"]), probe["reference"])
+        assert good["recall_hits"] == good["recall_total"] > 0, good["recall_missing"]
 
 
 def test_expected_value_matching():
@@ -416,6 +457,8 @@ def _random_reference(rng):
         if rng.random() < 0.1:
             del c[rng.choice(["name", "expr", "expected"])]
     ref = {"checks": checks, "recall": rng.choice([[], ["x", "1.5"], [1], "x"])}
+    if rng.random() < 0.3:
+        ref["recall_facts"] = rng.choice([["class_name", "base_fee"], ["class_name", "base_fee"], ["x", "y"], [1, 2]])
     return json.dumps(ref) if rng.random() < 0.8 else ref
 
 
@@ -439,7 +482,7 @@ def test_random_results_and_references_raise_only_documented_errors(monkeypatch)
 
     rng = random.Random(13)
 
-    def fake_run_calls(program, calls, limits):
+    def fake_run_answer(codes, calls, limits, preamble):
         rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
         run = S._Run(list(calls), os.getpid(), wfd)
@@ -448,16 +491,20 @@ def test_random_results_and_references_raise_only_documented_errors(monkeypatch)
             return os.read(rfd, 1 << 16).split(b" ")[0].decode()  # the nonce of the request just sent
 
         try:
-            run.feed(json.dumps({"setup": ["landlock v7"]}).encode())
+            uses = rng.choice([{}, {"strings": ["E-417", 3, None]}, {"numbers": ["1.25", "x", "1e5", ""]}, [1],
+                               {"names": "ROUND_UP"}, {k: ["Invoice", "0.05"] for k in ("classes", "numbers", "x")}])
+            run.feed(json.dumps({"setup": ["landlock v7"], "chosen": rng.choice([0, None, "0"]), "uses": uses}).encode())
+            if not calls:  # a run for the parse alone: no request is sent
+                return S.AnswerRun(run.chosen, run.uses, [])
             run.feed(json.dumps({"c": asked(), "ready": True}).encode())
             for _ in range(len(calls)):
                 run.feed(_random_report(rng, asked()))
-            return run.results(None, 1.0, "")
+            return S.AnswerRun(run.chosen, run.uses, run.results(None, 1.0, ""))
         finally:
             os.close(rfd)
             run.close_calls()
 
-    monkeypatch.setattr(M, "run_calls", fake_run_calls)
+    monkeypatch.setattr(M, "run_answer", fake_run_answer)
     outcomes = {"scored": 0, "refused": 0}
     for _ in range(600):
         try:
@@ -565,16 +612,53 @@ def test_correct_answers_in_every_shape_pass(rows):
         assert out["answer_form"] == want, shape
 
 
-def test_choose_code_rule():
+def test_the_sandbox_chooses_the_reading():
+    """The first reading whose code parses is run; if none parses, the first, whose load fails. The parse
+    happens in the sandbox (``run_answer``), never in the parent."""
     prefix = 'def f():\n    return "'
     assert M.answer_forms("x", "") == [("standalone", "x")]
     assert M.answer_forms(prefix + "a\"", prefix) == [("standalone", prefix + "a\"")]
-    assert M.choose_code('a"\n', prefix)[:3] == ("continuation", prefix + 'a"\n', prefix + 'a"\n')
-    assert M.choose_code("x = 1\n", prefix)[0::3] == ("standalone", None)  # the continuation does not parse
-    form, _, _, why = M.choose_code("x = (\n", prefix)  # neither parses: the first reading, with its error
-    assert form == "continuation" and why.startswith("SyntaxError")
-    assert M.choose_code("  \n", prefix)[3] == "no code"
-    assert M.parse_error("(" * 300) is not None and M.parse_error("-" * 200_000 + "1") is not None
+    ref = json.dumps({"probe": "x", "checks": [{"name": "f", "expr": "f()", "expected": "a"}], "answer_prefix": prefix})
+    out = M.score_answer('a"\n', ref)
+    assert (out["answer_form"], out["passed"]) == ("continuation", True)
+    out = M.score_answer('def f():\n    return "a"\n', ref)  # the continuation does not parse
+    assert (out["answer_form"], out["passed"]) == ("standalone", True)
+    out = M.score_answer("x = (\n", ref)  # neither parses: the first reading, with its error
+    assert (out["answer_form"], out["failure"]) == ("continuation", "does not parse"), out
+    assert "SyntaxError" in out["checks"][0]["got"]
+    assert M.score_answer("  \n", ref)["failure"] == "no code"
+    assert M.score_answer("(" * 300, ref)["failure"] == "does not parse"  # the parser's own limit
+    assert M.score_answer("-" * 60_000 + "1", ref)["failure"] == "does not parse"
+
+
+def test_the_parents_work_on_a_hostile_answer_is_bounded(rows):
+    """Issue 54: the parent parsed the answer itself (``ast.parse`` of 1.5 MB: +1 GiB and 10 s of its CPU)
+    and put every number of the answer into a set of Decimals (50,000 numbers whose hashes collide: 44 s,
+    quadratic in the text). Now an answer over MAX_ANSWER_CHARS is not read, the sandbox parses the rest,
+    and recall looks values up in sets of str. Measured in this process: CPU time (the child's is its own)
+    and the peak of Python's allocations, for 10 MB of hostile text and for the worst texts under the cap."""
+    import time
+    import tracemalloc
+
+    ref = rows[0]["probes"][2]["reference"]  # the module probe: every fact
+    collide = 2**61 - 1  # Decimal(k * collide) all hash alike
+    under = M.MAX_ANSWER_CHARS - 100
+    hostile = {
+        "10 MB of code": "```python\nx = [" + "1, " * 3_500_000 + "]\n```",
+        "colliding numbers": "```python\nX = [" + ", ".join(str(collide * k) for k in range(1, 3000))[:under] + "]\n```",
+        "colliding numbers in prose": " ".join(str(collide * k) for k in range(1, 3000))[:under],
+        "fences without a newline": "```python" * (under // 9),
+        "deep nesting": "```python\nx = " + "[" * 90 + "]" * 90 + "\n" + "y = " + "-" * (under - 200) + "1\n```",
+    }
+    for name, answer in hostile.items():
+        tracemalloc.start()
+        cpu = time.process_time()
+        out = M.score_answer(answer, ref)
+        cpu = time.process_time() - cpu
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert out["checks_passed"] == out["recall_hits"] == 0, (name, out["failure"])
+        assert cpu < 1.0 and peak < 4 * len(answer) + (8 << 20), (name, cpu, peak)
 
 
 def test_failure_says_why_a_probe_failed(rows):

@@ -164,8 +164,8 @@ def test_a_cgroup_that_cannot_be_removed_is_a_loud_error(monkeypatch):
     run's folder holds a cgroup of its own, which the kernel refuses to remove it around."""
     base = _cgroup_base()
     folder = os.path.join(base, f"pace-run-{os.getpid()}-0123456789abcdef")
-    os.makedirs(os.path.join(folder, "inner"))
     monkeypatch.setattr(sandbox, "_REMOVE_S", 0.2)
+    os.makedirs(os.path.join(folder, "inner"))
     try:
         with pytest.raises(SandboxLeak, match="could not be removed"):
             sandbox._remove_cgroup({"path": folder, "v1": True})

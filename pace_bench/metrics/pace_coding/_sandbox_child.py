@@ -220,17 +220,85 @@ def main():
         joined = _join_cgroup(job.get("cgroup"))
         layers, read_roots = _confine(job, (call_fd, report_fd))  # returns in the sandbox process only
         layers += joined
+        parsed = {}
+        if job.get("answers") is not None:  # parsed here, confined, before any of it runs
+            parsed["chosen"], parsed["uses"] = _choose_answer(job["answers"])
+            code = job["answers"][parsed["chosen"] or 0]
+            job["program"] = job["program"] + "\n\n" + code if job["program"] else code
         to_plain, describe_exception, type_name, encode = _make_converter()
         violations = []
         _install_audit_hook(job["work"], read_roots, job["limits"]["max_processes"] > 0, violations)
     except BaseException as e:  # noqa: BLE001 - the parent must hear why
         send(_plain_json({"setup": [], "failed": "%s: %s" % (type(e).__name__, str(e)[:300])}))
         os._exit(0)
-    send(encode({"setup": layers}))
+    send(encode(dict(parsed, setup=layers)))
     if not any(layer.startswith("landlock") for layer in layers):
         os._exit(0)  # no OS-level wall against reads and writes: the parent refuses to run code here
     _serve(job["program"], _make_request_reader(call_fd), send, encode, to_plain, describe_exception,
            type_name, violations)
+
+
+MAX_USES = 2048  # values per kind in an answer's uses (see _answer_uses)
+MAX_USE_CHARS = 64  # longer names and strings are no session fact
+
+
+def _choose_answer(codes):
+    """``(index of the first code that parses and compiles, its uses)``, or ``(None, {})`` if none does.
+    The parse runs here, inside the run's limits: a hostile answer's parse costs the parent nothing."""
+    import ast
+    for k, code in enumerate(codes):
+        if not code.strip():
+            continue
+        try:
+            tree = ast.parse(code)
+            compile(tree, "<solution>", "exec")  # what the parser takes and the compiler refuses ('return')
+        except Exception:  # noqa: BLE001 - SyntaxError, or the parser's or compiler's MemoryError/RecursionError
+            continue
+        return k, _answer_uses(tree)
+    return None, {}
+
+
+def _answer_uses(tree):
+    """How the code uses each name and value, by kind: ``classes`` it defines, names it ``raised``,
+    ``fields`` (a class body's annotated names, and attributes), ``names`` it reads (not imports),
+    ``strings`` (whole string constants) and ``numbers`` (numeric constants as ``repr`` writes them, and
+    string constants, which ``Decimal("0.25")`` takes; not the arguments of ``quantize``, which are the
+    rounding's unit, not a constant of the rule). At most ``MAX_USES`` of each, each at most
+    ``MAX_USE_CHARS`` long."""
+    import ast
+    uses = {k: set() for k in ("classes", "raised", "fields", "names", "strings", "numbers")}
+
+    def add(kind, text):
+        if type(text) is str and len(text) <= MAX_USE_CHARS and len(uses[kind]) < MAX_USES:
+            uses[kind].add(text)
+
+    units = set()  # the constants quantize is called with
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "quantize":
+            for arg in node.args[:1]:
+                units.update(id(n) for n in ast.walk(arg))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            add("classes", node.name)
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    add("fields", item.target.id)
+        elif isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            add("raised", exc.id if isinstance(exc, ast.Name) else exc.attr if isinstance(exc, ast.Attribute) else None)
+        elif isinstance(node, ast.Attribute):
+            add("fields", node.attr)
+            add("names", node.attr)
+        elif isinstance(node, ast.Name):
+            add("names", node.id)
+        elif isinstance(node, ast.Constant) and id(node) not in units:
+            value = node.value
+            if type(value) is str:
+                add("strings", value)
+                add("numbers", value)
+            elif type(value) in (int, float):
+                add("numbers", repr(value))
+    return {k: sorted(v) for k, v in uses.items()}
 
 
 def _join_cgroup(cgroup):

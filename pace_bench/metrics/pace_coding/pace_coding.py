@@ -1,6 +1,5 @@
 """pace_coding: hidden-test and fact-recall scoring of the PACE benchmark's coding probes."""
 
-import ast
 import json
 import math
 import re
@@ -9,7 +8,8 @@ from decimal import Decimal, InvalidOperation
 import datasets
 import evaluate
 
-from pace_bench.metrics.pace_coding.sandbox import SandboxLimits, decode_value, plain_data_error, run_calls
+from pace_bench.facts import in_pool, numeral
+from pace_bench.metrics.pace_coding.sandbox import SandboxLimits, decode_value, plain_data_error, run_answer
 
 _CITATION = """\
 @software{pace_hf,
@@ -80,17 +80,30 @@ class InvalidReference(MetricInputError):
     """A grading record that is not valid JSON of the documented shape."""
 
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
-_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
-_NUMERIC_FACT = re.compile(r"^\d+(?:\.\d+)?$")
+_TAG = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)")
 _PY_TAGS = {"python", "py", "python3", "py3"}
+_NUMERAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+# An answer longer than this is not read at all (failure "too long"): the longest of 1,078 stored answers
+# is 2,073 characters (the module probe's 384 new tokens), so no real answer comes near it, and the
+# parent's work on a hostile one stays bounded.
+MAX_ANSWER_CHARS = 65_536
 
 
 def extract_code(text):
     """The code of an answer: its ```python (or ```py) blocks joined by blank lines; else
     its untagged ``` blocks; else the raw text. An unclosed last fence runs to the end
-    (a truncated answer)."""
-    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(text)]
+    (a truncated answer). One pass over the text (``str.find``), linear in its length."""
+    blocks, at = [], 0
+    while (start := text.find("```", at)) >= 0:
+        eol = text.find("\n", start + 3)
+        if eol < 0:
+            break
+        tag = _TAG.match(text, start + 3, eol).group(1).lower()
+        end = text.find("```", eol + 1)
+        blocks.append((tag, text[eol + 1:] if end < 0 else text[eol + 1:end]))
+        if end < 0:
+            break
+        at = end + 3
     tagged = [code for tag, code in blocks if tag in _PY_TAGS]
     if tagged:
         return "\n\n".join(tagged)
@@ -100,23 +113,34 @@ def extract_code(text):
     return text
 
 
-def recall_hits(answer, facts):
-    """For each fact string, whether the answer states it.
+# How the code must use each fact's value to recall it (the kinds of ``sandbox.run_answer``'s ``uses``).
+RECALL_USES = {
+    "class_name": ("classes",), "exception_name": ("classes", "raised"),
+    "field_id": ("fields",), "field_amount": ("fields",), "field_status": ("fields",),
+    "status_open": ("strings",), "status_settled": ("strings",), "exception_code": ("strings",),
+    "base_fee": ("numbers",), "fee_rate": ("numbers",), "quantum": ("numbers",),
+    "rounding_mode": ("names", "strings"),
+}
 
-    Numbers ("0.05", "1.25") match any number literal of equal value in the answer
-    ("0.050" matches "0.05"; "0.5" does not). Everything else (names, status values,
-    rounding modes, codes) is matched case-sensitively as a whole token: not preceded or
-    followed by a letter, digit or underscore ("state" does not match "statement")."""
-    numbers = None
+
+def recall_hits(uses, facts):
+    """For each ``(fact name, value)``, whether the code uses the value as the code of the spec does
+    (:data:`RECALL_USES`: a class it defines, an exception it raises, a field or attribute, a whole string
+    constant, a numeric constant, a name it reads) and uses no other value of that fact's pool in the same
+    way (values that another fact of the probe holds aside). So an answer that lists a pool recalls
+    nothing from it, and prose, comments and imports recall nothing. ``uses`` is what the sandbox's parse
+    of the answer's code reported (:func:`pace_bench.metrics.pace_coding.sandbox.run_answer`); each test
+    is a lookup in a set of str, so the work is linear in the answer."""
+    numeric = {name for name, kinds in RECALL_USES.items() if kinds == ("numbers",)}
+    numbers = {numeral(x) for x in uses.get("numbers", ()) if _NUMERAL.fullmatch(x)}
+    own = {numeral(v) if n in numeric else v for n, v in facts}
     hits = []
-    for fact in facts:
-        if _NUMERIC_FACT.match(fact):
-            if numbers is None:
-                numbers = {Decimal(n) for n in _NUMBER.findall(answer)}
-            hits.append(Decimal(fact) in numbers)
-        else:
-            pattern = r"(?<![A-Za-z0-9_])" + re.escape(fact) + r"(?![A-Za-z0-9_])"
-            hits.append(re.search(pattern, answer) is not None)
+    for name, value in facts:
+        kinds = RECALL_USES.get(name, ())
+        used = numbers if name in numeric else set().union(*(uses.get(k, ()) for k in kinds))
+        want = numeral(value) if name in numeric else value
+        rivals = [u for u in used if u != want and u not in own and in_pool(name, u)]
+        hits.append(want in used and not rivals)
     return hits
 
 
@@ -198,6 +222,11 @@ def parse_reference(reference):
         raise InvalidReference("reference needs a 'checks' list (see the metric's description)")
     if type(recall) is not list or not all(type(f) is str for f in recall):
         raise InvalidReference("reference's 'recall' must be a list of str")
+    names = ref.get("recall_facts")
+    if names is not None and not (type(names) is list and len(names) == len(recall)
+                                  and all(type(n) is str and n in RECALL_USES for n in names)):
+        raise InvalidReference(f"reference's 'recall_facts' must name the fact of each 'recall' value, one of "
+                               f"{sorted(RECALL_USES)}")
     if not checks and not recall:
         raise InvalidReference("reference has neither checks nor recall facts: nothing to score")
     for key in ("preamble", "answer_prefix"):
@@ -226,18 +255,8 @@ def parse_reference(reference):
 
 
 # Why a probe failed, most telling first: a probe's failure is the first of these among its checks.
-FAILURES = ("no code", "does not parse", "error", "timeout", "raised", "wrong value")
+FAILURES = ("too long", "no code", "does not parse", "error", "timeout", "raised", "wrong value")
 _PARSE_ERRORS = ("SyntaxError", "IndentationError", "TabError")
-
-
-def parse_error(code):
-    """None if ``code`` parses as a Python module, else the parser's message. Only parses (``ast``):
-    nothing runs, and the parser's own limits (nesting, memory) count as not parsing."""
-    try:
-        ast.parse(code)
-    except Exception as e:  # noqa: BLE001 - SyntaxError, or RecursionError/MemoryError from the parser
-        return f"{type(e).__name__}: {str(e)[:200]}"
-    return None
 
 
 def answer_forms(answer, prefix):
@@ -250,24 +269,6 @@ def answer_forms(answer, prefix):
     return [("standalone", answer)]
 
 
-def choose_code(answer, prefix):
-    """The reading to score, by a fixed rule: the first of :func:`answer_forms` whose code
-    (:func:`extract_code`) parses; if none parses, the first. Returns ``(form, text, code, error)``;
-    ``error`` is "no code" for a blank answer, the first reading's parse error if none parses,
-    else None."""
-    forms = answer_forms(answer, prefix)
-    if not answer.strip():
-        return forms[0][0], forms[0][1], "", "no code"
-    first = None
-    for form, text in forms:
-        code = extract_code(text)
-        why = parse_error(code) if code.strip() else "no code"
-        if why is None:
-            return form, text, code, None
-        first = first or (form, text, code, why)
-    return first
-
-
 def check_failure(expected, result):
     """Why a check failed (one of :data:`FAILURES`), or None if it passed."""
     if check_passed(expected, result):
@@ -277,7 +278,7 @@ def check_failure(expected, result):
     if result.status == "error":
         detail = result.detail or ""
         if detail.startswith(tuple(f"program failed: {e}" for e in _PARSE_ERRORS)):
-            return "does not parse"  # the compiler refused what the parser took ('return' at top level)
+            return "does not parse"
         return "raised" if detail.startswith("program failed:") else "error"
     if result.status == "raised" and not _is_raise_spec(expected):
         return "raised"
@@ -285,27 +286,36 @@ def check_failure(expected, result):
 
 
 def score_answer(answer, reference, limits=None):
-    """Score one answer (a str) against one grading record (a JSON string or dict). See
-    :func:`choose_code` for which reading of the answer is scored."""
+    """Score one answer (a str) against one grading record (a JSON string or dict).
+
+    An answer over :data:`MAX_ANSWER_CHARS` is not read ("too long"). Otherwise its readings
+    (:func:`answer_forms`, the code of each by :func:`extract_code`) go to the sandbox, which parses them,
+    confined, and runs the first that parses and compiles (if none does, the first, whose load then fails:
+    "does not parse"); the parent parses nothing. Recall is scored on how that code uses each fact
+    (:func:`recall_hits`), for records that name their recall facts (``recall_facts``, from generator 15 on);
+    on older records it is not scored (``recall_total`` 0)."""
     if type(answer) is not str:
         raise MetricInputError(f"a prediction must be a str, got {type(answer).__name__}")
     ref = parse_reference(reference)
     checks, recall = ref["checks"], ref.get("recall", [])
-    form, text, code, why = choose_code(answer, ref.get("answer_prefix") or "")
+    facts = list(zip(ref["recall_facts"], recall)) if ref.get("recall_facts") is not None else []
     preamble = ref.get("preamble") or ""
-    rows = []
-    if why is None and checks:
-        program = preamble + "\n\n" + code if preamble else code
-        results = run_calls(program, [c["expr"] for c in checks], limits or SandboxLimits())
-        for c, r in zip(checks, results):
-            failure = check_failure(c["expected"], r)
+    forms = answer_forms(answer, ref.get("answer_prefix") or "") if len(answer) <= MAX_ANSWER_CHARS else []
+    codes = [extract_code(text) for _, text in forms]
+    form, uses, rows = forms[0][0] if forms else "standalone", {}, []
+    if any(code.strip() for code in codes) and answer.strip():
+        run = run_answer(codes, [c["expr"] for c in checks], limits or SandboxLimits(), preamble)
+        form, uses = forms[run.chosen or 0][0], run.uses
+        for c, r in zip(checks, run.results):
+            failure = check_failure(c["expected"], r) if run.chosen is not None else "does not parse"
             rows.append({"name": c["name"], "fact": c.get("fact"), "passed": failure is None, "status": r.status,
                          "failure": failure, "got": _short(r)})
-    else:  # nothing to run: no code, or code that does not parse
-        status, failure = ("no_code", "no code") if why == "no code" else ("error", "does not parse")
+    else:  # nothing to run: too long, or no code
+        status, failure = ("too_long", "too long") if not forms else ("no_code", "no code")
+        got = f"the answer is longer than {MAX_ANSWER_CHARS} characters" if not forms else ""
         rows = [{"name": c["name"], "fact": c.get("fact"), "passed": False, "status": status, "failure": failure,
-                 "got": "" if why == "no code" else why} for c in checks]
-    hits = recall_hits(text, recall)
+                 "got": got} for c in checks]
+    hits = recall_hits(uses, facts)
     n_passed = sum(r["passed"] for r in rows)
     failures = {r["failure"] for r in rows}
     return {
@@ -319,7 +329,7 @@ def score_answer(answer, reference, limits=None):
         "failure": next((f for f in FAILURES if f in failures), None),
         "recall_hits": sum(hits),
         "recall_total": len(hits),
-        "recall_missing": [f for f, h in zip(recall, hits) if not h],
+        "recall_missing": [v for (_, v), h in zip(facts, hits) if not h],
     }
 
 

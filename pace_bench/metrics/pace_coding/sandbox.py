@@ -60,16 +60,20 @@ from dataclasses import asdict, dataclass, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from pace_bench.metrics.pace_coding._sandbox_child import MAX_USE_CHARS, MAX_USES
+
 __all__ = [
     "CallResult",
     "CodeExecutionNotAllowed",
     "SandboxLeak",
     "SandboxLimits",
     "SandboxUnavailable",
+    "AnswerRun",
     "decode_value",
     "isolation_layers",
     "plain_data_error",
     "require_opt_in",
+    "run_answer",
     "run_calls",
 ]
 
@@ -221,6 +225,43 @@ def run_calls(program: str, calls: list[str], limits: SandboxLimits = SandboxLim
     Raises TypeError for a ``program`` that is not a str or ``calls`` that are not a list (or
     tuple) of str (a single str is refused, not split into characters), and
     :class:`SandboxUnavailable` where the host's files cannot be walled off."""
+    _check_arguments(program, calls, limits)
+    if not calls:
+        return []
+    results, _layers, refusal, _parsed = _run(program, list(calls), limits)
+    if refusal:
+        raise SandboxUnavailable(refusal)
+    return results
+
+
+@dataclass(frozen=True)
+class AnswerRun:
+    """What :func:`run_answer` found: ``chosen``, the index of the first code that parses (None if none
+    does: the first was run, and its load failed); ``uses``, how that code uses names and values, by kind
+    (``classes``, ``raised``, ``fields``, ``names``, ``strings``, ``numbers``: see
+    ``_sandbox_child._answer_uses``); and the calls' ``results``."""
+
+    chosen: int | None
+    uses: dict
+    results: list
+
+
+def run_answer(codes: list[str], calls: list[str], limits: SandboxLimits = SandboxLimits(),
+               preamble: str = "") -> AnswerRun:
+    """Like :func:`run_calls` for the readings of one answer (``codes``, tried in order): the child parses
+    each, confined, runs ``preamble`` and the first that parses (or the first, whose load then fails), and
+    reports how that code uses names and values before any of it runs. The parent parses nothing: a hostile
+    answer costs it no parse. Runs even without calls, for the parse alone."""
+    _check_arguments(preamble, calls, limits)
+    if type(codes) not in (list, tuple) or not codes or not all(type(c) is str for c in codes):
+        raise TypeError("codes must be a non-empty list of str (the readings of one answer)")
+    results, _layers, refusal, (chosen, uses) = _run(preamble, list(calls), limits, answers=list(codes))
+    if refusal:
+        raise SandboxUnavailable(refusal)
+    return AnswerRun(chosen if type(chosen) is int and 0 <= chosen < len(codes) else None, uses, results)
+
+
+def _check_arguments(program: Any, calls: Any, limits: Any) -> None:
     require_opt_in()
     if type(program) is not str:
         raise TypeError(f"program must be a str, got {type(program).__name__}")
@@ -230,12 +271,6 @@ def run_calls(program: str, calls: list[str], limits: SandboxLimits = SandboxLim
         raise TypeError("calls must be a list of str (one expression each)")
     if not isinstance(limits, SandboxLimits):
         raise TypeError("limits must be a SandboxLimits")
-    if not calls:
-        return []
-    results, _layers, refusal = _run(program, list(calls), limits)
-    if refusal:
-        raise SandboxUnavailable(refusal)
-    return results
 
 
 def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
@@ -252,8 +287,10 @@ def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
 # Parent runner
 
 
-def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[CallResult], list[str], str | None]:
-    """Run the child: ``(results, layers, refusal)``; ``refusal`` says why no code ran, if so."""
+def _run(program: str, calls: list[str], limits: SandboxLimits, answers: list[str] | None = None
+         ) -> tuple[list[CallResult], list[str], str | None, tuple[int | None, dict]]:
+    """Run the child: ``(results, layers, refusal, (chosen, uses))``; ``refusal`` says why no code ran, if
+    so; the last is what the child's parse of ``answers`` found (see :func:`run_answer`)."""
     uid = _pick_uid()
     base = tempfile.mkdtemp(prefix="pace-sandbox-")
     work = os.path.join(base, "work")
@@ -264,7 +301,8 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
         os.chmod(base, 0o711)  # the child's unprivileged uid must reach work/
         os.mkdir(work, 0o700)
         job = {
-            "program": program, "work": work, "uid": uid, "parent_pid": os.getpid(), "cgroup": cgroup, "fifos": True,
+            "program": program, "answers": answers, "work": work, "uid": uid, "parent_pid": os.getpid(),
+            "cgroup": cgroup, "fifos": True,
             "limits": {k: v for k, v in asdict(limits).items() if k != "timeout_s"},
         }
         call_r, call_w = os.pipe()
@@ -295,7 +333,7 @@ def _run(program: str, calls: list[str], limits: SandboxLimits) -> tuple[list[Ca
         _kill(proc, uid)
         stderr.drain()
         results = [_scratch_unnamed(r, base) for r in run.results(ended, limits.timeout_s, stderr.last_line())]
-        return results, run.layers, run.refusal
+        return results, run.layers, run.refusal, (run.chosen, run.uses)
     finally:
         if proc is not None:
             if proc.returncode is None:
@@ -374,6 +412,8 @@ class _Run:
         self.broken_from: int | None = None  # the first call failed by a protocol break
         self.out = bytearray()  # request bytes not yet taken by the pipe
         self.fifo_fds: list[int] = []  # the report and stderr FIFOs, once taken (see _take_fifos)
+        self.chosen: int | None = None  # the child's parse of the answer's readings (see run_answer)
+        self.uses: dict[str, list[str]] = {}
 
     def finished(self) -> bool:
         return self.phase == "done"
@@ -407,6 +447,10 @@ class _Run:
     def _setup(self, msg: dict) -> None:
         layers = msg["setup"]
         self.layers = [str(x)[:100] for x in layers[:20]] if type(layers) is list else []
+        self.chosen = msg.get("chosen") if type(msg.get("chosen")) is int else None
+        uses = msg.get("uses")
+        self.uses = {str(k)[:20]: [x for x in v[:MAX_USES] if type(x) is str and len(x) <= MAX_USE_CHARS]
+                     for k, v in list(uses.items())[:8] if type(v) is list} if type(uses) is dict else {}
         if msg.get("failed"):
             self.refusal = f"sandbox setup failed: {str(msg['failed'])[:300]}"
         elif not any(layer.startswith(_WALL) for layer in self.layers):
