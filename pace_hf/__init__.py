@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .blueprint import Blueprint, Span
 from .cache import EvictionCache, H2OCache, PACECache, SnapKVCache, StreamingLLMCache
+from . import memory  # noqa: F401  (the memory a cache with store= builds; see pace_hf.memory.wing)
 from .planner import SymbolPlanner
 from .scoring import CumulativeAttention, Foresight, ForesightBonus, ObservationWindow, Recency, ScoringPolicy
 from .session import PACESession

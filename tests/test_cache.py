@@ -345,7 +345,7 @@ def test_store_must_be_a_tiered_store(tmp_path):
 def test_bounded_positions_on_a_model_without_rotary_embeddings_name_the_fix():
     torch.manual_seed(0)
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256)).eval()
-    with pytest.raises(ValueError, match="no rope_parameters.*with limit=None the cache keeps positions unbounded"):
+    with pytest.raises(ValueError, match="reads absolute positions.*with limit=None the cache keeps positions unbounded"):
         PACECache(gpt2, budget=32, limit=96, recent=8)
     out = gpt2.generate(prompt(80), max_new_tokens=2, do_sample=False, prefill_chunk_size=32,
                         cache=PACECache(gpt2, budget=32, limit=None, recent=8))

@@ -162,14 +162,14 @@ def test_corrupt_entries_are_never_restored(fault, tmp_path):
             data = data[: len(data) // 3]
         path.write_bytes(bytes(data))
     if fault == "foreign":
-        cache.spill.fingerprint = cache.fingerprint = "another-model"
+        cache.spill.fingerprint = cache.memory.fingerprint = "another-model"
     before = [t.clone() for t in cache.layers[0].tensors().values()]
     assert cache.restore(50, 70) == 0  # nothing loaded
     assert cache.residency(range(50, 70)) == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, cache.layers[0].tensors().values()))
     assert cache.tier_stats["store"]["disk"]["integrity_failures"] > 0
     strict = TieredStore([DiskTier(tmp_path)], strict=True)
-    cache.store = cache.spill.store = strict
+    cache.memory.store = cache.spill.store = strict
     with pytest.raises(IntegrityError):
         cache.restore(50, 70)
 

@@ -166,6 +166,14 @@ def test_scoring_imports_nothing_of_the_cache():
     assert {name: _within(mods, CACHE) for name, mods in found.items() if _within(mods, CACHE)} == {}
 
 
+def test_the_cache_imports_nothing_of_the_memory_wing():
+    """The cache evicts and tells its memory; it never reaches into spill, restore or persist itself."""
+    found = _imports_of(CACHE)
+    assert len(found) > 3
+    assert {name: _within(mods, "pace_hf.memory") for name, mods in found.items()
+            if _within(mods, "pace_hf.memory")} == {}
+
+
 @pytest.mark.parametrize("name", INTEGRATION)
 def test_integration_imports_no_cache_class(name):
     (mods,) = _imports_of(name).values()

@@ -19,12 +19,14 @@ How it fits into transformers (see the README's "How it works"):
   ``get_seq_length()`` is the number of tokens seen, so ``generate`` slices new input correctly;
   ``get_mask_sizes`` announces ``resident_count + q`` keys. Decode appends and evicts in place
   (see ``EvictingLayer``).
-- With a ``store`` (``pace_hf.tiers``), nothing evicted is lost: see ``pace_hf.memory.spill``.
+- With a ``store`` (``pace_hf.tiers``), nothing evicted is lost: the cache tells its memory
+  (``cache.memory``, ``pace_hf.memory.wing.KVMemory``) what it evicts, and the memory spills, restores
+  and saves. This package imports nothing from ``pace_hf.memory``.
 
 The package follows transformers' layer/cache seam: ``layer`` (``EvictingLayer`` and its plain
-reference ``CompactingLayer``), ``eviction`` (``EvictionCache``), ``restore`` (fetching and merging
-evicted tokens back), ``persist`` (save, resume and the manifest format) and ``presets`` (the named
-caches).
+reference ``CompactingLayer``), ``eviction`` (``EvictionCache``), ``layout`` and ``probe`` (what each
+layer is and what it does with positions), ``window`` (sliding and linear layers) and ``presets`` (the
+named caches).
 """
 
 from .eviction import DEFAULT_RECENT, DEFAULT_SINKS, EvictionCache

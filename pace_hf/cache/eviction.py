@@ -1,9 +1,10 @@
 """``EvictionCache``: a list of ``EvictingLayer`` that transformers drives, bracketed by the binding.
 
 It validates its settings, binds to a model (``pace_hf.binding``), answers transformers' cache
-contract, gives readings (ledger, residency, rotary gap), runs the forward bracket (renumber before,
-evict after) and, with a store, spills what it evicts, restores planned spans (``restore.Restores``)
-and saves and resumes the session (``persist``).
+contract, gives readings (ledger, residency, rotary gap) and runs the forward bracket (renumber before,
+evict after). What it evicts it tells its memory (``cache.memory``, a ``pace_hf.memory.wing.KVMemory``),
+which spills it, restores planned spans and saves and resumes the session; this module imports nothing
+from ``pace_hf.memory``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from ..binding import Binding, check_not_compiled
 from ..blueprint import Blueprint, Span, as_index
 from ..rope import RotaryParams
 from ..scoring import CumulativeAttention, ScoringPolicy, rebuild
-from ..memory import persist
-from ..memory.restore import Restores
-from ..memory.spill import SpillLog
 from .layer import EvictingLayer, keep_index
 from .layout import LayerSpec, describe, layer_specs
 from .probe import read_layers
@@ -87,18 +85,8 @@ class EvictionCache(DynamicCache):
             limit = as_index(limit, "limit")
             if limit <= budget:
                 raise ValueError(f"limit {limit} must be at least budget {budget} plus the chunk size")
-        if store is not None:
-            persist.check_store(store, session_id)
-        prefetch_steps, spill_tokens = as_index(prefetch_steps, "prefetch_steps"), as_index(spill_tokens, "spill_tokens")
-        if prefetch_steps < 0 or spill_tokens < 1:
-            raise ValueError(f"prefetch_steps must be >= 0 and spill_tokens >= 1 (got {prefetch_steps}, {spill_tokens})")
-        if spill_cap_bytes is not None and as_index(spill_cap_bytes, "spill_cap_bytes") < 0:
-            raise ValueError(f"spill_cap_bytes must be >= 0 or None, got {spill_cap_bytes}")
-        self.store, self.session_id = store, session_id
-        self.prefetch_steps, self.spill_tokens, self.spill_cap_bytes = prefetch_steps, spill_tokens, spill_cap_bytes
-        self.spill: SpillLog | None = None
-        self.fingerprint: str | None = None
-        self.restores = Restores()
+        self.memory = self.memory_class(store=store, session_id=session_id, prefetch_steps=prefetch_steps,
+                                        spill_tokens=spill_tokens, spill_cap_bytes=spill_cap_bytes)
         self.budget, self.sinks, self.recent = budget, sinks, recent
         self.scoring = scoring
         self.limit = limit
@@ -119,6 +107,18 @@ class EvictionCache(DynamicCache):
         if model is not None:
             self.bind(model)
 
+    memory_class = None  # set by pace_hf.memory.wing: the memory a cache builds for itself (KVMemory)
+
+    # -- the memory's knobs and state, read through the cache ------------------------------------------
+    store = property(lambda self: self.memory.store, doc="The session's ``TieredStore`` (None: nothing is kept).")
+    session_id = property(lambda self: self.memory.session_id)
+    prefetch_steps = property(lambda self: self.memory.prefetch_steps)
+    spill_tokens = property(lambda self: self.memory.spill_tokens)
+    spill_cap_bytes = property(lambda self: self.memory.spill_cap_bytes)
+    spill = property(lambda self: self.memory.spill, doc="The memory's spill log (None without a store).")
+    fingerprint = property(lambda self: self.memory.fingerprint)
+    restores = property(lambda self: self.memory.restores)
+
     # -- the agent's step ----------------------------------------------------------------------------
     @property
     def step(self) -> int:
@@ -131,7 +131,7 @@ class EvictionCache(DynamicCache):
         if value < 0:
             raise ValueError(f"cache.step must be >= 0, got {value}")
         self._step = value
-        self.restores.plan(self)
+        self.memory.step_set(self)
 
     @property
     def bounded(self) -> bool:
@@ -173,26 +173,11 @@ class EvictionCache(DynamicCache):
         self.rotary = rotary if self.bounded else []
         if not self.layers:
             self.layers = self._new_layers(specs)
-        if self.store is not None:
-            from ..tiers import model_fingerprint
-
-            fingerprint = model_fingerprint(model)
-            if self.spill is None or fingerprint != self.fingerprint:  # new, or empty and bound to another model
-                self.fingerprint = fingerprint
-                self._new_spill()
+        self.memory.bound(self, model)
         self.binding = binding
         self._release = weakref.finalize(self, self.binding.release)
         self._filled_by = weakref.ref(model)
         return self
-
-    def _new_spill(self) -> None:
-        """An empty spill log that continues this cache's save, if it has one: the next save replaces it
-        (a new log alone would be a new writer, refused as a second one)."""
-        old = self.spill
-        self.spill = SpillLog(self.store, self.session_id, self.fingerprint, len(self.layers), self.spill_tokens,
-                              self.spill_cap_bytes)
-        if old is not None:
-            self.spill.generation, self.spill.saved_keys = old.generation, old.saved_keys
 
     def _new_layers(self, specs: list[LayerSpec]) -> list:
         """One empty layer per decoder layer, of the layer's kind (``pace_hf.cache.layout``):
@@ -290,9 +275,7 @@ class EvictionCache(DynamicCache):
             layer.reset()
         self._step = self.renumbers = self.next_physical = 0
         self.tokens = TokenLog()
-        self.restores.pending.clear()
-        if self.spill is not None:
-            self._new_spill()
+        self.memory.reset(self)
 
     # -- public readings ---------------------------------------------------------------------------
     def ledger(self, layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,7 +363,7 @@ class EvictionCache(DynamicCache):
             raise ValueError(f"a forward of no new tokens: this cache has seen {seen} tokens and the input is no "
                              "longer; pass generate the whole conversation so far (the cache holds its first "
                              f"{seen} tokens), or reset() the cache to start over")
-        self.restores.apply_due(self)
+        self.memory.before_forward(self)
         n = self.positions_held()
         if q_len == 1 and self.blueprint is not None:  # decoding: the prompt ends at seen
             self.blueprint.warn_past(seen)
@@ -456,10 +439,9 @@ class EvictionCache(DynamicCache):
             self._held = "pending" if over else None
 
     def evicted(self, layer_idx: int, tokens: dict[str, torch.Tensor]) -> None:
-        """Every token a layer evicts (flat, see ``EvictingLayer.tokens_at``): spilled with a store,
-        dropped without one."""
-        if self.spill is not None:
-            self.spill.add(layer_idx, tokens)
+        """Every token a layer evicts (flat, see ``EvictingLayer.tokens_at``): told to the memory, which
+        spills it with a store and drops it without one."""
+        self.memory.evicted(layer_idx, tokens)
 
     # -- tiers: restore, prefetch, save, resume ------------------------------------------------------
     @property
@@ -467,31 +449,13 @@ class EvictionCache(DynamicCache):
         """The store's counters (per tier: bytes, hits, misses, integrity failures, errors, seconds)
         and this cache's restores: count, tokens, seconds, and the stall (seconds a forward waited, and
         ``waited_fetches``: fetches not complete when their step came)."""
-        out = dict(self.restores.stats)
-        if self.spill is not None:
-            out["spilled_tokens"] = self.spill.spilled_tokens
-            out["spill"] = dict(self.spill.stats, held_bytes=self.spill.held_bytes)
-        if self.store is not None:
-            out["store"] = self.store.stats
-        return out
+        return self.memory.stats()
 
     def restore(self, start: int, end: int) -> int:
         """Bring the evicted tokens of logical range ``[start, end)`` back now, and plan the range for
         the current step so that its foresight bonus keeps it. Returns the tokens restored (logical
         positions back in layer 0, in any KV head)."""
-        start, end = as_index(start, "start"), as_index(end, "end")
-        if not 0 <= start < end:
-            raise ValueError(f"restore needs 0 <= start < end, got [{start}, {end})")
-        if self.spill is None:
-            raise ValueError("restore needs a cache with a store (store=..., session_id=...) bound to a model")
-        if self.blueprint is None:
-            raise ValueError("restored tokens stay resident through their foresight bonus: restore needs a "
-                             "cache with a Foresight policy (PACECache)")
-        if self.in_forward:
-            raise RuntimeError("restore cannot run inside a forward")
-        self.blueprint.add(Span(start, end, [self.step]))
-        self.restores.apply(self, [((start, end), self.spill.fetch(start, end))])
-        return self.restores.stats["last_restored"]
+        return self.memory.restore(self, start, end)
 
     def save(self) -> str:
         """Write everything needed to continue this session to the store, as one new generation: every
@@ -502,7 +466,7 @@ class EvictionCache(DynamicCache):
         if self._held is not None:
             raise RuntimeError("save() while a held prompt is not yet compressed (see holding()): run the "
                                "forward that compresses it first")
-        return persist.save(self)
+        return self.memory.save(self)
 
     @classmethod
     def resume(cls, session_id: str, *, store, model, scoring: ScoringPolicy | None = None) -> "EvictionCache":
@@ -510,7 +474,7 @@ class EvictionCache(DynamicCache):
         Every entry is checked against the save's manifest first: a session saved by another model,
         config or dtype, or with an entry missing or from another save, is refused, naming it, and so is one
         saved from another cache class. ``scoring`` replaces the saved policy with one of its kind."""
-        return persist.resume(cls, session_id, store=store, model=model, scoring=scoring)[0]
+        return cls.memory_class.resume(cls, session_id, store=store, model=model, scoring=scoring)
 
     @classmethod
     def _from_manifest(cls, m: dict, states: dict, *, store, session_id: str, model,
@@ -561,13 +525,7 @@ class EvictionCache(DynamicCache):
         step (see :mod:`pace_hf.memory.retrieval`). ``ids``: the ids of everything this cache has seen (the
         cache keeps no ids). The first call builds a ``PageRetriever(tokenizer)`` (or keeps
         ``retriever``); later calls reuse it. No store, or nothing spilled: a no-op."""
-        from ..memory.retrieval import PageRetriever
-
-        if retriever is not None:
-            self.retriever = retriever
-        elif getattr(self, "retriever", None) is None:
-            self.retriever = PageRetriever(tokenizer)
-        return self.retriever.rehydrate(self, text, ids)
+        return self.memory.rehydrate(self, text, ids, tokenizer, retriever=retriever)
 
 
 class TokenLog:
