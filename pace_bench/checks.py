@@ -20,9 +20,43 @@ import random
 from decimal import ROUND_HALF_UP, Decimal
 
 from .amounts import pick_amounts
-from .facts import AMOUNT_FIELDS, STATUS_FIELDS, STATUS_OPEN, STATUS_SETTLED, fee
+from .facts import (AMOUNT_FIELDS, BASE_FEES, CLASS_NAMES, CODE_NUMBERS, CODE_PREFIXES, EXCEPTION_NAMES, FEE_RATES, ID_FIELDS,
+                    QUANTA, ROUNDING_MODES, STATUS_FIELDS, STATUS_OPEN, STATUS_SETTLED, fee)
 
-__all__ = ["build_checks", "stand_in_rate", "stand_in_fee"]
+__all__ = ["build_checks", "stand_in_rate", "stand_in_fee", "CHECK_FACTS", "chance_levels"]
+
+# The facts that a program must hold to pass each check (the rounding checks' tie amounts tell every
+# rounding mode apart, and 16 amounts every quantum; the base and rate checks' few amounts may not, so they
+# count neither). tests/test_metric.py checks these sets against a fixed guess over simulated sessions.
+_FEE = ("base_fee", "fee_rate", "quantum")
+CHECK_FACTS = {
+    "fee_base": _FEE[:2], "fee_rate": _FEE[:2], "fee_quantum": _FEE, "fee_rounding": _FEE + ("rounding_mode",),
+    "settle_total": ("field_amount", "status_open"), "settle_accepts_open": ("status_open",),
+    "settle_sets_status": ("field_status", "status_open", "status_settled"),
+    "settle_rejects": ("exception_name",), "settle_error_code": ("exception_code",),
+    "module_dataclass": ("class_name",), "module_fields": ("field_id", "field_amount", "field_status"),
+    "module_fee": _FEE[:2], "module_settle": ("field_id", "field_amount", "field_status", "status_open", "status_settled"),
+    "module_fee_rounding": _FEE + ("rounding_mode",), "module_rejects": ("exception_name", "exception_code"),
+}
+
+
+def chance_levels() -> dict[str, float]:
+    """For each check, the chance that a fixed guess passes it in a session drawn by the generator: the
+    largest probability that the facts deciding it (:data:`CHECK_FACTS`) take any one set of values. Facts
+    are drawn independently and uniformly from their pools, but the id field, which may name the class
+    (``invoice_id``): its likeliest value is one of the class-free ones (``ref``), 1 in ``len(ID_FIELDS)``."""
+    pool = {"base_fee": len(BASE_FEES), "fee_rate": len(FEE_RATES), "quantum": len(QUANTA),
+            "rounding_mode": len(ROUNDING_MODES), "field_amount": len(AMOUNT_FIELDS),
+            "field_status": len(STATUS_FIELDS), "status_open": len(STATUS_OPEN), "status_settled": len(STATUS_SETTLED),
+            "exception_name": len(EXCEPTION_NAMES), "exception_code": len(CODE_PREFIXES) * (CODE_NUMBERS[1] - CODE_NUMBERS[0] + 1),
+            "class_name": len(CLASS_NAMES), "field_id": len(ID_FIELDS)}
+    out = {}
+    for check, facts in CHECK_FACTS.items():
+        chance = 1.0
+        for name in facts:
+            chance /= pool[name]
+        out[check] = chance
+    return out
 
 
 def _dec(x) -> dict:

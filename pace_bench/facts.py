@@ -24,6 +24,7 @@ FEE_RATES = ["0.015", "0.02", "0.025", "0.029", "0.03", "0.035", "0.04", "0.045"
 EXCEPTION_NAMES = ["LedgerError", "BillingError", "SettlementError", "PaymentError", "ChargeError",
                    "PostingError", "AccountError", "ClearingError"]
 CODE_PREFIXES = ["E", "ERR", "LDG", "BIL", "SET", "PAY"]
+CODE_NUMBERS = (100, 999)  # an error code's number, inclusive
 STATUS_OPEN = ["pending", "open", "new", "draft", "queued", "unpaid", "active"]
 STATUS_SETTLED = ["settled", "paid", "closed", "cleared", "done", "posted", "booked"]
 QUANTA = ["0.01", "0.05", "0.10", "0.25"]
@@ -53,7 +54,7 @@ def sample_facts(rng: random.Random) -> dict[str, str]:
         "fee_rate": rng.choice(FEE_RATES),
         "status_open": rng.choice(STATUS_OPEN),
         "status_settled": rng.choice(STATUS_SETTLED),
-        "exception_code": f"{rng.choice(CODE_PREFIXES)}-{rng.randint(100, 999)}",
+        "exception_code": f"{rng.choice(CODE_PREFIXES)}-{rng.randint(*CODE_NUMBERS)}",
         "exception_name": rng.choice(EXCEPTION_NAMES),
         "quantum": rng.choice(QUANTA),
         "rounding_mode": rng.choice(ROUNDING_MODES),

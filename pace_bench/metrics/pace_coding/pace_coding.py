@@ -26,9 +26,11 @@ module). The code of each answer (its fenced ```python blocks, concatenated; the
 none) runs in pace_hf's sandbox against the probe's hidden checks; the parent process compares the
 returned plain data with the expected values, which never reach the child. When the probe's prompt
 ended with the start of the answer (`answer_prefix`), the answer is read both as a continuation of
-that prefix and as standalone code, and the first of the two whose code parses is scored. Each probe
-says why it failed (`failure`). A separate recall score counts the session facts (names, values,
-rounding mode, quantum, status values, error code) that the answer states. Given a reference arm's
+that prefix and as standalone code, and the first of the two whose code parses (in the sandbox: the
+parent parses nothing; an answer over 65,536 characters is not read) is scored. Each probe says why it
+failed (`failure`). A separate recall score counts the session facts (names, values, rounding mode,
+quantum, status values, error code) that the code uses as the spec's code does, and no rival value of
+the same pool. Given a reference arm's
 answers to the same probes, it also reports a paired comparison: probes where this arm passed more /
 fewer / as many checks, and a two-sided exact sign test.
 
@@ -41,6 +43,7 @@ Args:
     predictions: list of str, the model's answer to each probe.
     references: list of str, each the probe's grading record as JSON:
         {"probe": name, "step": int, "checks": [{"name", "expr", "expected", "fact"}], "recall": [str],
+         "recall_facts": [str] (optional: the fact of each recall value; without it recall is not scored),
          "preamble": str (optional: code the file already holds; it runs before the answer's code),
          "answer_prefix": str (optional: the start of the answer, given in the prompt; see "Answer
          forms" in the card)}
@@ -59,10 +62,10 @@ Raises:
 Returns:
     checks_passed, checks_total, check_pass_rate: hidden checks over all answers.
     probes_passed, probes_total, probe_pass_rate: answers that passed every check.
-    recall_hits, recall_total, recall: facts stated in the answers.
+    recall_hits, recall_total, recall: facts the answers' code uses in their role.
     per_fact: {fact: {"passed", "total"}} for the checks that control each fact.
     details: one record per answer: checks (each with status, outcome and failure), failure (null,
-        "no code", "does not parse", "error", "timeout", "raised" or "wrong value"), answer_form
+        "too long", "no code", "does not parse", "error", "timeout", "raised" or "wrong value"), answer_form
         ("standalone" or "continuation"), recall hits and misses.
     paired (with baseline_predictions): better, worse, tied, p_value; and baseline: the reference
         arm's own totals.
