@@ -953,7 +953,7 @@ def test_no_write_wall_means_no_code_runs(monkeypatch):
         run_ = S._Run(["1"], os.getpid(), -1)  # a read-only root walls writes, not reads of the host
         run_.feed(b'{"setup": ' + layers + b'}')
         assert run_.finished() and "Landlock" in run_.refusal and run_.done == []
-    monkeypatch.setattr(S, "_run", lambda program, calls, limits: ([], ["rlimits"], "no OS-level wall"))
+    monkeypatch.setattr(S, "_run", lambda program, calls, limits, answers=None: ([], ["rlimits"], "no OS-level wall", (None, {})))
     with pytest.raises(S.SandboxUnavailable, match="no OS-level wall"):
         run_calls("x = 1", ["x"])
     assert S.isolation_layers() == ["rlimits"]
