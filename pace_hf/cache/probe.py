@@ -20,8 +20,9 @@ embeddings, a query scale that grows with position): renumbering would change wh
 ``limit`` is refused for it.
 
 The same probe refuses, whatever ``limit``, a layer whose stored tensors are not the keys its attention
-scores (a compressed MLA cache, ``cache.update(compressed_kv, k_rot)``), and a model that does not run
-on transformers' own ``DynamicCache`` (one with its own cache class). Results are kept per model.
+scores (a compressed MLA cache, ``cache.update(compressed_kv, k_rot)``), a model that does not run on
+transformers' own ``DynamicCache`` (one with its own cache class), and a decoder that is not handed the
+cache (the binding's hooks could not bracket its forwards). Results are kept per model.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from .. import attention
+from ..binding import cache_from_kwargs, decoder_of
 from ..rope import RotaryParams, rerotate_reference
 from .layout import LayerSpec
 
@@ -102,7 +104,10 @@ def _run(model) -> _Reading:
     ids = ids.to(model.device)
     modes = {module: module.training for module in model.modules()}
     model.eval()  # dropout would make the two probes differ
-    readings, logits, sink = [], [], _ScoreShapes()
+    readings, logits, sink, handed = [], [], _ScoreShapes(), []
+    decoder = decoder_of(model)  # where the binding's hooks bracket every forward: it must see the cache
+    hook = decoder.register_forward_pre_hook(lambda m, a, kwargs: handed.append(cache_from_kwargs(kwargs)),
+                                             with_kwargs=True)
     try:
         for n, start in enumerate((0, _shift(text))):
             cache = _Recorder(config)
@@ -124,8 +129,13 @@ def _run(model) -> _Reading:
             f"forward of this model ({text.model_type}) with a DynamicCache failed: {type(err).__name__}: {err}. "
             "Models with their own cache class, or attention that cannot be scored, are not supported") from err
     finally:
+        hook.remove()
         for module, mode in modes.items():
             module.training = mode
+    if not any(isinstance(cache, _Recorder) for cache in handed):
+        raise NotImplementedError(
+            f"this model's decoder ({type(decoder).__name__}, {text.model_type}) is not handed the cache as cache= or "
+            "past_key_values=, so pace_hf's hooks cannot renumber before and evict after its forwards")
     return _Reading(readings, sink.shapes, logits, _shift(text), TOLERANCE.get(model.dtype, HALF_TOLERANCE))
 
 
