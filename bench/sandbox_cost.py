@@ -122,7 +122,7 @@ def main(argv=None) -> int:
             "|---|---|---|---|---|---|---|---|"]
     for name, r in report["arms"].items():
         f, c = r["stat_flood"], r["clock_phase"]
-        rows.append(f"| {name} ({args.before if name == 'before' else 'this tree'}) | {r['per_run_s_median']} | "
+        rows.append(f"| {name} ({'the --before revision' if name == 'before' else 'this tree'}) | {r['per_run_s_median']} | "
                     f"{r['per_run_s_min']}-{r['per_run_s_max']} | {f['lookups']:,} | {f['slab_peak_growth_mb']} | "
                     f"{f['slab_growth_after_mb']} | {c['delay_s_p10_p90']} | {c['bits_per_run']} |")
     (out / "results.md").write_text("\n".join(rows) + "\n")
