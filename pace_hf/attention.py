@@ -345,13 +345,22 @@ def pace_attention_attention(module, query, key, value, attention_mask, dropout=
     cache = ACTIVE_CACHE.get()
     layer_idx = getattr(module, "layer_idx", None)
     softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
+    if cache is not None and layer_idx is not None and hasattr(cache, "attend_rows"):  # a batch: row by row
+        return cache.attend_rows(module, query, layer_idx, scaling, dropout, softcap, sinks, kwargs), None
+    return attend(cache, module, layer_idx, query, key, value, attention_mask, dropout, scaling, softcap, sinks,
+                  kwargs), None
+
+
+def attend(cache, module, layer_idx, query, key, value, attention_mask, dropout, scaling, softcap, sinks, kwargs):
+    """One sequence's attention output ``[b, q, q_heads, d_v]``; its column sums go to ``cache`` where
+    it scores this layer. A batch of caches (``pace_hf.cache.batch``) calls it once per row."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if cache is None or layer_idx is None or not cache.scores_layer(layer_idx):
         if softcap is None and sinks is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                          **kwargs)
+                                          **kwargs)[0]
         # SDPA has no soft-capping and no sinks: the models that use them run eager attention, and this is it
-        return attention_with_column_sums(query, key, value, attention_mask, scale, 0, softcap=softcap, sinks=sinks)[0], None
+        return attention_with_column_sums(query, key, value, attention_mask, scale, 0, softcap=softcap, sinks=sinks)[0]
     if kwargs.get("output_attentions"):
         _warn_no_attentions()
     window = cache.score_query_window(query.shape[2])
@@ -359,7 +368,7 @@ def pace_attention_attention(module, query, key, value, attention_mask, dropout=
                                               sinks=sinks)
     if window is None or window > 0:
         cache.record_attention(layer_idx, sums)
-    return output, None
+    return output
 
 
 def _warn_no_attentions() -> None:
@@ -380,5 +389,13 @@ def _warn_no_attentions() -> None:
 def register() -> str:
     """Register ``pace_attention`` (idempotent) and return its name."""
     AttentionInterface.register(ATTN_NAME, pace_attention_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_NAME, _mask)
     return ATTN_NAME
+
+
+def _mask(*args, **kwargs):
+    """transformers' SDPA mask, except under a batch of pace_hf caches: each row's attention builds its
+    own there (``attend_rows``), so the batch's padded ``[b, 1, q, columns]`` mask is never made."""
+    if hasattr(ACTIVE_CACHE.get(), "attend_rows"):
+        return None
+    return sdpa_mask(*args, **kwargs)

@@ -54,6 +54,9 @@ class ForwardBracket(Protocol):
     def check_prompt(self, input_ids) -> None:
         """Before ``generate``: refuse an input that does not continue what the cache holds."""
 
+    def bracket_for(self, batch: int) -> "ForwardBracket":
+        """What runs a forward of ``batch`` rows: the cache itself for one sequence, or its rows."""
+
     def end_forward(self, q_len: int) -> None:
         """The forward finished: evict at the chunk boundary."""
 
@@ -161,13 +164,14 @@ class Binding:
             )
         tokens = query_tokens(args, kwargs)
         batch, q_len = tokens.shape[0], tokens.shape[1]
-        if batch != 1:
-            raise NotImplementedError(
-                f"pace_hf caches hold one sequence (batch size 1, num_beams=1); got batch size {batch}"
-            )
-        start = cache.begin_forward(q_len, kwargs.get("input_ids"))
-        kwargs["position_ids"] = torch.arange(start, start + q_len, device=tokens.device)[None]
-        self.active_tokens[-1] = attention.enter_forward(cache)
+        bracket = cache.bracket_for(batch)  # the cache itself, or its rows (``pace_hf.cache.batch``)
+        if not hasattr(bracket, "attend_rows"):  # one sequence
+            start = cache.begin_forward(q_len, kwargs.get("input_ids"))
+            kwargs["position_ids"] = torch.arange(start, start + q_len, device=tokens.device)[None]
+        else:
+            positions = bracket.begin_forward(q_len, kwargs.get("input_ids"), kwargs.get("attention_mask"))
+            kwargs["position_ids"] = positions.to(tokens.device)
+        self.active_tokens[-1] = attention.enter_forward(bracket)
         return args, kwargs
 
     def _post_forward(self, module, args, kwargs, output):
@@ -200,6 +204,11 @@ class Binding:
                 kwargs["prefill_chunk_size"] = chunk
             if _is_pace_cache(cache):
                 check_not_compiled(self.model_ref())
+                config = kwargs.get("generation_config") or getattr(self.model_ref(), "generation_config", None)
+                beams = kwargs.get("num_beams", getattr(config, "num_beams", None))
+                if beams is not None and beams > 1:
+                    raise NotImplementedError(f"pace_hf caches do not support beam search (num_beams={beams}): each "
+                                              "row keeps its own tokens, and beams would reorder them; use num_beams=1")
                 prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
                 if torch.is_tensor(prompt) and not prompt.is_floating_point():
                     cache.check_prompt(prompt)

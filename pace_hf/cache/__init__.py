@@ -19,19 +19,23 @@ How it fits into transformers (see the README's "How it works"):
   ``get_seq_length()`` is the number of tokens seen, so ``generate`` slices new input correctly;
   ``get_mask_sizes`` announces ``resident_count + q`` keys. Decode appends and evicts in place
   (see ``EvictingLayer``).
+- A batch (``generate`` on ``[b, n]`` ids with an ``attention_mask``) is a list of one-sequence caches,
+  ``cache.rows``, run as the rows of each forward (``batch``, ``CacheRows``): every row keeps its own
+  budget, positions and memory, and pad tokens are never stored.
 - With a ``store`` (``pace_hf.tiers``), nothing evicted is lost: the cache tells its memory
   (``cache.memory``, ``pace_hf.memory.wing.KVMemory``) what it evicts, and the memory spills, restores
   and saves. This package imports nothing from ``pace_hf.memory``.
 
 The package follows transformers' layer/cache seam: ``layer`` (``EvictingLayer`` and its plain
-reference ``CompactingLayer``), ``eviction`` (``EvictionCache``), ``layout`` and ``probe`` (what each
+reference ``CompactingLayer``), ``batch`` (``CacheRows``), ``eviction`` (``EvictionCache``), ``layout`` and ``probe`` (what each
 layer is and what it does with positions), ``window`` (sliding and linear layers) and ``presets`` (the
 named caches).
 """
 
+from .batch import CacheRows
 from .eviction import DEFAULT_RECENT, DEFAULT_SINKS, EvictionCache
 from .layer import CompactingLayer, EvictingLayer, cache_nbytes, keep_index
 from .presets import H2OCache, PACECache, SnapKVCache, StreamingLLMCache
 
-__all__ = ["CompactingLayer", "DEFAULT_RECENT", "DEFAULT_SINKS", "EvictingLayer", "EvictionCache", "H2OCache",
+__all__ = ["CacheRows", "CompactingLayer", "DEFAULT_RECENT", "DEFAULT_SINKS", "EvictingLayer", "EvictionCache", "H2OCache",
            "PACECache", "SnapKVCache", "StreamingLLMCache", "cache_nbytes", "keep_index"]

@@ -21,6 +21,7 @@ from ..binding import Binding, check_not_compiled
 from ..blueprint import Blueprint, Span, as_index
 from ..rope import RotaryParams
 from ..scoring import CumulativeAttention, ScoringPolicy, rebuild
+from .batch import CacheRows
 from .layer import EvictingLayer, keep_index
 from .layout import LayerSpec, describe, layer_specs
 from .probe import read_layers
@@ -102,6 +103,8 @@ class EvictionCache(DynamicCache):
         self._held = None  # None, "holding" (inside ``holding()``) or "pending" (the next forward compresses)
         self.tokens: TokenLog | None = TokenLog()  # the ids seen (None: unknown, e.g. fed embeddings or resumed)
         self.progress = None  # optional: anything with update(n), told of every prefilled chunk
+        self._rows: CacheRows | None = None  # a batch's rows, built at its first forward (``bracket_for``)
+        self._row_steps: list[int] | None = None  # steps per row, set before the batch's rows exist
         # Cache's own __init__ would build DynamicLayers: hand it none; bind builds them from the model's layout.
         Cache.__init__(self, layers=[])
         if model is not None:
@@ -121,17 +124,33 @@ class EvictionCache(DynamicCache):
 
     # -- the agent's step ----------------------------------------------------------------------------
     @property
-    def step(self) -> int:
-        """The agent's current step: planned spans read at or after it keep their foresight bonus."""
-        return self._step
+    def step(self) -> int | list[int]:
+        """The agent's current step: planned spans read at or after it keep their foresight bonus. A
+        batch takes one step for every row, or a list of one per row (read back as that list)."""
+        if self._rows is not None:
+            steps = [row.step for row in self._rows.rows]
+            return steps[0] if len(set(steps)) == 1 else steps
+        return list(self._row_steps) if self._row_steps is not None else self._step
 
     @step.setter
     def step(self, value) -> None:
-        value = as_index(value, "cache.step")
-        if value < 0:
-            raise ValueError(f"cache.step must be >= 0, got {value}")
-        self._step = value
-        self.memory.step_set(self)
+        if isinstance(value, (list, tuple)):
+            steps = [_step(v) for v in value]
+            if self._rows is not None:
+                if len(steps) != len(self._rows.rows):
+                    raise ValueError(f"{len(steps)} steps for a batch of {len(self._rows.rows)} rows: give one per row")
+                for row, v in zip(self._rows.rows, steps):
+                    row.step = v
+            else:
+                self._row_steps = steps  # the batch's rows take them when its first forward builds them
+            return
+        value = _step(value)
+        self._step, self._row_steps = value, None
+        if self._rows is not None:
+            for row in self._rows.rows:
+                row.step = value
+        else:
+            self.memory.step_set(self)
 
     @property
     def bounded(self) -> bool:
@@ -245,6 +264,8 @@ class EvictionCache(DynamicCache):
         self._user_defined = value
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self._rows is not None:
+            return self._rows.update(key_states, value_states, layer_idx)
         if self._chunk is None:
             raise RuntimeError(
                 f"{type(self).__name__} is not bound to the model that uses it: pass model= to the "
@@ -258,6 +279,8 @@ class EvictionCache(DynamicCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen. Every layer has seen them all; a linear-attention layer counts none, so its
         answer is the first attention layer's (as transformers' ``Cache`` does)."""
+        if self._rows is not None:  # a batch: the columns generate gave it (each row counts its own tokens)
+            return self._rows.get_seq_length()
         if not self.layers:
             return 0
         seen = getattr(self.layers[layer_idx], "cumulative_length", None)
@@ -265,12 +288,22 @@ class EvictionCache(DynamicCache):
             seen = next((layer.cumulative_length for layer in self.layers if hasattr(layer, "cumulative_length")), 0)
         return seen
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if self._rows is not None:
+            return self._rows.get_mask_sizes(query_length, layer_idx)
+        return super().get_mask_sizes(query_length, layer_idx)
+
     def reset(self) -> None:
         """Forget every token, as a new cache would, keeping the binding, the policy and the buffers:
         the next forward starts again at logical and rotary position 0. With a store, the spill index
-        starts afresh too, and the next save replaces the last one."""
+        starts afresh too, and the next save replaces the last one. A batch's rows go: the next forward
+        may be of another batch size."""
         if self.in_forward:
             raise RuntimeError("reset cannot run inside a forward")
+        if self._rows is not None:
+            for row in self._rows.rows:
+                row.unbind()
+            self._rows = None
         for layer in self.layers:
             layer.reset()
         self._step = self.renumbers = self.next_physical = 0
@@ -283,6 +316,7 @@ class EvictionCache(DynamicCache):
         the order of that layer's stored keys (a sliding window: its last ``n`` tokens; a linear-attention
         layer holds none). By default the first layer that evicts (``evicting_layers``), where the
         planned spans are kept: on a hybrid model layer 0 may be a sliding window."""
+        self._one_sequence("ledger")
         if layer_idx is None:
             layer_idx = next((i for i, _ in self.evicting_layers), 0)
         layer = self.layers[layer_idx]
@@ -294,12 +328,14 @@ class EvictionCache(DynamicCache):
 
     def resident_count(self) -> int:
         """Tokens held by the evicting (full-attention) layers; for a model with none, by its windows."""
+        self._one_sequence("resident_count()")
         counts = [layer.resident_count for _, layer in self.evicting_layers]
         return counts[0] if counts else self.positions_held()
 
     def positions_held(self) -> int:
         """Consecutive rotary positions the resident tokens need: the most that any layer holds (a
         sliding window may hold more than the budget)."""
+        self._one_sequence("positions_held()")
         return max((layer.resident_count for layer in self.layers), default=0)
 
     @property
@@ -309,6 +345,7 @@ class EvictionCache(DynamicCache):
 
     def residency(self, positions) -> float:
         """Fraction of the given logical positions that are resident, over every layer and KV head."""
+        self._one_sequence("residency(positions)")
         positions = _logical(positions)
         layers = [layer for _, layer in self.evicting_layers if layer.logical is not None]
         if positions.numel() == 0 or not layers:
@@ -319,6 +356,7 @@ class EvictionCache(DynamicCache):
     def rotary_gap(self, positions) -> int | None:
         """The largest rotary distance, over layers and heads, from the next query to a resident token
         of the given logical positions; None when none of them is resident."""
+        self._one_sequence("rotary_gap(positions)")
         positions = _logical(positions)
         nearest = None
         for _, layer in self.evicting_layers:
@@ -333,7 +371,70 @@ class EvictionCache(DynamicCache):
     # -- forward bracket (called by the hooks) -------------------------------------------------------
     @property
     def in_forward(self) -> bool:
-        return self._chunk is not None
+        return self._chunk is not None or (self._rows is not None and self._rows.in_forward)
+
+    # -- batches: one cache of one sequence per row (``pace_hf.cache.batch``) ----------------------------
+    @property
+    def rows(self) -> list["EvictionCache"]:
+        """The caches of a batch's rows, in order (``[self]`` for one sequence): each answers its own
+        readings (``cache.rows[r].ledger()``), and saves and restores its own session."""
+        return self._rows.rows if self._rows is not None else [self]
+
+    def bracket_for(self, batch: int):
+        """The cache itself for a forward of one sequence; for a batch, its rows, built at the batch's first
+        forward with this cache's settings (blueprint and step: shared, or one per row)."""
+        expected = self._rows_expected()
+        if self._rows is not None:
+            if batch != len(self._rows.rows):
+                raise ValueError(f"this cache holds a batch of {len(self._rows.rows)} rows, but the input has {batch}: "
+                                 "reset() it (or create a new one) to run another batch")
+            return self._rows
+        if expected is not None and expected != batch:
+            raise ValueError(f"this cache was given {expected} per-row settings (blueprints or steps), but the input "
+                             f"has {batch} rows: give one per row")
+        if batch == 1:
+            return self
+        if self.get_seq_length():
+            raise ValueError(f"this cache holds one sequence of {self.get_seq_length()} tokens; a batch of {batch} cannot "
+                             "continue it: reset() it (or create a new one) to start the batch")
+        model = self.binding.model_ref()
+        self._rows = CacheRows([self._new_row(model, r, batch) for r in range(batch)])
+        return self._rows
+
+    def _rows_expected(self) -> int | None:
+        """The batch size per-row settings ask for (None: any)."""
+        return len(self._row_steps) if self._row_steps is not None else None
+
+    def _row_scoring(self, r: int) -> ScoringPolicy:
+        """Row ``r``'s policy: this one (policies hold no per-sequence state), unless a subclass has one per row."""
+        return self.scoring
+
+    def _new_row(self, model, r: int, batch: int) -> "EvictionCache":
+        row = EvictionCache.__new__(type(self))
+        EvictionCache.__init__(row, budget=self.budget, sinks=self.sinks, recent=self.recent,
+                               scoring=self._row_scoring(r), limit=self.limit, store=self.store,
+                               session_id=None if self.session_id is None else f"{self.session_id}-row{r}",
+                               prefetch_steps=self.prefetch_steps, spill_tokens=self.spill_tokens,
+                               spill_cap_bytes=self.spill_cap_bytes)
+        row.layer_class = self.layer_class
+        row.bind(model)
+        row.step = self._row_steps[r] if self._row_steps is not None else self._step
+        row._held = self._held
+        return row
+
+    def _one_sequence(self, what: str) -> None:
+        if self._rows is not None:
+            raise ValueError(f"this cache holds a batch of {len(self._rows.rows)} rows: ask a row, "
+                             f"cache.rows[i].{what}")
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("pace_hf caches do not support beam search (num_beams must be 1)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise NotImplementedError("pace_hf caches cannot be expanded in place: give generate the rows it will run")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("pace_hf caches cannot drop rows in place")
 
     def check_prompt(self, input_ids) -> None:
         """``generate`` is given the whole conversation and prefills what the cache has not seen: refuse an
@@ -399,11 +500,15 @@ class EvictionCache(DynamicCache):
         self.renumbers += 1
 
     def abort_forward(self) -> None:
+        if self._rows is not None:
+            return self._rows.abort_forward()
         self._chunk = None
         for layer in self.layers:
             layer.abort_forward()
 
     def end_forward(self, q_len: int) -> None:
+        if self._rows is not None:
+            return self._rows.end_forward(q_len)
         self._chunk = None
         for layer in self.layers:
             layer.end_forward()
@@ -431,12 +536,15 @@ class EvictionCache(DynamicCache):
         positions run on from the last ones given (a bounded cache renumbers right after compressing)."""
         if self._held is not None or self.in_forward:
             raise RuntimeError("holding() cannot start inside a forward or another hold")
-        self._held = "holding"
+        for cache in dict.fromkeys([self, *self.rows]):
+            cache._held = "holding"
         try:
             yield self
         finally:
-            over = any(layer.is_initialized and layer.resident_count > self.budget for _, layer in self.evicting_layers)
-            self._held = "pending" if over else None
+            for cache in dict.fromkeys([self, *self.rows]):  # a batch's rows may have been built inside
+                over = any(layer.is_initialized and layer.resident_count > self.budget
+                           for _, layer in cache.evicting_layers)
+                cache._held = "pending" if over else None
 
     def evicted(self, layer_idx: int, tokens: dict[str, torch.Tensor]) -> None:
         """Every token a layer evicts (flat, see ``EvictingLayer.tokens_at``): told to the memory, which
@@ -455,6 +563,7 @@ class EvictionCache(DynamicCache):
         """Bring the evicted tokens of logical range ``[start, end)`` back now, and plan the range for
         the current step so that its foresight bonus keeps it. Returns the tokens restored (logical
         positions back in layer 0, in any KV head)."""
+        self._one_sequence("restore(start, end)")
         return self.memory.restore(self, start, end)
 
     def save(self) -> str:
@@ -463,6 +572,7 @@ class EvictionCache(DynamicCache):
         policy with its blueprint, and the spill index, tied together by a manifest of digests. All or
         nothing (``pace_hf.memory.persist``): it returns the generation once it is on every durable tier, or
         raises ``SaveFailed`` / ``WriterConflict`` and the previous save stays the one ``resume`` gives."""
+        self._one_sequence("save()")
         if self._held is not None:
             raise RuntimeError("save() while a held prompt is not yet compressed (see holding()): run the "
                                "forward that compresses it first")
@@ -525,6 +635,7 @@ class EvictionCache(DynamicCache):
         step (see :mod:`pace_hf.memory.retrieval`). ``ids``: the ids of everything this cache has seen (the
         cache keeps no ids). The first call builds a ``PageRetriever(tokenizer)`` (or keeps
         ``retriever``); later calls reuse it. No store, or nothing spilled: a no-op."""
+        self._one_sequence("rehydrate(...)")
         return self.memory.rehydrate(self, text, ids, tokenizer, retriever=retriever)
 
 
@@ -553,6 +664,13 @@ class TokenLog:
 
     def ids(self, seen: int) -> torch.Tensor:
         return self._buffer[:seen]
+
+
+def _step(value) -> int:
+    value = as_index(value, "cache.step")
+    if value < 0:
+        raise ValueError(f"cache.step must be >= 0, got {value}")
+    return value
 
 
 def _logical(positions) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..blueprint import Blueprint
 from ..scoring import CumulativeAttention, Foresight, ForesightBonus, ObservationWindow, Recency, ScoringPolicy
 from .eviction import DEFAULT_SINKS, EvictionCache
@@ -25,7 +27,8 @@ class PACECache(EvictionCache):
 
     Args:
         model: the model to bind to (or call ``bind(model)`` later).
-        blueprint: the planned spans and the steps that read them (``Blueprint()``: none yet).
+        blueprint: the planned spans and the steps that read them (``Blueprint()``: none yet); for a batch,
+            one shared by every row, or a list of one per row.
         budget: resident tokens kept per full-attention layer and KV head after each forward.
         limit: every rotary position stays below it (at least ``budget`` plus the largest chunk);
             ``limit=None`` is the retention-only arm.
@@ -54,12 +57,34 @@ class PACECache(EvictionCache):
     ):
         model, blueprint = _model_and_blueprint(args, model, blueprint)
         blueprint = Blueprint() if blueprint is None else blueprint
+        per_row = None
+        if isinstance(blueprint, (list, tuple)):  # one per row of a batch
+            per_row = list(blueprint)
+            if not per_row or not all(isinstance(b, Blueprint) for b in per_row):
+                raise TypeError("blueprint must be a pace_hf.Blueprint, or a non-empty list of them (one per batch row)")
+            blueprint = per_row[0]
         if not isinstance(blueprint, Blueprint):
             raise TypeError(f"blueprint must be a pace_hf.Blueprint, got {type(blueprint).__name__}")
         if "scoring" in kwargs:
             raise TypeError("PACECache builds its scoring from blueprint, scorer and bonus; use EvictionCache(scoring=...)")
         foresight = Foresight(scorer or CumulativeAttention(), blueprint, bonus if bonus is not None else ForesightBonus(phi))
+        self._row_blueprints = per_row
         super().__init__(model, budget=budget, limit=limit, scoring=foresight, **kwargs)
+
+    _row_blueprints = None  # a list: one blueprint per batch row (a resumed or row cache has none)
+
+    def _rows_expected(self) -> int | None:
+        expected = super()._rows_expected()
+        if self._row_blueprints is not None:
+            if expected is not None and expected != len(self._row_blueprints):
+                raise ValueError(f"{len(self._row_blueprints)} blueprints but {expected} steps: give one of each per row")
+            return len(self._row_blueprints)
+        return expected
+
+    def _row_scoring(self, r: int):
+        if self._row_blueprints is None:
+            return self.scoring
+        return dataclasses.replace(self.scoring, blueprint=self._row_blueprints[r])
 
     @property
     def bonus(self):

@@ -1,0 +1,131 @@
+"""Batched decode: aggregate tokens/s of N sessions decoded together against the same N one at a time.
+
+Each session is a PACE cache at ``--budget`` resident tokens (of ``--tokens`` seen: one real prefill of
+standard-library source, kept by H2O's scores and loaded into every session, so every session decodes
+at the same length). Per N in ``--sessions`` and per round, the same sessions decode ``--steps`` greedy
+tokens:
+- one at a time: each session's own forward, in turn (what pace-serve did);
+- together: one forward of ``CacheRows`` over the N sessions (``pace_hf.cache.batch``).
+A DynamicCache holding the same resident tokens, batched the same way, is the overhead baseline (PACE's
+decode against a cache that evicts nothing, at batch 1 and batch N). Arms alternate within each round;
+the table reports medians. The model's weights are read once per forward: that is what batching saves.
+
+    python bench/batch_decode.py [--model qwen2.5-coder-0.5b] [--tokens 8192] [--budget 2048]
+        [--limit 8192] [--sessions 1,2,4,8] [--steps 8] [--rounds 3] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from pace_bench.models import load_model, preferred_dtype
+from pace_hf.cache import CacheRows, cache_nbytes
+
+from decode_speed import evicting_cache, prefill_state, trimmed
+from prefill_overhead import stdlib_tokens
+
+
+def dynamic_batch(state, n: int) -> DynamicCache:
+    """A DynamicCache of ``n`` rows, each holding the resident tokens of ``state``."""
+    cache = DynamicCache()
+    for i, layer in enumerate(state):
+        cache.update(layer["keys"].expand(n, -1, -1, -1).contiguous(), layer["values"].expand(n, -1, -1, -1).contiguous(), i)
+    return cache
+
+
+def timed(fn, steps: int) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(steps):
+            fn()
+    return time.perf_counter() - start
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--limit", type=int, default=8192)
+    ap.add_argument("--sessions", default="1,2,4,8")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/batch_decode")
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model(args.model)
+    dtype = next(model.parameters()).dtype
+    ids = stdlib_tokens(tokenizer, args.tokens)
+    t0 = time.perf_counter()
+    state, token = prefill_state(model, ids, args.chunk)
+    print(f"prefilled {args.tokens} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
+    state = trimmed(state, args.budget)
+    counts = [int(n) for n in args.sessions.split(",")]
+    rows = []
+    for n in counts:
+        sessions = [evicting_cache(model, "pace", state, args.budget, seen=args.tokens, limit=args.limit)
+                    for _ in range(n)]
+        dense = dynamic_batch([{k: layer[k] for k in ("keys", "values")} for layer in state], n)
+        one = token.expand(1, 1)
+        many = token.expand(n, 1).contiguous()
+        dense_one = [dynamic_batch([{k: layer[k] for k in ("keys", "values")} for layer in state], 1) for _ in range(n)]
+
+        def alone():
+            for cache in sessions:
+                model(one, cache=cache)
+
+        def together():
+            model(many, cache=CacheRows(sessions))
+
+        def dense_alone():
+            for cache in dense_one:
+                model(one, cache=cache)
+
+        def dense_together():
+            model(many, cache=dense)
+
+        arms = {"pace one at a time": alone, "pace batched": together,
+                "dynamic one at a time": dense_alone, "dynamic batched": dense_together}
+        times = {name: [] for name in arms}
+        for r in range(args.rounds):
+            for name, fn in arms.items():
+                timed(fn, 1)  # warm-up step
+                seconds = timed(fn, args.steps)
+                times[name].append(seconds)
+                print(f"N={n} round {r}: {name} {n * args.steps / seconds:.2f} tok/s", flush=True)
+        rate = {name: n * args.steps / statistics.median(ts) for name, ts in times.items()}
+        rows.append({"sessions": n, **{f"{k} tok/s": round(v, 2) for k, v in rate.items()},
+                     "batched / one at a time": round(rate["pace batched"] / rate["pace one at a time"], 2),
+                     "pace / dynamic, one at a time": round(rate["pace one at a time"] / rate["dynamic one at a time"], 3),
+                     "pace / dynamic, batched": round(rate["pace batched"] / rate["dynamic batched"], 3),
+                     "cache MiB per session": round(cache_nbytes(sessions[0]) / 2**20, 1)})
+        for cache in sessions:
+            cache.unbind()
+
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "tokens seen": args.tokens,
+            "budget": args.budget, "limit": args.limit, "steps": args.steps, "rounds": args.rounds,
+            "threads": torch.get_num_threads(), "preferred dtype": str(preferred_dtype()).removeprefix("torch.")}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"settings": meta, "rows": rows}, f, indent=1)
+    columns = list(rows[0])
+    lines = [f"Batched decode, {args.model} ({meta['dtype']}), PACE at {args.budget} resident of {args.tokens} seen, "
+             f"{args.steps} steps x {args.rounds} rounds (medians), {meta['threads']} threads.", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

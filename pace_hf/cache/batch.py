@@ -1,0 +1,209 @@
+"""``CacheRows``: the caches of several sequences run as the rows of one batched forward.
+
+Every pace_hf cache keeps one sequence: its own budget, ledger, scores, positions and memory. A batch
+is a list of such caches, one per row, that one forward of the model serves together:
+- the weights are read once for every row (the projections and the MLP run batched), which is where a
+  batch gains on a CPU as on a GPU;
+- attention runs row by row, each row on its own resident keys through the same path a cache alone
+  takes (``pace_hf.attention.attend``), so no row's keys are padded, masked or copied for the others,
+  and every row keeps exactly what it would keep alone;
+- pad tokens (``attention_mask`` 0, e.g. left padding) are never given to a row: they are not stored,
+  scored, counted as sinks, spilled or planned, and the row's logical positions count its own tokens.
+
+``model.generate(ids, attention_mask=mask, cache=cache)`` with a batch of ``b`` builds ``b`` rows inside
+the cache (``cache.rows``); pace-serve builds ``CacheRows([...])`` over its sessions' caches for a
+decode step. Linear-attention layers (a recurrent state per sequence, written by the model itself) and
+beam search are refused by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from .. import attention
+from .window import WindowLayer
+
+
+class CacheRows(Cache):
+    """Row ``r`` of the batch is ``rows[r]``, a one-sequence pace_hf cache bound to the model.
+
+    What transformers sees: ``update`` stores each row's part of the chunk in that row (pads dropped)
+    and returns a zero-strided stand-in of the batch's shape; ``pace_attention`` finds the rows' keys
+    here (``attend_rows``). ``get_seq_length`` counts the columns the batch was given (pads included),
+    which is what ``generate`` slices its input by; each row's own count is ``rows[r].get_seq_length()``.
+    """
+
+    def __init__(self, rows):
+        rows = list(rows)
+        if not rows:
+            raise ValueError("CacheRows needs at least one row")
+        binding = rows[0].binding
+        for i, row in enumerate(rows):
+            if getattr(row, "binding", None) is None:
+                raise RuntimeError(f"row {i} of the batch is not bound to a model: bind every row first")
+            if row.binding is not binding:
+                raise ValueError(f"row {i} is bound to another model than row 0: a batch runs one model")
+            if row.in_forward:
+                raise RuntimeError(f"row {i} is inside a forward already")
+            if len(row.rows) != 1:
+                raise ValueError(f"row {i} holds a batch of its own: a row is a one-sequence cache")
+            if any(kind == "linear" for kind in row.layout):
+                raise NotImplementedError(
+                    f"this model has linear-attention layers ({type(row).__name__}.layout: 'linear'): their recurrent "
+                    "state is written by the model itself, per batch row, and pads would enter it; batches are not "
+                    "supported for it yet. Run one sequence at a time")
+        if len({id(row) for row in rows}) != len(rows):
+            raise ValueError("a cache appears twice in the batch: every row needs its own cache")
+        Cache.__init__(self, layers=[])
+        self.rows = rows
+        self.binding = binding
+        limits = [row.limit for row in rows]
+        self.limit = None if None in limits else min(limits)
+        self.columns = max(row.get_seq_length() for row in rows)
+        self._active: list[torch.Tensor | None] | None = None  # per row: its tokens' columns in the chunk
+        self._kv: dict[int, list] = {}  # per layer, per row: the keys and values its attention reads
+
+    # -- what transformers calls -------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.columns + query_length, 0  # the padding mask's length; the mask itself is never built
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return self.rows[0].is_sliding
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self._active is None:
+            raise RuntimeError("CacheRows.update outside a forward: pass the batch to a model bound to its rows")
+        stored = []
+        for r, (row, columns) in enumerate(zip(self.rows, self._active)):
+            if columns is None:
+                stored.append(None)
+                continue
+            keys, values = (t[r:r + 1] if columns.numel() == t.shape[-2] else t[r:r + 1, :, columns]
+                            for t in (key_states, value_states))
+            stored.append(row.update(keys, values, layer_idx))
+        self._kv[layer_idx] = stored
+        longest = max((k.shape[-2] for k, _ in filter(None, stored)), default=0)
+        b, heads = key_states.shape[:2]
+        stand_in = lambda t: t.new_zeros(()).expand(b, heads, longest, t.shape[-1])  # noqa: E731
+        return stand_in(key_states), stand_in(value_states)
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("pace_hf caches do not support beam search (num_beams must be 1)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise NotImplementedError("a batch of pace_hf caches cannot be expanded: give generate the rows it will run")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("a batch of pace_hf caches cannot be cut: build CacheRows of the rows to keep")
+
+    # -- attention, row by row (called by ``pace_attention``) ----------------------------------------
+    def attend_rows(self, module, query, layer_idx: int, scaling, dropout: float, softcap, sinks, kwargs):
+        """The batch's attention output ``[b, q, q_heads, d_v]``: each row's queries against its own keys,
+        through the path a cache alone takes; a pad query's output is zeros (nothing reads it)."""
+        stored = self._kv.pop(layer_idx, None)
+        if stored is None:
+            raise RuntimeError(f"layer {layer_idx} attended without storing its keys in the batch's rows first")
+        out = None
+        for r, (row, columns, kv) in enumerate(zip(self.rows, self._active, stored)):
+            if columns is None:
+                continue
+            keys, values = kv
+            q = query[r:r + 1] if columns.numel() == query.shape[2] else query[r:r + 1, :, columns]
+            mask = _window_mask(row.layers[layer_idx], q.shape[2], keys.shape[-2])
+            rows_out = attention.attend(row, module, layer_idx, q, keys, values, mask, dropout, scaling, softcap,
+                                        sinks, kwargs)
+            if out is None:
+                out = rows_out.new_zeros(query.shape[0], query.shape[2], *rows_out.shape[2:])
+            out[r, columns] = rows_out[0]
+        return out
+
+    # -- the forward bracket (called by the binding's hooks) --------------------------------------------
+    @property
+    def in_forward(self) -> bool:
+        return self._active is not None
+
+    def bracket_for(self, batch: int) -> "CacheRows":
+        if batch != len(self.rows):
+            raise ValueError(f"this batch has {len(self.rows)} rows, but the input has {batch}")
+        return self
+
+    def check_prompt(self, input_ids) -> None:
+        """A batch's rows were filled one by one: only the batch size can be checked against them."""
+        if input_ids.shape[0] != len(self.rows):
+            raise ValueError(f"this batch has {len(self.rows)} rows, but the input has {input_ids.shape[0]}")
+
+    def begin_forward(self, q_len: int, ids=None, attention_mask=None) -> torch.Tensor:
+        """Give each row its tokens of the chunk (those ``attention_mask`` keeps); returns the batch's
+        ``position_ids`` ``[b, q_len]``, each row's from its own cache (a pad's is its row's first)."""
+        b = len(self.rows)
+        keep = _columns_kept(attention_mask, b, q_len)
+        positions = torch.zeros(b, q_len, dtype=torch.long)
+        active: list[torch.Tensor | None] = []
+        try:
+            for r, row in enumerate(self.rows):
+                columns = keep[r].nonzero().flatten() if keep is not None else torch.arange(q_len)
+                if columns.numel() == 0:  # all pads in this chunk: the row sits the forward out
+                    active.append(None)
+                    continue
+                row_ids = None if ids is None else ids[r:r + 1, columns.to(ids.device)]
+                start = row.begin_forward(columns.numel(), row_ids)
+                active.append(columns)
+                positions[r] = start
+                positions[r, columns] = torch.arange(start, start + columns.numel())
+        except BaseException:
+            for row, columns in zip(self.rows, active):
+                if columns is not None:
+                    row.abort_forward()
+            raise
+        if all(columns is None for columns in active):
+            raise ValueError("every token of this forward is padding (attention_mask is 0 for all of them)")
+        device = ids.device if ids is not None else (attention_mask.device if attention_mask is not None else None)
+        self._active = [None if c is None else c.to(device) for c in active] if device is not None else active
+        self._q_len = q_len
+        return positions.to(device) if device is not None else positions
+
+    def end_forward(self, q_len: int) -> None:
+        active, self._active, self._kv = self._active, None, {}
+        for row, columns in zip(self.rows, active):
+            if columns is not None:
+                row.end_forward(columns.numel())
+        self.columns += q_len
+
+    def abort_forward(self) -> None:
+        active, self._active, self._kv = self._active, None, {}
+        for row, columns in zip(self.rows or [], active or []):
+            if columns is not None:
+                row.abort_forward()
+
+
+def _columns_kept(attention_mask, batch: int, q_len: int) -> torch.Tensor | None:
+    """``[b, q_len]`` bool: the chunk's tokens that are not padding (None: all of them)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch:
+        raise NotImplementedError(
+            f"a batch takes a 2D padding mask [batch, columns] as generate builds it (got {tuple(attention_mask.shape)}): "
+            "pace_hf caches build each row's attention themselves")
+    if attention_mask.shape[1] < q_len:
+        raise ValueError(f"the attention_mask covers {attention_mask.shape[1]} columns, fewer than this forward's {q_len}")
+    keep = attention_mask[:, -q_len:].to("cpu").bool()
+    return None if bool(keep.all()) else keep
+
+
+def _window_mask(layer, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """A sliding window's mask for a row's chunk (bool ``[1, 1, q, kv]``, True: attend); None where the
+    causal mask aligned to the end of the keys is the whole rule (full layers, and one query in a window)."""
+    if not isinstance(layer, WindowLayer) or q_len == 1:
+        return None
+    query = torch.arange(kv_len - q_len, kv_len)[:, None]
+    key = torch.arange(kv_len)[None, :]
+    seen = (key <= query) & (key > query - layer.sliding_window)
+    return seen[None, None].to(layer.device)
+
+
+__all__ = ["CacheRows"]
