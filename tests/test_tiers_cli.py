@@ -233,6 +233,20 @@ def test_the_server_and_the_command_read_one_spelling(tmp_path):
         parse_store("disk")
 
 
+def test_the_servers_own_store_spelling_is_read_and_its_index_is_not_a_session(tmp_path, capsys):
+    """``pace-serve --store host,disk:PATH``: the command skips the host tier (it is in the server's memory),
+    says so, and reads the disk; pace-serve's conversation index is named as such, not counted."""
+    from pace_hf.memory.namespace import SERVE_INDEX
+
+    with parse_store(f"disk:{tmp_path}") as store:
+        store.put("secret", {"secret": torch.zeros(1)}, {}, fingerprint="f", session_id=SERVE_INDEX, through=True).result()
+        store.put("x", {"t": torch.zeros(1)}, {}, fingerprint="f", session_id="agent-1", through=True).result()
+    assert main(["list", "--store", f"host,disk:{tmp_path}"]) == 0
+    got = capsys.readouterr()
+    assert "skipping tier(s) ['host']" in got.err
+    assert f"1 sessions and pace-serve's conversation index ({SERVE_INDEX})" in got.out
+
+
 def test_a_missing_store_directory_is_an_error_and_a_closed_pipe_is_not(tmp_path):
     """``list --store disk:/nonexistent`` said "no sessions" and exited 0, so a mistyped path went
     unnoticed; ``list | head`` ended in a BrokenPipeError traceback."""

@@ -36,7 +36,7 @@ import json
 import os
 import sys
 
-from .namespace import TENANT_NAME, belongs_to, scoped, unscoped
+from .namespace import SERVE_INDEX, TENANT_NAME, belongs_to, scoped, unscoped
 from .persist import MANIFEST_FINGERPRINT, MANIFEST_KEY, DamagedSave, current_generation
 from ..tiers.errors import IntegrityError, TierError, WriterConflict
 from ..tiers.keys import generation_of
@@ -90,7 +90,9 @@ def cmd_list(store, args) -> int:
     else:
         print(_table(_report_rows(report)))
         total = sum(r["bytes"] for tiers in report.values() for r in tiers.values())
-        print(f"{len(report)} sessions, {_size(total)} in all")
+        sessions = len(report) - (SERVE_INDEX in report)
+        index = f" and pace-serve's conversation index ({SERVE_INDEX})" if SERVE_INDEX in report else ""
+        print(f"{sessions} sessions{index}, {_size(total)} in all")
     return 0
 
 
@@ -223,9 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--store: {e}")
     try:
         local = [t.name for t in store.tiers if not t.shared_across_processes]
-        if local:
+        if len(local) == len(store.tiers):
             p.error(f"--store: tier(s) {local} live in one process's memory; name tiers shared across "
                     "processes (disk:PATH, valkey://...)")
+        if local:  # pace-serve's own spelling (host,disk:...): its host tier is in the server's memory
+            print(f"python -m pace_hf.memory: skipping tier(s) {local}: they live in the memory of the process that "
+                  "holds them; reading the others", file=sys.stderr)
+            store.close()
+            store = parse_store(",".join(part for part in args.store.split(",")
+                                         if not part.strip().startswith("host")), strict=True)
         missing = [t.root for t in store.tiers if getattr(t, "root", None) and not os.path.isdir(t.root)]
         if missing:  # a mistyped path would read as an empty store
             p.error(f"--store: no such directory {missing[0]!r}: no store was ever written there")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+SERVE_INDEX = "pace-serve-index"  # pace-serve's conversation index and secret: stored as a session, but none
 SCOPE = "~"  # between a tenant and its session's name (a tenant name never holds it)
 
 
