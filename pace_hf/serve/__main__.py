@@ -96,6 +96,11 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                    help="sessions not saved for this long are deleted (0: kept until deleted)")
     p.add_argument("--retrieval", action=argparse.BooleanOptionalAction, default=True,
                    help="each user turn restores the evicted pages its text matches (pace_hf.memory.retrieval)")
+    p.add_argument("--batch-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode the turns of several sessions together, one batched forward per token (prefill "
+                        "stays one session at a time); --no-batch-decode runs one turn at a time")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="turns decoded together at most (and no more than --max-resident)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                     "token counts")
     if args.retain_mb < 0 or args.retain_hours < 0:
         p.error("--retain-mb and --retain-hours must be >= 0 (0: off)")
+    if args.max_batch < 1:
+        p.error(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_body_mb <= 0 or args.body_timeout <= 0:
         p.error("--max-body-mb and --body-timeout must be > 0")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
@@ -141,7 +148,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                         chunk=args.chunk, max_context=args.max_context, max_tokens=args.max_tokens,
                         max_resident=args.max_resident, idle_ttl_s=args.idle_ttl, queue_size=args.queue_size,
                         spill_cap_bytes=int(args.spill_cap_mb * 2**20), retrieval=args.retrieval,
-                        retain_bytes=int(args.retain_mb * 2**20) or None, retain_age_s=args.retain_hours * 3600 or None)
+                        retain_bytes=int(args.retain_mb * 2**20) or None, retain_age_s=args.retain_hours * 3600 or None,
+                        batch_decode=args.batch_decode, max_batch=args.max_batch)
     except ValueError as e:
         raise SystemExit(f"pace-serve: --budget/--limit/--chunk: {e}") from None
     app = create_app(engine, names, max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout,

@@ -95,6 +95,24 @@ class Turn:
 
 
 @dataclass
+class Opened:
+    """A turn between its pre-work and its reply (``Engine._open``): what ``Engine._close`` needs."""
+
+    turn: Turn
+    system: str
+    hashes: list[str]
+    sid: str
+    lease: object
+    session: PACESession
+    max_tokens: int
+    header: int  # the generation header's length in tokens
+    prompt: int  # the prompt's tokens, the header included
+    reused: int  # of them, those the session's cache already held
+    before: dict  # the cache's tier_stats before the turn
+    t0: float  # when the turn started (perf_counter), for the TTFT
+
+
+@dataclass
 class Resident:
     session: PACESession
     last_used: float
@@ -174,7 +192,8 @@ class Engine:
     def __init__(self, model, tokenizer, store, model_name: str, *, budget: int = 2048, limit: int | None = 8192,
                  chunk: int | None = None, max_context: int = 32768, max_tokens: int = 512, max_resident: int = 4,
                  idle_ttl_s: float = 600.0, queue_size: int = 16, spill_cap_bytes: int | None = 512 << 20,
-                 retrieval: bool = True, retain_bytes: int | None = None, retain_age_s: float | None = None):
+                 retrieval: bool = True, retain_bytes: int | None = None, retain_age_s: float | None = None,
+                 batch_decode: bool = True, max_batch: int = 8):
         if store is None:
             raise ValueError("pace-serve needs a store: sessions are saved and parked there")
         self.model, self.tokenizer, self.store, self.model_name = model, tokenizer, store, model_name
@@ -201,6 +220,14 @@ class Engine:
         self.saver = ThreadPoolExecutor(1, thread_name_prefix="pace-serve-save")
         self.leases = LeaseKeeper(TURN_LEASE_S)
         self.turn_seconds = 1.0  # a running mean, for Retry-After
+        self.active: set[str] = set()  # sessions in a turn of the batched worker: never parked or dropped by another
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise ValueError(f"max_batch (turns decoded together) must be an int >= 1, got {max_batch!r}")
+        self.batcher = None
+        if batch_decode:
+            from .batcher import Batcher
+
+            self.batcher = Batcher(self, max_batch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="pace-serve-worker", daemon=True)
 
@@ -244,6 +271,9 @@ class Engine:
                            type="rate_limit_error", code="queue_full", headers={"Retry-After": str(wait)}) from None
 
     def _work(self) -> None:
+        if self.batcher is not None:
+            self.batcher.run()
+            return
         while not self._stop.is_set():
             try:
                 turn = self.queue.get(timeout=0.5)
@@ -256,11 +286,8 @@ class Engine:
             started = time.perf_counter()
             try:
                 self._run(turn)
-            except APIError as e:
-                turn.send("error", e)
             except Exception as e:  # noqa: BLE001 - one bad turn never kills the server
-                log.exception("pace-serve: a turn failed")
-                turn.send("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+                self._fail(turn, e)
             self.turn_seconds = 0.8 * self.turn_seconds + 0.2 * (time.perf_counter() - started)
             self._park_idle()
             self._retain(every_s=RETAIN_BUSY_S)
@@ -367,7 +394,10 @@ class Engine:
     def _admit(self, session_id: str, session: PACESession) -> PACESession:
         """Make ``session`` resident, parking the least recently used first: the cap holds at every moment."""
         while len(self.resident) >= self.max_resident:
-            self._park(next(iter(self.resident)))
+            idle = next((s for s in self.resident if s not in self.active), None)
+            if idle is None:  # every resident session is in a turn (the batched worker admits no more than fit)
+                break
+            self._park(idle)
         self.parked.discard(session_id)
         self.resident[session_id] = Resident(session, time.monotonic())
         return session
@@ -387,21 +417,49 @@ class Engine:
 
     def _park_idle(self, keep: str | None = None) -> None:
         now = time.monotonic()
-        for sid in [s for s, r in self.resident.items() if s != keep and now - r.last_used > self.idle_ttl_s]:
+        for sid in [s for s, r in self.resident.items()
+                    if s != keep and s not in self.active and now - r.last_used > self.idle_ttl_s]:
             self._park(sid)
         while len(self.resident) > self.max_resident:
-            sid = next(s for s in self.resident if s != keep)
+            sid = next((s for s in self.resident if s != keep and s not in self.active), None)
+            if sid is None:
+                break
             self._park(sid)
 
     # -- one turn -----------------------------------------------------------------------------------
+    # A turn is: ``_locate`` (its session id), ``_lease`` (the session's writer lease), ``_open`` (the
+    # session synced with the request, the "started" event), the generation, ``_close`` (the reply
+    # appended and sent, indexed, the save queued). ``_run`` does them in a row; the batched worker
+    # (``batcher``) runs the same steps around its own prefill and batched decode.
     def _run(self, turn: Turn) -> None:
         """One turn under the session's writer lease, held from before the session is read until its save
         lands: a second replica that gets a turn of it meanwhile answers 409, and never serves, saves or
         deletes it at the same time. A store that cannot take leases now serves the turn without one
         (its save then fails, and the next response says so)."""
+        system, hashes, sid = self._locate(turn)
+        lease = self._lease(sid)
+        handed = False
+        try:
+            opened = self._open(turn, system, hashes, sid, lease)
+            text = self._generate(opened)
+            handed = self._close(opened, text)
+        finally:
+            if not handed:
+                self._release(lease)
+
+    def _locate(self, turn: Turn) -> tuple[str, list[str], str]:
+        """``(system prompt, hash chain, session id)`` of a turn."""
         system = turn.system if turn.system is not None else DEFAULT_SYSTEM
         hashes = chain(self.model_name, system, turn.messages, chain_seed(self.secret, turn.tenant, turn.cache_salt))
-        sid = self._find(turn, hashes)
+        return system, hashes, self._find(turn, hashes)
+
+    def _saving(self, sid: str) -> Future | None:
+        """This replica's save of ``sid`` still in flight, if any."""
+        held = self.resident.get(sid)
+        return held.saving if held is not None and held.saving is not None and not held.saving.done() else None
+
+    def _lease(self, sid: str):
+        """The session's writer lease, held (renewed) until released; None where the store takes none now."""
         held = self.resident.get(sid)
         if held is not None and held.saving is not None:
             held.saving.result()  # this replica's previous turn of it releases the lease when saved
@@ -416,15 +474,23 @@ class Engine:
             lease = None
         if lease is not None:
             self.leases.hold(lease)
-        handed = False
-        try:
-            handed = self._turn(turn, system, hashes, sid, lease)
-        finally:
-            if not handed and lease is not None:
-                self.leases.release(lease)
+        return lease
 
-    def _turn(self, turn: Turn, system: str, hashes: list[str], sid: str, lease) -> bool:
-        """The turn itself; True once its save (which releases ``lease``) is queued."""
+    def _release(self, lease) -> None:
+        if lease is not None:
+            self.leases.release(lease)
+
+    def _fail(self, turn: Turn, e: Exception) -> None:
+        """Tell the client why its turn failed: an ``APIError`` as it is, anything else as a logged 500."""
+        if isinstance(e, APIError):
+            turn.send("error", e)
+            return
+        log.error("pace-serve: a turn failed", exc_info=e)
+        turn.send("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    def _open(self, turn: Turn, system: str, hashes: list[str], sid: str, lease) -> "Opened":
+        """Everything before the generation: the session found, resumed or started, checked against
+        ``max_context``, synced with the request; then the "started" event."""
         session = self._session(sid, system)
         if session.system != system:  # a named session with another system prompt: start it over
             fresh = self._new(system, sid)
@@ -458,17 +524,33 @@ class Engine:
         self.unsaved.discard(sid)
         turn.send("started", {"session": unscoped(turn.tenant, sid), "prompt_tokens": prompt,
                               "previous_turn_saved": saved})
-        t0 = time.perf_counter()
+        return Opened(turn, system, hashes, sid, lease, session, max_tokens, header, prompt, reused, before,
+                      time.perf_counter())
+
+    def _deltas(self, opened: "Opened") -> "_Deltas":
+        """The turn's streamer: each decoded piece goes to the client; the first one times the TTFT."""
+        t0 = opened.t0
+        return _Deltas(self.tokenizer, opened.turn, lambda: self.metrics.ttft.observe(time.perf_counter() - t0))
+
+    def _generate(self, opened: "Opened") -> str:
+        """The reply, one turn alone: ``PACESession.generate`` (prefill, decode, the reply appended)."""
+        turn, session = opened.turn, opened.session
         kwargs = dict(turn.sampling)
         if turn.stops:
             kwargs.update(stop_strings=turn.stops, tokenizer=self.tokenizer)
-        streamer = _Deltas(self.tokenizer, turn, lambda: self.metrics.ttft.observe(time.perf_counter() - t0))
         try:
-            text = session.generate(max_new_tokens=max_tokens, streamer=streamer,
+            return session.generate(max_new_tokens=opened.max_tokens, streamer=self._deltas(opened),
                                     stopping_criteria=StoppingCriteriaList([_Cancelled(turn.cancelled)]), **kwargs)
         except Exception:
-            self._drop(sid)  # its cache may be half-written; the store still holds its last turn
+            self._drop(opened.sid)  # its cache may be half-written; the store still holds its last turn
             raise
+
+    def _close(self, opened: "Opened", text: str) -> bool:
+        """Everything after the generation (the reply is the session's last message, ``text``): metrics, a
+        cancelled turn forgotten, the stop-string cut, the index, the "done" event, the save queued.
+        True once the save (which releases the lease) is queued."""
+        turn, sid, session, header = opened.turn, opened.sid, opened.session, opened.header
+        prompt, reused, before, max_tokens = opened.prompt, opened.reused, opened.before, opened.max_tokens
         self.metrics.prefill.inc(prompt - reused)
         self.metrics.reused.inc(reused)
         after = session.cache.tier_stats
@@ -483,13 +565,13 @@ class Engine:
                 session.rewind(len(session.messages) - 1)
             except ValueError:
                 self._drop(sid)  # the store holds the last completed turn
-            return
+            return False
         content, stopped = text, False
         for stop in turn.stops:
             if stop in content:
                 content, stopped = content[:content.index(stop)], True
         finish = "stop" if stopped or out_tokens < max_tokens else "length"
-        full = chain(self.model_name, system, turn.messages + [("assistant", content)],
+        full = chain(self.model_name, opened.system, turn.messages + [("assistant", content)],
                      chain_seed(self.secret, turn.tenant, turn.cache_salt))[-1]
         self.known[full] = sid
         self.known.move_to_end(full)
@@ -501,7 +583,7 @@ class Engine:
                            "prefilled_tokens": prompt - reused})
         held = self.resident[sid]
         held.last_used = time.monotonic()
-        held.saving = self.saver.submit(self._save, sid, session, lease)
+        held.saving = self.saver.submit(self._save, sid, session, opened.lease)
         self._park_idle(keep=sid)
         return True
 

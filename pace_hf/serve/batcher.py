@@ -1,0 +1,319 @@
+"""pace-serve's batched decode: the turns of several sessions decoded together, one token each per forward.
+
+Why: one worker ran one turn at a time, so with 16 sessions waiting the last one's first token came
+after 15 whole turns. A decode step reads every weight of the model to make one token: it is bound by
+memory bandwidth, not by arithmetic, and the same read serves every row of a batch (on this CPU 8
+sessions decoded together make about 4x the tokens per second of one at a time). So the worker keeps a
+set of active turns, up to ``max_batch``, and every loop runs one forward over all of them
+(``pace_hf.cache.CacheRows`` over their sessions' caches: each row keeps exactly its own eviction,
+positions and memory, as alone), and between steps admits the turns that wait.
+
+Prefill stays one session at a time: a prefill chunk is already hundreds of tokens, so its matmuls
+saturate the CPU (or GPU) on their own and batching them would gain nothing, while a long prompt would
+hold every active row's next token for its whole prefill either way. A newly admitted turn is prefilled
+(its chunks of ``session.chunk`` tokens, as ``generate`` would) between two decode steps, and its first
+token comes from its prefill's last logits.
+
+What each turn keeps as its own: its sampling (greedy, or temperature / top-k / top-p as ``generate``
+applies them), its ``max_tokens``, its stop strings (``StopStringCriteria``, as ``generate`` checks
+them), its stop tokens, and its cancellation. Before and after the generation a turn does exactly what
+a turn alone does (``Engine._locate``, ``_lease``, ``_open``; ``_close``), so leases, saves, parking and
+the index behave the same. A session is never in two active turns: its next turn waits, taken from the
+queue but not admitted, until the first is done and its save has landed. A turn whose prefill or
+decode fails fails alone: its session is dropped (the store holds its last turn) and its client gets
+the error; the other rows go on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (LogitsProcessorList, StopStringCriteria, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
+
+from ..cache import CacheRows
+from .protocol import APIError
+
+log = logging.getLogger("pace_hf.serve")
+
+IDLE_WAIT_S = 0.5  # how long the worker waits for a turn when it has nothing to do
+BLOCKED_WAIT_S = 0.05  # ... when its only turns wait for their session (a turn or save in flight)
+
+
+@dataclass
+class Row:
+    """An active turn: its session's next token to feed, the reply so far, and how it ends."""
+
+    opened: object  # engine.Opened
+    ids: list[int]  # the prompt (conversation and generation header): stop strings may start in it
+    header: list[int]
+    streamer: object
+    warpers: LogitsProcessorList | None  # None: greedy
+    stop_strings: StopStringCriteria | None
+    stop_ids: set[int]
+    started: float
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def cache(self):
+        return self.opened.session.cache
+
+
+def prefill(session) -> tuple[list[int], torch.Tensor]:
+    """``(generation header ids, logits of the prompt's last token)``: what ``PACESession.generate`` does
+    before its first token, the planner run and the new tokens prefilled in chunks of ``session.chunk``
+    counted from what the cache holds (``generate``'s chunks, so the cache ends the same)."""
+    if not session.messages:
+        raise ValueError("generate answers the conversation, and it has no message yet")
+    if session.planner is not None:
+        session.planner.plan(session)
+    cache, model = session.cache, session.model
+    cache.step = session.step
+    header = session.template.encode(session.template.gen_header)
+    ids = session.ids + header
+    cache.check_prompt(torch.tensor([ids], dtype=torch.long))
+    extra = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+    logits = None
+    with torch.no_grad():
+        for start in range(cache.get_seq_length(), len(ids), session.chunk):
+            x = torch.tensor([ids[start:start + session.chunk]], dtype=torch.long, device=model.device)
+            logits = model(input_ids=x, attention_mask=torch.ones(1, start + x.shape[1], dtype=torch.long,
+                                                                  device=model.device),
+                           cache=cache, **extra).logits[0, -1]
+    if logits is None:
+        raise RuntimeError("the session's cache already holds the whole prompt, the generation header included")
+    return header, logits
+
+
+def _takes_logits_to_keep(model) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def warpers(sampling: dict, generation_config) -> LogitsProcessorList | None:
+    """The logits warpers ``generate`` applies for ``sampling`` (``do_sample``, ``temperature``, ``top_p``) over
+    the model's own generation config (its ``top_k``), in ``generate``'s order; None: greedy."""
+    if not sampling.get("do_sample"):
+        return None
+    out = LogitsProcessorList()
+    temperature = sampling.get("temperature", getattr(generation_config, "temperature", None))
+    if temperature is not None and temperature != 1.0:
+        out.append(TemperatureLogitsWarper(float(temperature)))
+    top_k = sampling.get("top_k", getattr(generation_config, "top_k", None))
+    if top_k is not None and top_k != 0:
+        out.append(TopKLogitsWarper(top_k=int(top_k), min_tokens_to_keep=1))
+    top_p = sampling.get("top_p", getattr(generation_config, "top_p", None))
+    if top_p is not None and top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=float(top_p), min_tokens_to_keep=1))
+    return out
+
+
+class Batcher:
+    """The batched worker loop of an ``Engine`` (see the module docstring); ``run()`` on its worker thread."""
+
+    def __init__(self, engine, max_batch: int = 8):
+        self.engine, self.max_batch = engine, max_batch
+        self.rows: list[Row] = []
+        self.waiting: list = []  # turns taken from the queue whose session is busy (a turn or save in flight)
+
+    @property
+    def room(self) -> int:
+        """How many turns may be active: ``max_batch``, and no more than may be resident at once (an active
+        session is never parked)."""
+        return min(self.max_batch, self.engine.max_resident)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def run(self) -> None:
+        engine = self.engine
+        from .engine import RETAIN_BUSY_S, RETAIN_IDLE_S
+
+        while not engine._stop.is_set():
+            took = self._fill()
+            if self.rows:
+                self._step()
+                engine._retain(every_s=RETAIN_BUSY_S)
+            elif not took and not self.waiting:
+                engine._park_idle()
+                engine._retain(every_s=RETAIN_IDLE_S)
+        for row in list(self.rows):  # stopping: the clients of the turns in flight hear so
+            self._drop(row, APIError(503, "the server is shutting down", type="server_error"))
+        for turn in self.waiting:
+            turn.send("error", APIError(503, "the server is shutting down", type="server_error"))
+
+    def _fill(self) -> bool:
+        """Admit waiting turns, then queued ones, while there is room; whether any turn was admitted."""
+        took = False
+        for turn in list(self.waiting):
+            if len(self.rows) >= self.room:
+                return took
+            if turn.cancelled.is_set():  # the client left while it waited
+                self.waiting.remove(turn)
+                continue
+            located = self._ready(turn)
+            if located is not None:
+                self.waiting.remove(turn)
+                self._start(turn, located)
+                took = True
+        while len(self.rows) < self.room and len(self.waiting) < self.room:
+            try:
+                if self.rows or took:
+                    turn = self.engine.queue.get_nowait()
+                else:
+                    turn = self.engine.queue.get(timeout=BLOCKED_WAIT_S if self.waiting else IDLE_WAIT_S)
+            except queue.Empty:
+                return took
+            if turn.cancelled.is_set():
+                continue
+            located = self._ready(turn)
+            if located is None:
+                self.waiting.append(turn)
+                continue
+            self._start(turn, located)
+            took = True
+        return took
+
+    def _ready(self, turn):
+        """``Engine._locate``'s answer if the turn's session is free now (in no active turn, no save of it in
+        flight), else None (the turn waits). A turn that cannot be located (the store's index is down)
+        is ready too, as ``("failed", error)``: ``_start`` answers it with the error."""
+        try:
+            located = self.engine._locate(turn)
+        except Exception as e:  # noqa: BLE001 - the store's index may be down
+            return ("failed", e)
+        sid = located[2]
+        if sid in self.engine.active or self.engine._saving(sid) is not None:
+            return None
+        return located
+
+    # -- one turn ----------------------------------------------------------------------------------------
+    def _start(self, turn, located) -> None:
+        """The turn's pre-work (``_lease``, ``_open``), its prefill and its first token; then it is a row."""
+        engine = self.engine
+        if located[0] == "failed":
+            engine._fail(turn, located[1])
+            return
+        system, hashes, sid = located
+        started = time.perf_counter()
+        try:
+            lease = engine._lease(sid)
+        except Exception as e:  # noqa: BLE001 - one bad turn never kills the server
+            engine._fail(turn, e)
+            return
+        try:
+            opened = engine._open(turn, system, hashes, sid, lease)
+        except Exception as e:  # noqa: BLE001
+            engine._release(lease)
+            engine._fail(turn, e)
+            return
+        engine.active.add(sid)
+        try:
+            header, logits = prefill(opened.session)
+            session = opened.session
+            stops = StopStringCriteria(engine.tokenizer, turn.stops) if turn.stops else None
+            row = Row(opened, session.ids + header, header, engine._deltas(opened),
+                      warpers(turn.sampling, getattr(engine.model, "generation_config", None)), stops,
+                      set(session.template.stop_ids()), started)
+            row.streamer.put(torch.tensor([row.ids[-1:]]))  # the prompt, which the streamer skips, as generate's
+        except Exception as e:  # noqa: BLE001
+            engine.active.discard(sid)
+            engine._drop(sid)  # its cache may be half-written; the store still holds its last turn
+            engine._release(lease)
+            engine._fail(turn, e)
+            return
+        self.rows.append(row)
+        self._advance(row, logits)
+
+    def _step(self) -> None:
+        """One decode forward over every active row; each row then takes its token."""
+        rows = list(self.rows)
+        tokens = torch.tensor([[row.generated[-1]] for row in rows], dtype=torch.long, device=self.engine.model.device)
+        logits: list[torch.Tensor | None]
+        try:
+            with torch.no_grad():
+                if len(rows) == 1:  # the path a turn alone takes
+                    out = self.engine.model(input_ids=tokens, cache=rows[0].cache).logits
+                else:
+                    out = self.engine.model(input_ids=tokens, cache=CacheRows([row.cache for row in rows])).logits
+            logits = list(out[:, -1])
+            self.engine.metrics.decode_steps.inc()
+            self.engine.metrics.decode_rows.inc(len(rows))
+        except Exception:  # noqa: BLE001 - which row? each runs alone (the batch's writes were undone)
+            log.warning("pace-serve: a batched decode step of %d rows failed; running them one by one", len(rows),
+                        exc_info=True)
+            logits = []
+            for r, row in enumerate(rows):
+                try:
+                    with torch.no_grad():
+                        logits.append(self.engine.model(input_ids=tokens[r:r + 1], cache=row.cache).logits[0, -1])
+                except Exception as e:  # noqa: BLE001
+                    logits.append(None)
+                    self._drop(row, e)
+        for row, row_logits in zip(rows, logits):
+            if row_logits is not None:
+                self._advance(row, row_logits)
+
+    def _advance(self, row: Row, logits: torch.Tensor) -> None:
+        """The row's next token from its logits: chosen, streamed; the turn ends on a stop token, its
+        ``max_tokens``, a stop string or its client leaving (``generate``'s criteria, in its order)."""
+        try:
+            scores = logits.to(dtype=torch.float32)[None]
+            if row.warpers is None:
+                token = int(scores.argmax(-1))
+            else:
+                last = row.generated[-1:] or row.ids[-1:]  # these warpers read the scores only
+                scores = row.warpers(torch.tensor([last], dtype=torch.long), scores)
+                token = int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1))
+            row.generated.append(token)
+            row.streamer.put(torch.tensor([token]))
+            turn = row.opened.turn
+            done = (token in row.stop_ids or len(row.generated) >= row.opened.max_tokens
+                    or turn.cancelled.is_set())
+            if not done and row.stop_strings is not None:
+                tail = (row.ids + row.generated)[-row.stop_strings.maximum_token_len:]
+                done = bool(row.stop_strings(torch.tensor([tail], dtype=torch.long), None)[0])
+        except Exception as e:  # noqa: BLE001
+            self._drop(row, e)
+            return
+        if done:
+            self._finish(row)
+
+    def _finish(self, row: Row) -> None:
+        """The reply appended to the session (as ``PACESession.generate`` does), then ``Engine._close``."""
+        engine, opened = self.engine, row.opened
+        self.rows.remove(row)
+        engine.active.discard(opened.sid)
+        handed = False
+        try:
+            row.streamer.end()
+            session = opened.session
+            reply = list(row.generated)
+            while reply and reply[-1] in row.stop_ids:
+                reply.pop()
+            text = engine.tokenizer.decode(reply, skip_special_tokens=True)
+            session._append("assistant", text, row.header + reply + session.template.turn_end_ids())
+            handed = engine._close(opened, text)
+        except Exception as e:  # noqa: BLE001
+            engine._fail(opened.turn, e)
+        finally:
+            if not handed:
+                engine._release(opened.lease)
+        spent = time.perf_counter() - row.started
+        engine.turn_seconds = 0.8 * engine.turn_seconds + 0.2 * spent / max(1, len(self.rows) + 1)
+        engine._park_idle()
+
+    def _drop(self, row: Row, e: Exception) -> None:
+        """A row that failed: its session dropped (the store holds its last turn), its client told."""
+        engine, opened = self.engine, row.opened
+        if row in self.rows:
+            self.rows.remove(row)
+        engine.active.discard(opened.sid)
+        engine._drop(opened.sid)
+        engine._release(opened.lease)
+        engine._fail(opened.turn, e)
