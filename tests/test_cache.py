@@ -135,7 +135,8 @@ def test_foresight_keeps_planned_spans_until_their_last_reader():
 
     def probe(module, args, output):  # runs before the cache evicts at the end of the forward
         layer = pace.layers[0]
-        with_bonus = pace._keep_index(layer)
+        with_bonus = keep_index(pace.scoring.priority(layer.logical, layer.scores, pace.step), pace.budget, pace.sinks,
+                                pace.recent)
         kept = layer.logical.gather(1, with_bonus)
         span_kept = all(set(span) <= set(row.tolist()) for row in kept)
         without = keep_index(h2o_only.priority(layer.logical, layer.scores, pace.step), pace.budget, pace.sinks, pace.recent)

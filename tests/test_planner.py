@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from pace_hf.blueprint import Blueprint, Span
+from pace_hf.cache import Quotas
 from pace_hf.planner import SymbolPlanner
 from pace_hf.session import Message
 
@@ -176,6 +177,7 @@ class FakeCache:
 
     def __init__(self, resident, seen, budget=1000):
         self.resident, self.seen, self.budget, self.step, self.restored = set(resident), seen, budget, 0, []
+        self.quotas = Quotas(budget, sinks=0, recent=0)
         self.blueprint = Blueprint()
 
     def get_seq_length(self):

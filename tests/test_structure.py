@@ -246,7 +246,7 @@ def _private_fields_of_eviction_cache() -> set[str]:
 
 def test_only_the_cache_and_the_memory_wing_read_the_caches_private_fields():
     private = _private_fields_of_eviction_cache()
-    assert {"_step", "_held", "_chunk", "_keep_index"} <= private
+    assert {"_step", "_held", "_chunk", "_rows"} <= private
     outside = [p for p in core_modules() if p.relative_to(ROOT).parts[0] not in ("cache", "memory")]
     outside += sorted(BENCH.rglob("*.py")) + sorted((ROOT.parent / "bench").rglob("*.py"))
     hits = []

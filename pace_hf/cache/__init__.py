@@ -27,15 +27,16 @@ How it fits into transformers (see the README's "How it works"):
   and saves. This package imports nothing from ``pace_hf.memory``.
 
 The package follows transformers' layer/cache seam: ``layer`` (``EvictingLayer`` and its plain
-reference ``CompactingLayer``), ``batch`` (``CacheRows``), ``eviction`` (``EvictionCache``), ``layout`` and ``probe`` (what each
+reference ``CompactingLayer``), ``batch`` (``CacheRows``), ``eviction`` (``EvictionCache``), ``quotas`` (what the budget is split into), ``layout`` and ``probe`` (what each
 layer is and what it does with positions), ``window`` (sliding and linear layers) and ``presets`` (the
 named caches).
 """
 
 from .batch import CacheRows
-from .eviction import DEFAULT_RECENT, DEFAULT_SINKS, EvictionCache
+from .eviction import EvictionCache
 from .layer import CompactingLayer, EvictingLayer, cache_nbytes, keep_index
+from .quotas import DEFAULT_RECENT, DEFAULT_SINKS, Quotas
 from .presets import H2OCache, PACECache, SnapKVCache, StreamingLLMCache
 
 __all__ = ["CacheRows", "CompactingLayer", "DEFAULT_RECENT", "DEFAULT_SINKS", "EvictingLayer", "EvictionCache", "H2OCache",
-           "PACECache", "SnapKVCache", "StreamingLLMCache", "cache_nbytes", "keep_index"]
+           "PACECache", "Quotas", "SnapKVCache", "StreamingLLMCache", "cache_nbytes", "keep_index"]

@@ -22,13 +22,12 @@ from ..blueprint import Blueprint, Span, as_index
 from ..rope import RotaryParams
 from ..scoring import CumulativeAttention, ScoringPolicy, rebuild
 from .batch import CacheRows
-from .layer import EvictingLayer, keep_index
+from .layer import EvictingLayer
 from .layout import LayerSpec, describe, layer_specs
 from .probe import read_layers
+from .quotas import DEFAULT_RECENT, DEFAULT_SINKS, Quotas
 from .window import RecurrentLayer, WindowLayer
 
-DEFAULT_SINKS = 4
-DEFAULT_RECENT = 128
 
 class EvictionCache(DynamicCache):
     """The shared base: a token budget, a scoring policy and, with ``limit``, bounded positions.
@@ -50,6 +49,9 @@ class EvictionCache(DynamicCache):
             session there. ``spill_tokens``: logical positions per spill page (a restore reads the pages
             its span covers); ``spill_cap_bytes``: the most spilled bytes the session holds (least
             recently used pages go first; see ``pace_hf.memory.spill``).
+        memory: the session's memory (a ``pace_hf.memory.wing.KVMemory``, which holds the store and the
+            knobs above), when the session builds it (``PACESession`` does); without it, a cache builds its
+            own from ``store`` and the knobs.
 
     A compiled model (``torch.compile(model.forward)``, ``model.compile()``) is refused, at bind and at
     generate: the hooks, the cache and ``pace_attention`` break the graph at every layer, and the
@@ -72,13 +74,10 @@ class EvictionCache(DynamicCache):
         prefetch_steps: int = 1,
         spill_tokens: int = 64,
         spill_cap_bytes: int | None = None,
+        memory=None,
     ):
-        budget, sinks, recent = (as_index(v, n) for v, n in ((budget, "budget"), (sinks, "sinks"), (recent, "recent")))
-        if budget <= 0 or sinks < 0 or recent < 0:
-            raise ValueError(f"budget must be > 0 and sinks, recent >= 0 (got {budget}, {sinks}, {recent})")
-        if budget < sinks + recent:
-            raise ValueError(f"budget {budget} cannot hold the protected sinks + recent = {sinks} + {recent} tokens: "
-                             f"pass a smaller recent= (the default is {DEFAULT_RECENT}), e.g. recent={max(0, budget // 4)}")
+        quotas = Quotas(budget, sinks, recent)
+        budget = quotas.budget
         scoring = scoring if scoring is not None else CumulativeAttention()
         if not isinstance(scoring, ScoringPolicy):
             raise TypeError(f"scoring must be a pace_hf.scoring.ScoringPolicy, got {type(scoring).__name__}")
@@ -86,9 +85,19 @@ class EvictionCache(DynamicCache):
             limit = as_index(limit, "limit")
             if limit <= budget:
                 raise ValueError(f"limit {limit} must be at least budget {budget} plus the chunk size")
-        self.memory = self.memory_class(store=store, session_id=session_id, prefetch_steps=prefetch_steps,
-                                        spill_tokens=spill_tokens, spill_cap_bytes=spill_cap_bytes)
-        self.budget, self.sinks, self.recent = budget, sinks, recent
+        if memory is not None:  # the session's own (PACESession builds it): the store and its knobs are its
+            given = [name for name, value, default in (("store", store, None), ("session_id", session_id, None),
+                                                       ("prefetch_steps", prefetch_steps, 1),
+                                                       ("spill_tokens", spill_tokens, 64),
+                                                       ("spill_cap_bytes", spill_cap_bytes, None)) if value != default]
+            if given:
+                raise TypeError(f"memory= carries the store and its settings; {', '.join(given)} belong to it, not to "
+                                "the cache")
+            self.memory = memory
+        else:
+            self.memory = self.memory_class(store=store, session_id=session_id, prefetch_steps=prefetch_steps,
+                                            spill_tokens=spill_tokens, spill_cap_bytes=spill_cap_bytes)
+        self.quotas = quotas
         self.scoring = scoring
         self.limit = limit
         self._step = 0
@@ -121,6 +130,10 @@ class EvictionCache(DynamicCache):
     spill = property(lambda self: self.memory.spill, doc="The memory's spill log (None without a store).")
     fingerprint = property(lambda self: self.memory.fingerprint)
     restores = property(lambda self: self.memory.restores)
+
+    budget = property(lambda self: self.quotas.budget, doc="Resident tokens per evicting layer and KV head.")
+    sinks = property(lambda self: self.quotas.sinks, doc="The first tokens, never evicted.")
+    recent = property(lambda self: self.quotas.recent, doc="The last tokens, never evicted.")
 
     # -- the agent's step ----------------------------------------------------------------------------
     @property
@@ -520,7 +533,8 @@ class EvictionCache(DynamicCache):
         compressing, self._held = self._held == "pending", None
         for layer_idx, layer in self.evicting_layers:
             if layer.is_initialized and layer.resident_count > self.budget:
-                evicted = layer.keep(self._keep_index(layer), collect=self.spill is not None)
+                self._check_scored(layer)
+                evicted = layer.evict(self.scoring, self.step, self.quotas, collect=self.spill is not None)
                 if evicted is not None:
                     self.evicted(layer_idx, evicted)
         if compressing and self.bounded:  # the next query sees the compressed prompt within the limit
@@ -617,26 +631,32 @@ class EvictionCache(DynamicCache):
     def record_attention(self, layer_idx: int, column_sums: torch.Tensor) -> None:
         self.layers[layer_idx].record_scores(column_sums[0], self.scoring)  # batch 1
 
-    def _keep_index(self, layer) -> torch.Tensor:
-        """Indices ([kv_heads, budget], sorted) of the tokens to keep in ``layer``."""
+    def _check_scored(self, layer) -> None:
         n = layer.resident_count
         if self.scoring.needs_attention and layer.scored != n:
             raise RuntimeError(
                 "attention scores were not recorded for every token: the model must run its attention "
                 f"through {attention.ATTN_NAME!r} (got {layer.scored} scores for {n} tokens)"
             )
-        priority = self.scoring.priority(layer.logical, layer.scores, self.step)
-        return keep_index(priority, min(self.budget, n), self.sinks, self.recent)
 
     # -- retrieval: evicted context found by what a new turn asks (pace_hf.memory.retrieval) ----------------
-    def rehydrate(self, text: str, ids, tokenizer=None, *, retriever=None) -> list[Span]:
+    def retrieve(self, text: str, ids, tokenizer=None, *, retriever=None) -> list[Span]:
         """Rank the evicted pages of the context against the new turn ``text`` and restore the best
-        ones, within ``budget // 4`` tokens per KV head, exactly re-rotated and planned for the current
+        ones, within ``quotas.retrieval_share`` tokens per KV head, exactly re-rotated and planned for the current
         step (see :mod:`pace_hf.memory.retrieval`). ``ids``: the ids of everything this cache has seen (the
         cache keeps no ids). The first call builds a ``PageRetriever(tokenizer)`` (or keeps
         ``retriever``); later calls reuse it. No store, or nothing spilled: a no-op."""
-        self._one_sequence("rehydrate(...)")
-        return self.memory.rehydrate(self, text, ids, tokenizer, retriever=retriever)
+        self._one_sequence("retrieve(...)")
+        return self.memory.retrieve(self, text, ids, tokenizer, retriever=retriever)
+
+    def rehydrate(self, text: str, ids, tokenizer=None, *, retriever=None) -> list[Span]:
+        """Deprecated name of :meth:`retrieve` (a planner's restore of named definitions is "rehydrate";
+        finding evicted pages by what a turn says is "retrieve"); it goes in the next release."""
+        import warnings
+
+        warnings.warn("cache.rehydrate(...) is now cache.retrieve(...); the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return self.retrieve(text, ids, tokenizer, retriever=retriever)
 
 
 class TokenLog:

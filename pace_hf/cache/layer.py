@@ -250,6 +250,14 @@ class EvictingLayer(DynamicLayer):
         return {"head": head, "logical": self.logical[head, pos], "ref_pos": ref_pos[head, pos],
                 "score": self.scores[head, pos], "ref_key": ref_keys[0, head, pos], "value": self.values[0, head, pos]}
 
+    def evict(self, policy, step: int, quotas, collect: bool = True) -> dict[str, torch.Tensor] | None:
+        """Keep the ``quotas.budget`` tokens of highest ``policy.priority`` at ``step`` per KV head (the
+        sinks and the recent tokens always), in prefill and decode alike; returns the evicted tokens flat
+        (when ``collect``). The one eviction path: a restore's :meth:`insert` ranks by the same rule."""
+        priority = policy.priority(self.logical, self.scores, step)
+        return self.keep(keep_index(priority, min(quotas.budget, self.resident_count), quotas.sinks, quotas.recent),
+                         collect=collect)
+
     def keep(self, index: torch.Tensor, collect: bool = True) -> dict[str, torch.Tensor] | None:
         """Keep the tokens at ``index`` ([kv_heads, m], sorted per head) and return the dropped ones
         flat (when ``collect``: only a cache that spills needs them). In place: per head, the kept
@@ -304,11 +312,10 @@ class EvictingLayer(DynamicLayer):
         self.scored = min(self.scored, self.resident_count)
         self._view()
 
-    def insert(self, tokens: dict[str, torch.Tensor], policy, step: int, budget: int, sinks: int,
-               recent: int) -> dict[str, torch.Tensor]:
+    def insert(self, tokens: dict[str, torch.Tensor], policy, step: int, quotas) -> dict[str, torch.Tensor]:
         """Insert restored ``tokens`` (flat, as ``tokens_at`` gives them) in logical order, then keep the
-        ``budget`` tokens of highest ``policy.priority`` at ``step`` per head. Returns the resident
-        tokens pushed out, flat.
+        ``quotas.budget`` tokens of highest ``policy.priority`` at ``step`` per head (as :meth:`evict`
+        ranks). Returns the resident tokens pushed out, flat.
 
         A restored token comes back with its reference key and position, and its stored key is that
         reference: unbounded layers keep keys at their logical position, and the caller renumbers
@@ -330,11 +337,11 @@ class EvictingLayer(DynamicLayer):
             was_resident = torch.arange(cand["logical"].numel(), device=dev) < resident.numel()
             order = cand["logical"].argsort()
             candidates.append(({k: v[order] for k, v in cand.items()}, was_resident[order]))
-        keep = min(budget, min(c["logical"].numel() for c, _ in candidates))  # every head keeps as many
+        keep = min(quotas.budget, min(c["logical"].numel() for c, _ in candidates))  # every head keeps as many
         rows, pushed = [], []
         for h, (cand, was_resident) in enumerate(candidates):
             priority = policy.priority(cand["logical"][None], cand["score"][None], step)
-            index = keep_index(priority, keep, sinks, recent)[0]
+            index = keep_index(priority, keep, quotas.sinks, quotas.recent)[0]
             out = was_resident.clone()
             out[index] = False
             pushed.append({"head": torch.full((int(out.sum()),), h, dtype=torch.long), **{k: v[out] for k, v in cand.items()}})

@@ -6,7 +6,8 @@ import dataclasses
 
 from ..blueprint import Blueprint
 from ..scoring import CumulativeAttention, Foresight, ForesightBonus, ObservationWindow, Recency, ScoringPolicy
-from .eviction import DEFAULT_SINKS, EvictionCache
+from .eviction import EvictionCache
+from .quotas import DEFAULT_SINKS
 
 
 class H2OCache(EvictionCache):

@@ -23,7 +23,7 @@ class Restores:
         """Drop the pending fetches of spans that reach past token ``cut`` (a rewound session)."""
         self.pending = {key: v for key, v in self.pending.items() if key[1] <= cut}
 
-    def plan(self, cache) -> None:
+    def prefetch(self, cache) -> None:
         """Fetch, in the background, every planned span whose next reader is within
         ``cache.prefetch_steps`` steps and that is not fully resident."""
         blueprint = cache.blueprint
@@ -68,7 +68,7 @@ class Restores:
                 continue
             inserted = True
             before = [head.clone() for head in layer.logical]  # insert writes the ledger in place
-            pushed = layer.insert(tokens, cache.scoring, cache.step, cache.budget, cache.sinks, cache.recent)
+            pushed = layer.insert(tokens, cache.scoring, cache.step, cache.quotas)
             cache.spill.settle(layer_idx, pages, layer.logical)  # what came back leaves the spill ...
             cache.evicted(layer_idx, pushed)  # ... and what it pushed out is spilled
             if restored is None:  # the first layer given tokens back gives the reading:

@@ -14,7 +14,7 @@ and KV head has evicted some of its positions.
 
 Where the text comes from. A cache holds keys and values, not token ids; the caller owns the
 conversation's ids (``PACESession`` keeps every message's ids; a ``generate`` user has the prompt it
-passed). So ``cache.rehydrate(text, ids=..., tokenizer=...)`` takes them, and a page's text is the
+passed). So ``cache.retrieve(text, ids=..., tokenizer=...)`` takes them, and a page's text is the
 tokenizer's decoding of its ids. Nothing is saved with the session: after ``resume`` the index is
 rebuilt from the same ids.
 
@@ -529,7 +529,7 @@ class PageRetriever:
         """The largest count, over layers and KV heads, of the positions of ``[start, end)`` not resident."""
         return max((int(((end - start) - (p[:, end] - p[:, start])).max()) for p in prefix), default=0)
 
-    def rehydrate(self, cache, text: str, ids) -> list[Span]:
+    def retrieve(self, cache, text: str, ids) -> list[Span]:
         """Restore the evicted pages that ``text`` (the new turn) asks about, best first, within the share;
         returns the spans restored (each planned for ``cache.step``)."""
         if not isinstance(text, str):
@@ -541,7 +541,7 @@ class PageRetriever:
             raise ValueError("restored pages stay resident through their foresight bonus: retrieval needs a "
                              "cache with a Foresight policy (PACECache)")
         if cache.in_forward:
-            raise RuntimeError("rehydrate cannot run inside a forward")
+            raise RuntimeError("retrieve cannot run inside a forward")
         ids = ids.flatten().tolist() if torch.is_tensor(ids) else list(ids)
         seen = cache.get_seq_length()
         if len(ids) < seen:
@@ -552,7 +552,7 @@ class PageRetriever:
         prefix = self.resident_prefix(cache, seen)
         scored = sum(self.missing(prefix, s, e) > 0 for s, e in self.pages(seen))
         model = cache.binding.model_ref() if cache.binding is not None else None
-        share = self.share if self.share is not None else max(1, cache.budget // 4)
+        share = self.share if self.share is not None else cache.quotas.retrieval_share
         spans = []
         for start, end in self.choose(ids, text, share, lambda s, e: self.missing(prefix, s, e), model):
             cache.restores.stats["retrieval_tokens_restored"] += cache.restore(start, end)

@@ -606,7 +606,7 @@ class SymbolPlanner:
         template = getattr(session, "template", None)
         seen = cache.get_seq_length()
         cache.step = session.step
-        cap = self.max_restore_tokens if self.max_restore_tokens is not None else cache.budget // 2
+        cap = self.max_restore_tokens if self.max_restore_tokens is not None else cache.quotas.planned_restore
         spans = {s for need in self.needs(index, message.content, session.step, before, lexical=False)
                  for s in self._tokens(messages[need.message], template, need.definition.parts)}
         planned, used = [], 0
