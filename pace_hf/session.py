@@ -22,6 +22,7 @@ import torch
 from .blueprint import Span, as_index, as_steps
 from .cache import PACECache
 from .memory import persist
+from .memory.wing import MEMORY_KNOBS, KVMemory
 from .chat import DEFAULT_SYSTEM, ChatTemplate
 
 SESSION_KEY = "session"  # the conversation, an attachment of each save
@@ -78,7 +79,7 @@ class PACESession:
                 raise TypeError(f"cache= is a built PACECache; {', '.join(differ + sorted(cache_kwargs))} belong to it, "
                                 "not to the session: give them to PACECache(...) instead")
         budget = 2048 if budget is None else budget
-        if retrieval not in (None, False, True) and not callable(getattr(retrieval, "rehydrate", None)):
+        if retrieval not in (None, False, True) and not callable(getattr(retrieval, "retrieve", None)):
             raise TypeError(f"retrieval is True, False or a pace_hf.memory.retrieval.PageRetriever, got {retrieval!r}")
         chunk = as_index(chunk, "chunk") if chunk is not None else None
         if chunk is not None and chunk < 1:
@@ -86,8 +87,12 @@ class PACESession:
         self.model, self.tokenizer = model, tokenizer
         self.template = ChatTemplate(tokenizer, system)
         self.system = system
-        self.cache = cache if cache is not None else PACECache(
-            model, budget=budget, limit=limit, store=store, session_id=session_id, **cache_kwargs)
+        if cache is None:  # the session owns its memory, and the cache tells it what it evicts
+            knobs = {k: cache_kwargs.pop(k) for k in MEMORY_KNOBS if k in cache_kwargs}
+            memory = KVMemory(store=store, session_id=session_id, **knobs)
+            cache = PACECache(model, budget=budget, limit=limit, memory=memory, **cache_kwargs)
+        self.cache = cache
+        self.memory = cache.memory
         room = (self.cache.limit - self.cache.budget) if self.cache.limit is not None else 4096
         self.chunk = chunk if chunk is not None else min(4096, room)
         if self.cache.limit is not None and self.chunk > room:
@@ -126,7 +131,7 @@ class PACESession:
             self.planner.rehydrate(self, message)
         if role == "user" and self.retrieval is not None:
             self.cache.step = self.step
-            self.cache.rehydrate(content, self.ids[:message.start], retriever=self.retrieval)
+            self.cache.retrieve(content, self.ids[:message.start], retriever=self.retrieval)
         return message
 
     def plan(self, message: Message | int, readers=None, *, reader_steps=None) -> Span:

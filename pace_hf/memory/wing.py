@@ -16,6 +16,9 @@ from .restore import Restores
 from .spill import SpillLog
 
 
+MEMORY_KNOBS = ("prefetch_steps", "spill_tokens", "spill_cap_bytes")  # besides the store and the session id
+
+
 class KVMemory:
     """One session's memory: the store and its knobs, the spill log (with a store) and the restores.
 
@@ -60,7 +63,7 @@ class KVMemory:
 
     def step_set(self, cache) -> None:
         """A new step: fetch in the background the planned spans it will soon read."""
-        self.restores.plan(cache)
+        self.restores.prefetch(cache)
 
     def before_forward(self, cache) -> None:
         """A forward is about to run: merge the restores whose reader step has come."""
@@ -103,8 +106,8 @@ class KVMemory:
         self.restores.apply(cache, [((start, end), self.spill.fetch(start, end))])
         return self.restores.stats["last_restored"]
 
-    def rehydrate(self, cache, text: str, ids, tokenizer=None, *, retriever=None):
-        """See ``EvictionCache.rehydrate``: the first call builds a ``PageRetriever`` (or keeps
+    def retrieve(self, cache, text: str, ids, tokenizer=None, *, retriever=None):
+        """See ``EvictionCache.retrieve``: the first call builds a ``PageRetriever`` (or keeps
         ``retriever``), later calls reuse it."""
         from .retrieval import PageRetriever
 
@@ -112,7 +115,7 @@ class KVMemory:
             self.retriever = retriever
         elif getattr(self, "retriever", None) is None:
             self.retriever = PageRetriever(tokenizer)
-        return self.retriever.rehydrate(cache, text, ids)
+        return self.retriever.retrieve(cache, text, ids)
 
     def save(self, cache) -> str:
         """See ``EvictionCache.save``."""
