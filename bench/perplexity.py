@@ -14,7 +14,7 @@ run on the same tokens, and plots log-PPL against position. Arms:
   (positions inside the cache, not in the text);
 - ``pace``: PACECache with no plan (so H2O under bounded positions, as PACE runs between plans);
 - ``pace_retrieval``: ``pace`` with a host tier: before each chunk, the evicted pages that the chunk
-  just read matches (``cache.rehydrate``, BM25) are restored. The query is the previous chunk, never the
+  just read matches (``cache.retrieve``, BM25) are restored. The query is the previous chunk, never the
   one being predicted, so no token's NLL sees text after it.
 
 The text (``--text``) is real text nobody here wrote that ships with CPython: ``prose``, the
@@ -128,7 +128,7 @@ def stream(model, ids: torch.Tensor, cache, chunk: int, tokenizer=None) -> tuple
             piece = ids[:, start:start + chunk]
             t0 = time.perf_counter()
             if tokenizer is not None and start:
-                cache.rehydrate(tokenizer.decode(ids[0, start - chunk:start]), ids[0, :start], tokenizer)
+                cache.retrieve(tokenizer.decode(ids[0, start - chunk:start]), ids[0, :start], tokenizer)
             hidden = decoder(input_ids=piece, cache=cache, use_cache=True).last_hidden_state
             seconds.append(time.perf_counter() - t0)
             if carry is None:  # the text's first token is predicted by nothing

@@ -30,7 +30,7 @@ user turn does, never in the cache:
   turn's words match and the windows of earlier messages (tool outputs, turns) that name what the turn
   names (quoted strings, file names, ids); evicted parts are restored from the host tier.
 - ``pace_retrieval``: no plan; each user turn restores the evicted pages its text matches
-  (``EvictionCache.rehydrate``).
+  (``EvictionCache.retrieve``).
 
 One record per (entry, arm) in ``probes.jsonl`` (``probe`` 0): the checker's verdict, the executed calls
 per turn and step, the raw replies, tokens, peak KV bytes and wall and CPU seconds. ``--resume`` keeps the
@@ -519,7 +519,7 @@ def play(model, tokenizer, entry: dict, arm: str, s: BfclSettings, store=None, s
                     planned.append(planner.plan(conversation, cache, message))
                 if retriever is not None:
                     before = cache.tier_stats.get("retrieval_tokens_restored", 0)
-                    cache.rehydrate(message.content, conversation.ids[:message.start], retriever=retriever)
+                    cache.retrieve(message.content, conversation.ids[:message.start], retriever=retriever)
                     planned.append({"restored_tokens": cache.tier_stats.get("retrieval_tokens_restored", 0) - before})
                 executed, turn_replies = [], []
                 for step in range(s.max_steps + 1):

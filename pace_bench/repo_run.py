@@ -46,7 +46,7 @@ class RepoArm:
     """A repo-suite arm: the cache (a name in ``pace_bench.arms.ARMS``), its plan (``oracle``, a
     ``SymbolPlanner`` plan style, or None) and what brings evicted context back before each probe:
     ``"symbols"`` (the definitions the prompt names, ``SymbolPlanner.rehydrate``), ``"pages"`` (the pages
-    its words rank first, ``cache.rehydrate``) or None."""
+    its words rank first, ``cache.retrieve``) or None."""
 
     cache: str
     plan: str | None
@@ -167,7 +167,7 @@ def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, sto
                 _prefill(model, cache, ids, chunk)
                 before = cache.tier_stats["restored_tokens"]
                 if retriever is not None:
-                    cache.rehydrate(probe["prompt"], ids, retriever=retriever)
+                    cache.retrieve(probe["prompt"], ids, retriever=retriever)
                 else:
                     from pace_hf.planner import SymbolPlanner
 

@@ -467,7 +467,7 @@ def play(model, tokenizer, template, sample: dict, setting: str, arm: str, s: Ru
             restored = None
             if arm in RETRIEVAL:
                 before = cache.tier_stats.get("retrieval_tokens_restored", 0)
-                cache.rehydrate(doc["question"], context, retriever=retriever)
+                cache.retrieve(doc["question"], context, retriever=retriever)
                 restored = cache.tier_stats.get("retrieval_tokens_restored", 0) - before
             budget = min(TASKS[sample["task"]]["max_gen_toks"], s.max_new_tokens or 1 << 30)
             criteria = []

@@ -65,7 +65,7 @@ def test_a_later_turn_finds_a_spilled_page_by_a_rare_word(tiny):
     assert stats["retrieval_tokens_restored"] > 0 and stats["retrieval_seconds"] > 0
     assert any(s.start <= fact.start and fact.stop <= s.end and cache.step in s.readers for s in cache.blueprint)
     with pytest.raises(ValueError, match="has seen"):  # the ids must cover what the cache has seen
-        cache.rehydrate(QUESTION, session.ids[:10])
+        cache.retrieve(QUESTION, session.ids[:10])
     reply = session.generate(max_new_tokens=2)  # and the turn is then answered from the restored state
     assert isinstance(reply, str) and cache.residency(fact) == 1.0
 
@@ -262,13 +262,13 @@ def test_no_store_or_nothing_spilled_is_a_no_op_and_a_cache_without_foresight_is
     assert session.cache.tier_stats["retrieval_pages_restored"] == 0
     stored = PACESession(model, tokenizer, budget=64, limit=256, recent=8, chunk=64, retrieval=True,
                          store=TieredStore([HostTier()]), session_id="t")
-    assert stored.cache.rehydrate(QUESTION, [], tokenizer) == []  # nothing seen, nothing spilled
+    assert stored.cache.retrieve(QUESTION, [], tokenizer) == []  # nothing seen, nothing spilled
     h2o = H2OCache(model, budget=32, recent=8, store=TieredStore([HostTier()]), session_id="h")
     ids = tokenizer(FILLER * 3, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         model(torch.tensor([ids]), cache=h2o)
     with pytest.raises(ValueError, match="Foresight"):
-        h2o.rehydrate(QUESTION, ids, tokenizer)
+        h2o.retrieve(QUESTION, ids, tokenizer)
     with pytest.raises(ValueError, match="unknown signal"):
         PageRetriever(tokenizer, signal="semantic")
 

@@ -134,7 +134,7 @@ def _answer_fresh(model, tokenizer, template, sample, j, arm, s, stop_ids):
         cache.step = 1
     ruler.prefill(model, cache, prompt["context"], s.chunk)
     if arm == "pace_retrieval":
-        cache.rehydrate(prompt["docs"][j]["question"], prompt["context"], retriever=PageRetriever(tokenizer))
+        cache.retrieve(prompt["docs"][j]["question"], prompt["context"], retriever=PageRetriever(tokenizer))
     tokens, _ = ruler.answer(model, cache, prompt["context"] + prompt["questions"][j], 12, stop_ids, s.chunk,
                              prompt["needles"][j])
     return tokenizer.decode(tokens, skip_special_tokens=True)
