@@ -156,3 +156,21 @@ def test_smollm2_disk_session_saves_resumes_and_continues(tmp_path):
     assert resumed.cache.residency(range(facts.start, facts.end)) == 1.0
     assert isinstance(reply, str) and resumed.cache.get_seq_length() > session.cache.get_seq_length()
     store.close()
+
+
+def test_the_session_owns_its_memory_and_the_cache_tells_it_what_it_evicts(tiny_session_model):
+    from pace_hf.memory.wing import KVMemory
+
+    model, tok = tiny_session_model
+    store = TieredStore([HostTier(1 << 30)])
+    session = PACESession(model, tok, budget=64, limit=512, store=store, session_id="owned", spill_tokens=16, recent=8)
+    assert isinstance(session.memory, KVMemory) and session.cache.memory is session.memory
+    assert session.memory.store is store and session.memory.spill_tokens == 16
+    session.add("user", "def f(x):\n    return x + 1\n" * 30)
+    session.generate(max_new_tokens=2)
+    assert session.memory.spill.spilled_tokens > 0  # the cache evicted; the session's memory spilled it
+    with pytest.raises(TypeError, match="store belong to it"):
+        PACECache(model, budget=64, recent=8, memory=KVMemory(), store=store)
+    with pytest.warns(DeprecationWarning, match="cache.retrieve"):
+        session.cache.rehydrate("f", session.ids, tok)
+    session.cache.unbind()
