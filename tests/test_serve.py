@@ -117,8 +117,11 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
+    # --max-batch 1: one turn decodes at a time, so a second turn waits in the queue (the full-queue test);
+    # turns decoded together are tests/test_serve_batch.py's
     srv = Server(tiny_dir[0], tmp_path_factory.mktemp("serve") / "store", "--max-context", "1024",
-                 "--queue-size", "1", "--max-resident", "2", "--max-body-mb", "1", "--body-timeout", "2")
+                 "--queue-size", "1", "--max-resident", "2", "--max-body-mb", "1", "--body-timeout", "2",
+                 "--max-batch", "1")
     yield srv
     srv.stop()
 
