@@ -196,3 +196,99 @@ def test_the_flags_are_checked(tiny_dir, tmp_path, capsys):  # noqa: F811
     with pytest.raises(SystemExit):
         main(["--model", str(tiny_dir[0]), "--store", f"disk:{tmp_path}", "--max-batch", "0"])
     assert "--max-batch must be >= 1" in capsys.readouterr().err
+
+
+# -- in process: a row that fails fails alone; a session is never in two turns at once ---------------------
+
+def run_turns(engine, turns_spec):
+    """Submit ``[(session name, messages, max_tokens)]`` at once; each turn's ``(kind, payload)`` at its end."""
+    import asyncio
+
+    from pace_hf.serve.engine import Turn
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        turns = [Turn(system=None, messages=messages, max_tokens=n, stops=[], sampling={}, session_name=name,
+                      loop=loop) for name, messages, n in turns_spec]
+        for t in turns:
+            engine.submit(t)
+
+        async def end(t):
+            while True:
+                kind, payload = await asyncio.wait_for(t.events.get(), timeout=120)
+                if kind in ("done", "error"):
+                    return kind, payload
+
+        return await asyncio.gather(*(end(t) for t in turns))
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def engine(tiny_dir):  # noqa: F811
+    import torch
+    import transformers as tf
+
+    from pace_hf import HostTier, TieredStore
+    from pace_hf.serve.engine import Engine
+
+    path, tokenizer = tiny_dir
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eng = Engine(model, tokenizer, TieredStore([HostTier(1 << 30)]), "tiny", max_context=1024, max_resident=6,
+                 max_batch=4)
+    eng.start()
+    yield eng
+    eng.close()
+
+
+def test_a_row_whose_forward_fails_fails_alone(engine, monkeypatch):
+    """Session "bad"'s cache raises in its fifth decode forward: its client gets a 500 and its session is
+    dropped; the three other rows, decoded in the same batches, answer as in a run without the failure;
+    the bad session's next turn is served again (from the messages)."""
+    from pace_hf.cache import PACECache
+
+    msgs = [[("user", f"Row {i}: " + p)] for i, p in enumerate(PROMPTS)]
+    names = ["good-0", "bad", "good-2", "good-3"]
+    clean = run_turns(engine, [(f"clean-{i}", m, 24) for i, m in enumerate(msgs)])
+    assert all(kind == "done" for kind, _ in clean)
+    original, calls = PACECache.begin_forward, []
+
+    def failing(self, q_len, ids=None):
+        if q_len == 1 and self.session_id == "bad":
+            calls.append(q_len)
+            if len(calls) >= 5:
+                raise RuntimeError("injected: this row's cache failed")
+        return original(self, q_len, ids)
+
+    monkeypatch.setattr(PACECache, "begin_forward", failing)
+    rows = engine.metrics.decode_rows._value.get()
+    got = run_turns(engine, [(name, m, 24) for name, m in zip(names, msgs)])
+    monkeypatch.setattr(PACECache, "begin_forward", original)
+    assert got[1][0] == "error" and got[1][1].status == 500 and "injected" in str(got[1][1].body())
+    assert "bad" not in engine.resident and "bad" not in engine.active
+    for i in (0, 2, 3):
+        assert got[i][0] == "done" and got[i][1]["content"] == clean[i][1]["content"], i
+    assert engine.metrics.decode_rows._value.get() - rows > 3 * 23 // 2  # the rows were decoded together
+    again = run_turns(engine, [("bad", msgs[1], 24)])
+    assert again[0][0] == "done" and again[0][1]["content"] == clean[1][1]["content"]
+
+
+def test_two_turns_of_one_session_never_run_together(engine):
+    """Two turns of one named session sent at once: the second waits for the first (and its save), then
+    continues the same session; a third session decodes meanwhile."""
+    msgs = [("user", PROMPTS[0])]
+    active = []
+    original = engine.batcher._step
+
+    def watched():
+        names = [row.opened.sid for row in engine.batcher.rows]
+        active.append(names)
+        original()
+
+    engine.batcher._step = watched
+    got = run_turns(engine, [("twice", msgs, 20), ("twice", msgs, 20), ("other", [("user", PROMPTS[1])], 40)])
+    assert [kind for kind, _ in got] == ["done"] * 3
+    assert got[0][1]["content"] == got[1][1]["content"]  # the second rewound the first's reply and answered again
+    assert all(names.count("twice") <= 1 for names in active)
+    assert any(set(names) == {"twice", "other"} for names in active)
+    assert got[1][1]["reused_tokens"] > 0  # it continued the session the first turn left

@@ -1,9 +1,12 @@
 """The one generation worker: a bounded queue of turns, the session table, parking and saves.
 
-Why one worker: one model, one generation at a time (a PACE cache holds one sequence, and the CPU or
-GPU is saturated by one forward anyway). Requests wait in a bounded queue; a full queue is a 429 with
-``Retry-After``, never a hang. Every model call happens on the worker thread, so sessions need no
-locks; saves run on a second thread, behind the reply, and a session's next turn waits for its save.
+Why one worker: one model, and every model call on one thread, so sessions need no locks. By default
+that worker decodes the turns of several sessions together (``batcher``: one batched forward per token
+over up to ``max_batch`` active turns, each session's cache a row of ``pace_hf.cache.CacheRows``;
+prefill stays one session at a time); ``batch_decode=False`` runs one turn at a time (``_run``). Both
+do the same work before and after the generation (``_locate``, ``_lease``, ``_open``; ``_close``).
+Requests wait in a bounded queue; a full queue is a 429 with ``Retry-After``, never a hang. Saves run
+on a second thread, behind the reply, and a session's next turn waits for its save.
 
 Sessions. A session is found by a hash chain over its messages: ``h_0`` hashes the model and the
 system prompt, ``h_k = H(h_{k-1}, role_k, content_k)``. After each completed turn the hash of the whole
