@@ -242,12 +242,13 @@ class Batcher:
                 else:
                     out = self.engine.model(input_ids=tokens, cache=CacheRows([row.cache for row in rows])).logits
             logits = list(out[:, -1])
+            greedy = out[:, -1].argmax(-1).tolist()  # one device sync for every greedy row
             self.engine.metrics.decode_steps.inc()
             self.engine.metrics.decode_rows.inc(len(rows))
         except Exception:  # noqa: BLE001 - which row? each runs alone (the batch's writes were undone)
             log.warning("pace-serve: a batched decode step of %d rows failed; running them one by one", len(rows),
                         exc_info=True)
-            logits = []
+            logits, greedy = [], [None] * len(rows)
             for r, row in enumerate(rows):
                 try:
                     with torch.no_grad():
@@ -255,20 +256,21 @@ class Batcher:
                 except Exception as e:  # noqa: BLE001
                     logits.append(None)
                     self._drop(row, e)
-        for row, row_logits in zip(rows, logits):
+        for row, row_logits, token in zip(rows, logits, greedy):
             if row_logits is not None:
-                self._advance(row, row_logits)
+                self._advance(row, row_logits, token)
 
-    def _advance(self, row: Row, logits: torch.Tensor) -> None:
-        """The row's next token from its logits: chosen, streamed; the turn ends on a stop token, its
-        ``max_tokens``, a stop string or its client leaving (``generate``'s criteria, in its order)."""
+    def _advance(self, row: Row, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """The row's next token from its logits (``greedy``: their argmax, when known): chosen, streamed; the
+        turn ends on a stop token, its ``max_tokens``, a stop string or its client leaving (``generate``'s
+        criteria, in its order)."""
         try:
-            scores = logits.to(dtype=torch.float32)[None]
             if row.warpers is None:
-                token = int(scores.argmax(-1))
+                token = greedy if greedy is not None else int(logits.argmax(-1))
             else:
+                scores = logits.to(dtype=torch.float32)[None]
                 last = row.generated[-1:] or row.ids[-1:]  # these warpers read the scores only
-                scores = row.warpers(torch.tensor([last], dtype=torch.long), scores)
+                scores = row.warpers(torch.tensor([last], dtype=torch.long, device=scores.device), scores)
                 token = int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1))
             row.generated.append(token)
             row.streamer.put(torch.tensor([token]))
