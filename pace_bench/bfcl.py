@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import json
 import os
 import re
@@ -711,16 +710,12 @@ def main(argv=None) -> int:
         return report(Path(args.out))
     check_args(ap, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tqdm.auto import tqdm
-
     from pace_bench.models import load_model, preferred_dtype
-    from pace_bench.records import process_state, read_jsonl, shard_paths, write_jsonl
-    from pace_hf.tiers import HostTier, TieredStore
+    from pace_bench.records import process_state, read_jsonl, shard_paths
+    from pace_bench.suite import play_all
 
     state = process_state()
-    sharded = state.num_processes > 1
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "probes.jsonl"
     entries = [e for c in args.categories for e in load_entries(c)[:args.entries]]
     dtype = preferred_dtype(state.device.type) if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -740,47 +735,22 @@ def main(argv=None) -> int:
     model.to(state.device)
     s = BfclSettings(budget=args.budget, limit=args.limit, chunk=args.chunk, max_steps=args.max_steps,
                      max_new_tokens=args.max_new_tokens)
-    state.wait_for_everyone()
-    if state.is_main_process:
-        write_jsonl(log_path, records)  # the kept records are on disk before the first new pair starts
-        for path in shard_paths(out_dir):
-            path.unlink()
-        (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
-    state.wait_for_everyone()
     order = [(e, arm) for e in entries for arm in args.arms]  # an entry's arms together: a partial run is paired
-    work = [(e, arm) for e, arm in order if (e["id"], arm) not in done]
-    shard = out_dir / f"probes.rank{state.process_index}.jsonl" if sharded else log_path
-    store = TieredStore([HostTier()])
-    try:
-        with state.split_between_processes(work) as mine, open(shard, "w" if sharded else "a") as log:
-            for entry, arm in tqdm(mine, desc="bfcl entries x arms" + (f" (process {state.process_index})" if sharded else ""),
-                                   unit="entry", position=state.process_index):
-                r = play(model, tokenizer, entry, arm, s, store, args.system,
-                         progress=args.progress and state.is_main_process)
-                if sharded:
-                    r["process"] = state.process_index
-                log.write(json.dumps(r) + "\n")
-                log.flush()
-                records.append(r)
-                tqdm.write((f"[{state.process_index}] " if sharded else "") +
-                           f"{entry['id']:>24} {arm:>14} {'PASS' if r['valid'] else 'fail'} "
-                           f"{r['error_type'] or '':<40} turns {r['turns_played']}/{r['turns']} tokens {r['tokens']:,} "
-                           f"{r['seconds']:.0f}s")
-    finally:
-        store.close()
-    state.wait_for_everyone()
-    if state.is_main_process:
-        if sharded:  # the kept records, then each process's share, in the order the pairs were dealt
-            rank = {(e["id"], arm): k for k, (e, arm) in enumerate(order)}
-            records = sorted(read_jsonl([log_path, *shard_paths(out_dir)]),
-                             key=lambda r: rank.get((r["session_id"], r["arm"]), len(rank)))
-            write_jsonl(log_path, records)
-            for path in shard_paths(out_dir):
-                path.unlink()
+    rank = {(e["id"], arm): k for k, (e, arm) in enumerate(order)}
+
+    def finish(records):
         text = header(run) + "\n\n" + table(records)
         (out_dir / "table.md").write_text(text + "\n")
         print(text)
-    state.wait_for_everyone()
+
+    play_all(out_dir, run, records, [(e, arm) for e, arm in order if (e["id"], arm) not in done],
+             lambda item, store: [play(model, tokenizer, item[0], item[1], s, store, args.system,
+                                       progress=args.progress and state.is_main_process)],
+             rank=lambda r: rank.get((r["session_id"], r["arm"]), len(rank)),
+             describe=lambda r: (f"{r['session_id']:>24} {r['arm']:>14} {'PASS' if r['valid'] else 'fail'} "
+                                 f"{r['error_type'] or '':<40} turns {r['turns_played']}/{r['turns']} "
+                                 f"tokens {r['tokens']:,} {r['seconds']:.0f}s"),
+             desc="bfcl entries x arms", finish=finish)
     return 0
 
 

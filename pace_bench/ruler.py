@@ -58,7 +58,6 @@ import copy
 import importlib.util
 import io
 import json
-import math
 import os
 import random
 import re
@@ -733,18 +732,13 @@ def main(argv=None) -> int:
         return report(Path(args.out))
     check_args(ap, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tqdm.auto import tqdm
-
     from pace_bench.models import load_model, load_tokenizer, preferred_dtype
-    from pace_bench.records import read_jsonl, shard_paths, write_jsonl
-    from pace_bench.records import process_state
+    from pace_bench.records import process_state, shard_paths
+    from pace_bench.suite import play_all
     from pace_hf.chat import DEFAULT_SYSTEM, ChatTemplate
-    from pace_hf.tiers import HostTier, TieredStore
 
     state = process_state()
-    sharded = state.num_processes > 1
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "probes.jsonl"
     tokenizer = load_tokenizer(args.model)
     plays = contexts(args, tokenizer)  # before the model loads: a task that cannot fill a length fails fast
@@ -762,52 +756,31 @@ def main(argv=None) -> int:
                       max_new_tokens=args.max_new_tokens)
     run = {**{k: v for k, v in vars(args).items() if k not in ("resume", "report")},
            "dtype": str(dtype).removeprefix("torch."), "num_processes": state.num_processes}
-    state.wait_for_everyone()
-    if state.is_main_process:
-        write_jsonl(log_path, records)  # the kept records are on disk before the first new context starts
-        for path in shard_paths(out_dir):
-            path.unlink()
-        (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
-    state.wait_for_everyone()
     order = [(setting, x, arm) for setting, x in plays for arm in args.arms]
     work = [(setting, x, arm) for setting, x, arm in order
             if len(answered.get((context_id(setting, x), arm), ())) < len(questions(x))]
-    shard = out_dir / f"probes.rank{state.process_index}.jsonl" if sharded else log_path
-    store = TieredStore([HostTier()])
-    try:
-        with state.split_between_processes(work) as mine, open(shard, "w" if sharded else "a") as log:
-            for setting, x, arm in tqdm(mine, desc=f"ruler contexts x arms (process {state.process_index})" if sharded
-                                        else "ruler contexts x arms", unit="context", position=state.process_index):
-                for r in play(model, tokenizer, template, x, setting, arm, s, stop_ids, store, args.ranks,
-                              skip=answered.get((context_id(setting, x), arm), ()),
-                              progress=args.progress and state.is_main_process):
-                    if sharded:
-                        r["process"] = state.process_index
-                    log.write(json.dumps(r) + "\n")
-                    log.flush()
-                    records.append(r)
-                    gap = r.get("rotary_gap")
-                    tqdm.write((f"[{state.process_index}] " if sharded else "") +
-                               f"{setting:>13} {r['task']} {r['length']:>6} #{r['index']}.{r['probe']} {arm:>14} "
-                               f"score {r['score']:.2f} residency {r.get('residency', float('nan')):.3f} "
-                               f"gap {'n/a' if gap is None else gap} {r['seconds']:.0f}s  {r['answer'][:40]!r}")
-    finally:
-        store.close()
-    state.wait_for_everyone()
-    if state.is_main_process:
-        if sharded:  # the kept records, then each process's share, in the order the contexts were dealt
-            rank = {(context_id(setting, x), arm): k for k, (setting, x, arm) in enumerate(order)}
-            records = sorted(read_jsonl([log_path, *shard_paths(out_dir)]),
-                             key=lambda r: (rank.get((r["session_id"], r["arm"]), len(rank)), r["probe"]))
-            write_jsonl(log_path, records)
-            for path in shard_paths(out_dir):
-                path.unlink()
+    rank = {(context_id(setting, x), arm): k for k, (setting, x, arm) in enumerate(order)}
+
+    def played(item, store):
+        setting, x, arm = item
+        return play(model, tokenizer, template, x, setting, arm, s, stop_ids, store, args.ranks,
+                    skip=answered.get((context_id(setting, x), arm), ()), progress=args.progress and state.is_main_process)
+
+    def describe(r):
+        gap = r.get("rotary_gap")
+        return (f"{r['setting']:>13} {r['task']} {r['length']:>6} #{r['index']}.{r['probe']} {r['arm']:>14} "
+                f"score {r['score']:.2f} residency {r.get('residency', float('nan')):.3f} "
+                f"gap {'n/a' if gap is None else gap} {r['seconds']:.0f}s  {r['answer'][:40]!r}")
+
+    def finish(records):
         text = table(records)
         (out_dir / "table.md").write_text(header(run) + "\n\n" + text + "\n")
         paths = figures(records, out_dir)
         print(header(run) + "\n\n" + text)
         print("figures: " + ", ".join(str(p) for p in paths))
-    state.wait_for_everyone()
+
+    play_all(out_dir, run, records, work, played, rank=lambda r: (rank.get((r["session_id"], r["arm"]), len(rank)), r["probe"]),
+             describe=describe, desc="ruler contexts x arms", finish=finish)
     return 0
 
 

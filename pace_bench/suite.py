@@ -1,0 +1,76 @@
+"""The skeleton a pace-bench suite runs on: its records, its resume, its processes and its table.
+
+A suite is a list of work items (a context or an entry, with an arm) and a ``play`` that turns one item
+into records; what this module does is the same for every suite, so no suite copies it:
+- ``probes.jsonl`` in ``--out`` holds every record; ``--resume`` keeps the records of a run with the same
+  settings (the suite decides which are kept) and plays only what is missing;
+- ``run.json`` holds the settings, written before the first new item starts;
+- under ``accelerate launch`` the items are dealt to the processes, each writes
+  ``probes.rank{N}.jsonl``, and the main process merges them in the order the items were dealt;
+- one host-memory store serves every item (a cache of an arm with tiers spills there);
+- the table (``table.md``) is written by the suite's ``finish(records)`` once every process is done.
+
+``play_all`` is the loop; ``pace_bench.ruler`` and ``pace_bench.bfcl`` run on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .records import process_state, read_jsonl, shard_paths, write_jsonl
+
+
+def play_all(out_dir: Path, run: dict, kept: list[dict], work: list, play: Callable[[object, object], Iterable[dict]],
+             *, rank: Callable[[dict], tuple], describe: Callable[[dict], str], desc: str,
+             finish: Callable[[list[dict]], None]) -> list[dict]:
+    """Play ``work`` (the items not yet in ``kept``), writing each record as it comes; returns every record.
+
+    ``play(item, store)`` yields the item's records; ``rank(record)`` orders the merged records (the order
+    the items were dealt); ``describe(record)`` is the progress line; ``finish(records)`` writes the table
+    (main process only)."""
+    from tqdm.auto import tqdm
+
+    from pace_hf.tiers import HostTier, TieredStore
+
+    state = process_state()
+    sharded = state.num_processes > 1
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "probes.jsonl"
+    records = list(kept)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        write_jsonl(log_path, records)  # the kept records are on disk before the first new item starts
+        for path in shard_paths(out_dir):
+            path.unlink()
+        (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+    state.wait_for_everyone()
+    shard = out_dir / f"probes.rank{state.process_index}.jsonl" if sharded else log_path
+    store = TieredStore([HostTier()])
+    try:
+        with state.split_between_processes(work) as mine, open(shard, "w" if sharded else "a") as log:
+            for item in tqdm(mine, desc=desc + (f" (process {state.process_index})" if sharded else ""),
+                             unit="item", position=state.process_index):
+                for r in play(item, store):
+                    if sharded:
+                        r["process"] = state.process_index
+                    log.write(json.dumps(r) + "\n")
+                    log.flush()
+                    records.append(r)
+                    tqdm.write((f"[{state.process_index}] " if sharded else "") + describe(r))
+    finally:
+        store.close()
+    state.wait_for_everyone()
+    if state.is_main_process:
+        if sharded:  # the kept records, then each process's share, in the order the items were dealt
+            records = sorted(read_jsonl([log_path, *shard_paths(out_dir)]), key=rank)
+            write_jsonl(log_path, records)
+            for path in shard_paths(out_dir):
+                path.unlink()
+        finish(records)
+    state.wait_for_everyone()
+    return records
+
+
+__all__ = ["play_all"]
