@@ -61,7 +61,7 @@ class CacheRows(Cache):
         limits = [row.limit for row in rows]
         self.limit = None if None in limits else min(limits)
         self.columns = max(row.get_seq_length() for row in rows)
-        self._active: list[torch.Tensor | None] | None = None  # per row: its tokens' columns in the chunk
+        self._active: list | None = None  # per row: its tokens' columns in the chunk (ALL, or None: none)
         self._kv: dict[int, list] = {}  # per layer, per row: the keys and values its attention reads
 
     # -- what transformers calls -------------------------------------------------------------------
@@ -83,8 +83,7 @@ class CacheRows(Cache):
             if columns is None:
                 stored.append(None)
                 continue
-            keys, values = (t[r:r + 1] if columns.numel() == t.shape[-2] else t[r:r + 1, :, columns]
-                            for t in (key_states, value_states))
+            keys, values = (t[r:r + 1] if columns is ALL else t[r:r + 1, :, columns] for t in (key_states, value_states))
             stored.append(row.update(keys, values, layer_idx))
         self._kv[layer_idx] = stored
         longest = max((k.shape[-2] for k, _ in filter(None, stored)), default=0)
@@ -108,18 +107,23 @@ class CacheRows(Cache):
         stored = self._kv.pop(layer_idx, None)
         if stored is None:
             raise RuntimeError(f"layer {layer_idx} attended without storing its keys in the batch's rows first")
-        out = None
+        outs = []
         for r, (row, columns, kv) in enumerate(zip(self.rows, self._active, stored)):
             if columns is None:
+                outs.append(None)
                 continue
             keys, values = kv
-            q = query[r:r + 1] if columns.numel() == query.shape[2] else query[r:r + 1, :, columns]
+            q = query[r:r + 1] if columns is ALL else query[r:r + 1, :, columns]
             mask = _window_mask(row.layers[layer_idx], q.shape[2], keys.shape[-2])
-            rows_out = attention.attend(row, module, layer_idx, q, keys, values, mask, dropout, scaling, softcap,
-                                        sinks, kwargs)
-            if out is None:
-                out = rows_out.new_zeros(query.shape[0], query.shape[2], *rows_out.shape[2:])
-            out[r, columns] = rows_out[0]
+            outs.append(attention.attend(row, module, layer_idx, q, keys, values, mask, dropout, scaling, softcap,
+                                         sinks, kwargs))
+        if all(columns is ALL for columns in self._active):  # every row has every column (decode)
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        first = next(o for o in outs if o is not None)
+        out = first.new_zeros(query.shape[0], query.shape[2], *first.shape[2:])
+        for r, (columns, rows_out) in enumerate(zip(self._active, outs)):
+            if rows_out is not None:
+                out[r, slice(None) if columns is ALL else columns] = rows_out[0]
         return out
 
     # -- the forward bracket (called by the binding's hooks) --------------------------------------------
@@ -143,18 +147,19 @@ class CacheRows(Cache):
         b = len(self.rows)
         keep = _columns_kept(attention_mask, b, q_len)
         positions = torch.zeros(b, q_len, dtype=torch.long)
-        active: list[torch.Tensor | None] = []
+        active: list = []
         try:
             for r, row in enumerate(self.rows):
-                columns = keep[r].nonzero().flatten() if keep is not None else torch.arange(q_len)
-                if columns.numel() == 0:  # all pads in this chunk: the row sits the forward out
+                columns = ALL if keep is None or bool(keep[r].all()) else keep[r].nonzero().flatten()
+                n = q_len if columns is ALL else columns.numel()
+                if n == 0:  # all pads in this chunk: the row sits the forward out
                     active.append(None)
                     continue
-                row_ids = None if ids is None else ids[r:r + 1, columns.to(ids.device)]
-                start = row.begin_forward(columns.numel(), row_ids)
+                row_ids = None if ids is None else ids[r:r + 1] if columns is ALL else ids[r:r + 1, columns.to(ids.device)]
+                start = row.begin_forward(n, row_ids)
                 active.append(columns)
                 positions[r] = start
-                positions[r, columns] = torch.arange(start, start + columns.numel())
+                positions[r, slice(None) if columns is ALL else columns] = torch.arange(start, start + n)
         except BaseException:
             for row, columns in zip(self.rows, active):
                 if columns is not None:
@@ -163,15 +168,14 @@ class CacheRows(Cache):
         if all(columns is None for columns in active):
             raise ValueError("every token of this forward is padding (attention_mask is 0 for all of them)")
         device = ids.device if ids is not None else (attention_mask.device if attention_mask is not None else None)
-        self._active = [None if c is None else c.to(device) for c in active] if device is not None else active
-        self._q_len = q_len
+        self._active = [c if c is None or c is ALL else c.to(device) for c in active] if device is not None else active
         return positions.to(device) if device is not None else positions
 
     def end_forward(self, q_len: int) -> None:
         active, self._active, self._kv = self._active, None, {}
         for row, columns in zip(self.rows, active):
             if columns is not None:
-                row.end_forward(columns.numel())
+                row.end_forward(q_len if columns is ALL else columns.numel())
         self.columns += q_len
 
     def abort_forward(self) -> None:
@@ -179,6 +183,9 @@ class CacheRows(Cache):
         for row, columns in zip(self.rows or [], active or []):
             if columns is not None:
                 row.abort_forward()
+
+
+ALL = slice(None)  # a row that takes every column of the chunk (no pad in it)
 
 
 def _columns_kept(attention_mask, batch: int, q_len: int) -> torch.Tensor | None:
