@@ -36,16 +36,10 @@ def keep_index(priority: torch.Tensor, budget: int, sinks: int, recent: int) -> 
 
 
 def _shift_up(row: torch.Tensor, start: int, end: int, shift: int) -> None:
-    """``row[start:end] = row[start + shift:end + shift]``: source and target overlap. On the CPU one
-    ``memmove`` of the contiguous block; torch refuses an overlapping ``copy_``, and a copy through a
-    clone reads and writes every byte twice and allocates. End to end at 8K resident tokens the
-    difference is within noise; the memmove is kept because it allocates nothing."""
-    if row.device.type == "cpu" and row.is_contiguous():
-        token = row.stride(0) * row.element_size()  # bytes per slot: one token's row, or one value
-        base = row.data_ptr()
-        ctypes.memmove(base + start * token, base + (start + shift) * token, (end - start) * token)
-    else:
-        row[start:end].copy_(row[start + shift:end + shift].clone())
+    """``row[start:end] = row[start + shift:end + shift]`` on a device (source and target overlap, and torch
+    refuses an overlapping ``copy_``). On the CPU a run is one ``memmove`` instead (``_move_runs``): a copy
+    through a clone reads and writes every byte twice and allocates."""
+    row[start:end].copy_(row[start + shift:end + shift].clone())
 
 
 def cache_nbytes(cache) -> int:
@@ -106,6 +100,7 @@ class EvictingLayer(DynamicLayer):
         self.cumulative_length = self.resident_count = self.scored = 0
         self.capacity = self.moved = 0  # moved: tokens the last eviction moved, over heads (a reading)
         self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[int, dict[str, torch.Tensor]] = {}  # resident count -> views of the buffers
         self.logical = self.physical = self.scores = None
         self.ref_keys = self.ref_pos = None
 
@@ -123,13 +118,22 @@ class EvictingLayer(DynamicLayer):
                               for name, dtype in ledger.items()})
         self.capacity = 0
         self.is_initialized = True
+        self._views = {}
         self._view()
 
     def _view(self) -> None:
-        """Point the public tensors at the first ``resident_count`` slots of the buffers."""
+        """Point the public tensors at the first ``resident_count`` slots of the buffers. The views of the
+        last few counts are kept: in steady decode the count alternates between ``budget`` and one more,
+        and making seven views twice a step was a measurable share of a batched step's bookkeeping."""
         n = self.resident_count
-        for name, buffer in self._buffers.items():
-            setattr(self, name, buffer[:, :, :n] if name in _ROWS else buffer[:, :n])
+        views = self._views.get(n)
+        if views is None:
+            if len(self._views) >= 4:
+                self._views.clear()
+            views = self._views[n] = {name: buffer[:, :, :n] if name in _ROWS else buffer[:, :n]
+                                      for name, buffer in self._buffers.items()}
+        for name, view in views.items():
+            setattr(self, name, view)
 
     def _reserve(self, needed: int) -> None:
         """Room for ``needed`` tokens: grow geometrically, but not past what the steady state needs
@@ -147,6 +151,7 @@ class EvictingLayer(DynamicLayer):
             new.narrow(dim, 0, n).copy_(old.narrow(dim, 0, n))
             self._buffers[name] = new
         self.capacity = capacity
+        self._views = {}
 
     # -- the transformers layer contract -------------------------------------------------------
     def _accept(self, key_states, value_states) -> None:
@@ -286,9 +291,18 @@ class EvictingLayer(DynamicLayer):
         front to back (a run's target ends where the next run's source begins, so none is clobbered).
         Returns how many tokens moved."""
         ends = [starts[i + 1] if i + 1 < len(starts) and heads[i + 1] == h else m for i, h in enumerate(heads)]
+        runs = list(zip(heads, starts, ends, shifts))
         for name, buffer in self._buffers.items():
+            if buffer.device.type == "cpu" and buffer.is_contiguous():  # one memmove a run, from raw pointers
+                size = buffer.element_size()
+                head, token = (buffer.stride(-3) * size, buffer.stride(-2) * size) if name in _ROWS else (buffer.stride(0) * size, size)
+                base = buffer.data_ptr()
+                for h, start, end, s in runs:
+                    at = base + h * head
+                    ctypes.memmove(at + start * token, at + (start + s) * token, (end - start) * token)
+                continue
             rows = buffer[0] if name in _ROWS else buffer
-            for h, start, end, s in zip(heads, starts, ends, shifts):
+            for h, start, end, s in runs:
                 _shift_up(rows[h], start, end, s)
         return sum(end - start for start, end in zip(starts, ends))
 
