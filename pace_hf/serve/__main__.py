@@ -12,6 +12,15 @@ from ..tiers.spelling import SPELLINGS, parse_store  # the spelling the cleanup 
 from .tenants import Tenants, read_key
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default where there is one to show: not None, and not twice where the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, argparse.SUPPRESS) or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def load(name_or_path: str, dtype: str = "auto", loader=None):
     """``(model, tokenizer)``: from ``loader`` (a callable ``(name_or_path, dtype=...)``, or its
     ``"module:function"`` spelling, for models known by a name: see the README's server section),
@@ -61,7 +70,7 @@ def _import_loader(spec: str):
 def main(argv: list[str] | None = None, loader=None) -> None:
     """The command; ``loader`` (a callable) replaces ``--loader`` (see ``load``)."""
     p = argparse.ArgumentParser(prog="pace-serve", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_Defaults)
     p.add_argument("--model", required=True, help="a local model directory or a Hub id (or a name --loader knows)")
     p.add_argument("--loader", default=None, metavar="MODULE:FUNCTION",
                    help="a function (name_or_path, dtype=...) -> (model, tokenizer) that loads --model by name")
@@ -82,7 +91,7 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk size")
     p.add_argument("--max-context", type=int, default=32768, help="prompt + max_tokens, per request")
     p.add_argument("--max-tokens", type=int, default=512, help="default reply length")
-    p.add_argument("--max-resident", type=int, default=4, help="sessions kept in memory (LRU); the others are parked")
+    p.add_argument("--max-resident", type=int, default=8, help="sessions kept in memory (LRU); the others are parked (and no more are decoded together)")
     p.add_argument("--idle-ttl", type=float, default=600.0, help="seconds before an idle session is parked")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; more get a 429")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body (more: 413)")
