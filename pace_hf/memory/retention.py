@@ -19,6 +19,8 @@ import time
 from ..tiers.errors import TierError, WriterConflict
 from .persist import MANIFEST_FINGERPRINT, MANIFEST_KEY
 
+RETAIN_IDLE_S, RETAIN_BUSY_S = 5.0, 60.0  # how often a server's retention may scan the store: idle, and between turns
+
 
 def session_sizes(store) -> dict[str, int]:
     """Bytes per session: what its largest tier holds (a tier below holds a copy, not more)."""

@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from ..tiers.spelling import SPELLINGS, parse_store  # the spelling the cleanup command reads too
 from .tenants import Tenants, read_key

@@ -37,6 +37,7 @@ from transformers import (LogitsProcessorList, StopStringCriteria, TemperatureLo
                           TopPLogitsWarper)
 
 from ..cache import CacheRows
+from ..memory.retention import RETAIN_BUSY_S, RETAIN_IDLE_S
 from .protocol import APIError
 
 log = logging.getLogger("pace_hf.serve")
@@ -132,8 +133,6 @@ class Batcher:
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self) -> None:
         engine = self.engine
-        from .engine import RETAIN_BUSY_S, RETAIN_IDLE_S
-
         while not engine._stop.is_set():
             took = self._fill()
             if self.rows:
@@ -209,7 +208,7 @@ class Batcher:
         try:
             opened = engine._open(turn, system, hashes, sid, lease)
         except Exception as e:  # noqa: BLE001
-            engine._release(lease)
+            engine._release_lease(lease)
             engine._fail(turn, e)
             return
         engine.active.add(sid)
@@ -224,7 +223,7 @@ class Batcher:
         except Exception as e:  # noqa: BLE001
             engine.active.discard(sid)
             engine._drop(sid)  # its cache may be half-written; the store still holds its last turn
-            engine._release(lease)
+            engine._release_lease(lease)
             engine._fail(turn, e)
             return
         self.rows.append(row)
@@ -305,7 +304,7 @@ class Batcher:
             engine._fail(opened.turn, e)
         finally:
             if not handed:
-                engine._release(opened.lease)
+                engine._release_lease(opened.lease)
         spent = time.perf_counter() - row.started
         engine.turn_seconds = 0.8 * engine.turn_seconds + 0.2 * spent / max(1, len(self.rows) + 1)
         engine._park_idle()
@@ -317,5 +316,5 @@ class Batcher:
             self.rows.remove(row)
         engine.active.discard(opened.sid)
         engine._drop(opened.sid)
-        engine._release(opened.lease)
+        engine._release_lease(opened.lease)
         engine._fail(opened.turn, e)

@@ -48,18 +48,17 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from ..chat import DEFAULT_SYSTEM
 from ..planner import SymbolPlanner
 from ..session import PACESession
-from ..memory.retention import retain
+from ..memory.retention import RETAIN_BUSY_S, RETAIN_IDLE_S, retain
 from ..memory.persist import DamagedSave, current_generation
 from ..tiers import TierError, TierUnavailable, WriterConflict
 from .prometheus import Metrics
 from .protocol import APIError
-from ..memory.namespace import scoped, unscoped
+from ..memory.namespace import SERVE_INDEX, scoped, unscoped
 from .tenants import chain_seed
 
 log = logging.getLogger("pace_hf.serve")
 
-INDEX_SESSION, INDEX_FINGERPRINT = "pace-serve-index", "pace-serve-chain"
-RETAIN_IDLE_S, RETAIN_BUSY_S = 5.0, 60.0  # how often retention may scan the store: idle, and between turns
+INDEX_SESSION, INDEX_FINGERPRINT = SERVE_INDEX, "pace-serve-chain"  # the index is stored as a session
 TURN_LEASE_S = 30.0  # a turn's writer lease: renewed every sixth of it while the turn runs, released once saved
 INDEX_WAIT_S = 30.0  # at most this long for the conversation's index entry before the reply ends
 MAX_KNOWN = 1 << 16  # conversation hashes kept in memory; the store's index holds them all
@@ -448,7 +447,7 @@ class Engine:
             handed = self._close(opened, text)
         finally:
             if not handed:
-                self._release(lease)
+                self._release_lease(lease)
 
     def _locate(self, turn: Turn) -> tuple[str, list[str], str]:
         """``(system prompt, hash chain, session id)`` of a turn."""
@@ -479,7 +478,7 @@ class Engine:
             self.leases.hold(lease)
         return lease
 
-    def _release(self, lease) -> None:
+    def _release_lease(self, lease) -> None:
         if lease is not None:
             self.leases.release(lease)
 
