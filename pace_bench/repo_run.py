@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -292,13 +291,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     check_args(ap, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tqdm.auto import tqdm
-
     from pace_hf.chat import ChatTemplate
 
     from .models import load_model, load_tokenizer, preferred_dtype
     from .records import pair_key, read_jsonl
     from .repo import SYSTEM_PROMPT, load_repo_sessions
+    from .suite import play_all
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -327,36 +325,39 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model, dtype=dtype)
     template = ChatTemplate(tokenizer, SYSTEM_PROMPT)
     settings = ArmSettings(budget=args.budget, limit=args.limit)
-    (out_dir / "run.json").write_text(json.dumps({**{k: v for k, v in vars(args).items() if k != "resume"},
-                                                  "dtype": str(dtype).removeprefix("torch.")}, indent=1) + "\n")
-    log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = {**{k: v for k, v in vars(args).items() if k != "resume"}, "dtype": str(dtype).removeprefix("torch.")}
+    order = [(row, arm) for row in rows for arm in args.arms]
+    rank = {pair_key(arm, row): k for k, (row, arm) in enumerate(order)}
     skipped = []
-    with open(log_path, "a") as log:
-        for row, arm in tqdm([(r, a) for r in rows for a in args.arms], desc="sessions x arms", unit="run"):
-            if pair_key(arm, row) in done:
-                continue
-            if REPO_ARMS[arm].cache == "full" and not fits(model, row, args.max_new_tokens):
-                skipped.append(f"{arm} {row['session_id']}")
-                continue
-            for record in play(model, tokenizer, row, arm, settings, args.chunk, template.stop_ids(), template,
-                               args.max_new_tokens, progress=args.progress, tiers=args.tiers):
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                records.append(record)
-                tqdm.write(f"{arm:>15} {row['session_id']} {record['probe']:<40} "
-                           f"{'pass' if record['checks_passed'] else 'fail'} recall {record['recall_hits']}/"
-                           f"{record['recall_total']} residency {record.get('residency', 1.0):.3f} "
-                           f"plan {record['plan_tokens']} {record['seconds']:.0f}s"
-                           + (f"  ({record['failure']})" if record["failure"] else ""))
-    header = (f"model {args.model} ({dtype}), {len(rows)} sessions ({', '.join(sorted({r['package'] for r in rows}))}), "
-              f"{sum(len(r['probes']) for r in rows)} probes, lengths {', '.join(f'{t:,}' for t in args.tokens)}, "
-              f"B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, listing {args.listing}"
-              + (", evicting arms spill to a host tier" if args.tiers else "")
-              + (f"; not played (the session exceeds the model's context): {', '.join(skipped)}" if skipped else "")
-              + "\n\n")
-    text = table(records, args.reference_arm) if records else "(no records)"
-    (out_dir / "table.md").write_text(header + text + "\n")
-    print(header + text)
+
+    def played(item, store):  # the arms with tiers build their own store (``tiers=``)
+        row, arm = item
+        if REPO_ARMS[arm].cache == "full" and not fits(model, row, args.max_new_tokens):
+            skipped.append(f"{arm} {row['session_id']}")
+            return []
+        return play(model, tokenizer, row, arm, settings, args.chunk, template.stop_ids(), template,
+                    args.max_new_tokens, progress=args.progress, tiers=args.tiers)
+
+    def describe(record):
+        return (f"{record['arm']:>15} {record['session_id']} {record['probe']:<40} "
+                f"{'pass' if record['checks_passed'] else 'fail'} recall {record['recall_hits']}/"
+                f"{record['recall_total']} residency {record.get('residency', 1.0):.3f} "
+                f"plan {record['plan_tokens']} {record['seconds']:.0f}s" + (f"  ({record['failure']})" if record["failure"] else ""))
+
+    def finish(records):
+        header = (f"model {args.model} ({dtype}), {len(rows)} sessions ({', '.join(sorted({r['package'] for r in rows}))}), "
+                  f"{sum(len(r['probes']) for r in rows)} probes, lengths {', '.join(f'{t:,}' for t in args.tokens)}, "
+                  f"B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, listing {args.listing}"
+                  + (", evicting arms spill to a host tier" if args.tiers else "")
+                  + (f"; not played (the session exceeds the model's context): {', '.join(skipped)}" if skipped else "")
+                  + "\n\n")
+        text = table(records, args.reference_arm) if records else "(no records)"
+        (out_dir / "table.md").write_text(header + text + "\n")
+        print(header + text)
+
+    play_all(out_dir, run, records, [(row, arm) for row, arm in order if pair_key(arm, row) not in done], played,
+             rank=lambda r: (rank.get(pair_key(r["arm"], r), len(rank)), r["probe"]), describe=describe,
+             desc="sessions x arms", finish=finish)
     return 0
 
 
