@@ -39,7 +39,8 @@ from .cli import choice_list, fraction, int_at_least, model_name
 from .figures import gap_text, make_figures, settings_for, summarize, with_distance_table
 from .progress import SessionProgress
 from .readings import ReadAtFirstQuery, full_cache_bytes, peak_cache_bytes, tier_reading
-from .records import pair_key, process_state, read_jsonl, session_key, shard_paths, write_jsonl
+from .records import pair_key, process_state, read_jsonl, session_key, shard_paths
+from .suite import play_all
 from .sessions import session_messages
 
 PLANNERS = ("oracle", "symbols", "none")
@@ -527,7 +528,6 @@ def _run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
     import evaluate
-    from tqdm.auto import tqdm
 
     from pace_bench import load_sessions
     from pace_bench.build import SYSTEM_PROMPT
@@ -570,55 +570,28 @@ def _run(args) -> int:
                            spill_cap_bytes=None if args.spill_cap_mb is None else args.spill_cap_mb << 20)
     if sharded and args.store == "disk":  # each process its own folder
         args.store_path = str(Path(args.store_path or out_dir / "kv") / f"rank{state.process_index}")
-    store = make_store(args, out_dir)
-    state.wait_for_everyone()
-    if state.is_main_process:
-        write_jsonl(log_path, records)  # the kept records are on disk before the first new pair starts
-        if not args.resume:  # a fresh run's chunk log starts empty; a resumed one appends
-            for path in out_dir.glob("chunks*.jsonl"):
-                path.unlink()
-        for path in shard_paths(out_dir):
+    if state.is_main_process and not args.resume:  # a fresh run's chunk log starts empty; a resumed one appends
+        for path in out_dir.glob("chunks*.jsonl"):
             path.unlink()
-        (out_dir / "run.json").write_text(json.dumps(run_settings(args, dtype, rows, state.num_processes),
-                                                     indent=1) + "\n")
-    state.wait_for_everyone()
-    # session-major, so that a run cut short still holds paired results
-    pairs = [(row, arm) for row in rows for arm in args.arms if pair_key(arm, row) not in done]
-    shard = out_dir / f"probes.rank{state.process_index}.jsonl" if sharded else log_path
-    try:
-        with state.split_between_processes(pairs) as mine, open(shard, "w" if sharded else "a") as log:
-            blueprints: dict[tuple, Blueprint] = {}
-            for row, arm in tqdm(mine, desc=f"sessions x arms (process {state.process_index})" if sharded
-                                 else "sessions x arms", unit="run", position=state.process_index):
-                if session_key(row) not in blueprints:
-                    blueprints[session_key(row)] = session_blueprint(row, tokenizer, args.planner, args.drop_edges,
-                                                                     args.seed, budget=args.budget)
-                for record in play_session(model, tokenizer, row, arm, settings, metric, args.chunk, stop_ids,
-                                           args.max_new_tokens, blueprint=blueprints[session_key(row)],
-                                           store=store, rehydrate=args.rehydrate,
-                                           progress=args.progress and state.is_main_process,
-                                           checkpoint_every=args.checkpoint_every, resume=args.resume,
-                                           chunk_log=(out_dir / (f"chunks.rank{state.process_index}.jsonl" if sharded
-                                                                 else "chunks.jsonl")) if args.chunk_log else None):
-                    record.update(target_distance=row["target_distance"], planner=args.planner,
-                                  drop_edges=args.drop_edges, store=args.store,
-                                  **({"process": state.process_index} if sharded else {}))
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                    records.append(record)
-                    tqdm.write((f"[{state.process_index}] " if sharded else "") + progress_line(record))
-    finally:
-        if store is not None:
-            store.close()
-    state.wait_for_everyone()
-    if state.is_main_process:
-        if sharded:  # the kept records, then each process's share, in the order the pairs were dealt
-            order = {pair_key(arm, row): k for k, (row, arm) in enumerate((r, a) for r in rows for a in args.arms)}
-            records = sorted(read_jsonl([log_path, *shard_paths(out_dir)]),
-                             key=lambda r: (order.get(pair_key(r["arm"], r), len(order)), r["step"]))
-            write_jsonl(log_path, records)
-            for path in shard_paths(out_dir):
-                path.unlink()
+    order = {pair_key(arm, row): k for k, (row, arm) in enumerate((r, a) for r in rows for a in args.arms)}
+    blueprints: dict[tuple, Blueprint] = {}
+    chunk_log = (out_dir / (f"chunks.rank{state.process_index}.jsonl" if sharded else "chunks.jsonl")) \
+        if args.chunk_log else None
+
+    def played(item, store):
+        row, arm = item
+        if session_key(row) not in blueprints:
+            blueprints[session_key(row)] = session_blueprint(row, tokenizer, args.planner, args.drop_edges,
+                                                             args.seed, budget=args.budget)
+        for record in play_session(model, tokenizer, row, arm, settings, metric, args.chunk, stop_ids,
+                                   args.max_new_tokens, blueprint=blueprints[session_key(row)], store=store,
+                                   rehydrate=args.rehydrate, progress=args.progress and state.is_main_process,
+                                   checkpoint_every=args.checkpoint_every, resume=args.resume, chunk_log=chunk_log):
+            record.update(target_distance=row["target_distance"], planner=args.planner,
+                          drop_edges=args.drop_edges, store=args.store)
+            yield record
+
+    def finish(records):
         table = with_distance_table(summarize(records, args.reference_arm), records)  # a sweep: Table 3 too
         header = (f"model {args.model} ({dtype}), {len(rows)} sessions x {len(rows[0]['probes'])} probes, "
                   f"~{args.tokens:,} context tokens, B={args.budget:,}, H={args.chunk:,}, L={args.limit:,}, "
@@ -630,7 +603,12 @@ def _run(args) -> int:
                                           "chunk": args.chunk})
         print(header + table)
         print("\nfigures: " + ", ".join(str(p) for p in figures))
-    state.wait_for_everyone()
+
+    # session-major, so that a run cut short still holds paired results
+    pairs = [(row, arm) for row in rows for arm in args.arms if pair_key(arm, row) not in done]
+    play_all(out_dir, run_settings(args, dtype, rows, state.num_processes), records, pairs, played,
+             rank=lambda r: (order.get(pair_key(r["arm"], r), len(order)), r["step"]), describe=progress_line,
+             desc="sessions x arms", finish=finish, new_store=lambda: make_store(args, out_dir))
     return 0
 
 

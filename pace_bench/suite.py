@@ -7,10 +7,10 @@ into records; what this module does is the same for every suite, so no suite cop
 - ``run.json`` holds the settings, written before the first new item starts;
 - under ``accelerate launch`` the items are dealt to the processes, each writes
   ``probes.rank{N}.jsonl``, and the main process merges them in the order the items were dealt;
-- one host-memory store serves every item (a cache of an arm with tiers spills there);
+- one store serves every item (host memory unless the suite builds its own; an arm with tiers spills there);
 - the table (``table.md``) is written by the suite's ``finish(records)`` once every process is done.
 
-``play_all`` is the loop; ``pace_bench.ruler`` and ``pace_bench.bfcl`` run on it.
+``play_all`` is the loop; the coding runner, RULER, the repository suite and BFCL run on it.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from .records import process_state, read_jsonl, shard_paths, write_jsonl
 
 def play_all(out_dir: Path, run: dict, kept: list[dict], work: list, play: Callable[[object, object], Iterable[dict]],
              *, rank: Callable[[dict], tuple], describe: Callable[[dict], str], desc: str,
-             finish: Callable[[list[dict]], None]) -> list[dict]:
+             finish: Callable[[list[dict]], None], new_store: Callable[[], object] | None = None) -> list[dict]:
     """Play ``work`` (the items not yet in ``kept``), writing each record as it comes; returns every record.
 
     ``play(item, store)`` yields the item's records; ``rank(record)`` orders the merged records (the order
     the items were dealt); ``describe(record)`` is the progress line; ``finish(records)`` writes the table
-    (main process only)."""
+    (main process only); ``new_store()`` builds the store the items share (default: host memory; it may
+    return None: no store)."""
     from tqdm.auto import tqdm
 
     from pace_hf.tiers import HostTier, TieredStore
@@ -47,7 +48,7 @@ def play_all(out_dir: Path, run: dict, kept: list[dict], work: list, play: Calla
         (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     state.wait_for_everyone()
     shard = out_dir / f"probes.rank{state.process_index}.jsonl" if sharded else log_path
-    store = TieredStore([HostTier()])
+    store = new_store() if new_store is not None else TieredStore([HostTier()])
     try:
         with state.split_between_processes(work) as mine, open(shard, "w" if sharded else "a") as log:
             for item in tqdm(mine, desc=desc + (f" (process {state.process_index})" if sharded else ""),
@@ -60,7 +61,8 @@ def play_all(out_dir: Path, run: dict, kept: list[dict], work: list, play: Calla
                     records.append(r)
                     tqdm.write((f"[{state.process_index}] " if sharded else "") + describe(r))
     finally:
-        store.close()
+        if store is not None:
+            store.close()
     state.wait_for_everyone()
     if state.is_main_process:
         if sharded:  # the kept records, then each process's share, in the order the items were dealt
