@@ -197,8 +197,10 @@ def candidates(words: tuple[str, ...], by_key: dict[str, set[str]],
         for n in sizes:
             for i in range(len(words) - n + 1):
                 chunk = lower[i:i + n]
+                # a kind word is the name's own where the kind follows it: "the with attribute function"
+                kind_after = i + n < len(words) and lower[i + n] in KIND_WORDS
                 if not any(used[i:i + n]) and not all(w in STOPWORDS for w in chunk) \
-                        and not any(w in KIND_WORDS for w in chunk):
+                        and (kind_after and n > 1 or not any(w in KIND_WORDS for w in chunk)):
                     yield i, n, chunk
 
     for i, n, chunk in spans((4, 3, 2, 1)):
