@@ -25,7 +25,21 @@ from .. import attention
 from .window import WindowLayer
 
 
-class CacheRows(Cache):
+class FixedRows:
+    """What transformers may ask of a cache's rows and a pace_hf cache refuses: reordering them for beams,
+    repeating them, cutting them. Each row keeps its own tokens; a cache's rows are fixed at its first forward."""
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("pace_hf caches do not support beam search (num_beams must be 1)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise NotImplementedError("pace_hf caches cannot repeat their rows: give generate the rows it will run")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("pace_hf caches cannot drop rows in place: build CacheRows of the rows to keep")
+
+
+class CacheRows(FixedRows, Cache):
     """Row ``r`` of the batch is ``rows[r]``, a one-sequence pace_hf cache bound to the model.
 
     What transformers sees: ``update`` stores each row's part of the chunk in that row (pads dropped)
@@ -90,15 +104,6 @@ class CacheRows(Cache):
         b, heads = key_states.shape[:2]
         stand_in = lambda t: t.new_zeros(()).expand(b, heads, longest, t.shape[-1])  # noqa: E731
         return stand_in(key_states), stand_in(value_states)
-
-    def reorder_cache(self, beam_idx):
-        raise NotImplementedError("pace_hf caches do not support beam search (num_beams must be 1)")
-
-    def batch_repeat_interleave(self, repeats: int):
-        raise NotImplementedError("a batch of pace_hf caches cannot be expanded: give generate the rows it will run")
-
-    def batch_select_indices(self, indices):
-        raise NotImplementedError("a batch of pace_hf caches cannot be cut: build CacheRows of the rows to keep")
 
     # -- attention, row by row (called by ``pace_attention``) ----------------------------------------
     def attend_rows(self, module, query, layer_idx: int, scaling, dropout: float, softcap, sinks, kwargs):
@@ -213,4 +218,4 @@ def _window_mask(layer, q_len: int, kv_len: int) -> torch.Tensor | None:
     return seen[None, None].to(layer.device)
 
 
-__all__ = ["CacheRows"]
+__all__ = ["CacheRows", "FixedRows"]

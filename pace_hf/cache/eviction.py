@@ -21,7 +21,7 @@ from ..binding import Binding, check_not_compiled
 from ..blueprint import Blueprint, Span, as_index
 from ..rope import RotaryParams
 from ..scoring import CumulativeAttention, ScoringPolicy, rebuild
-from .batch import CacheRows
+from .batch import CacheRows, FixedRows
 from .layer import EvictingLayer
 from .layout import LayerSpec, describe, layer_specs
 from .probe import read_layers
@@ -29,7 +29,7 @@ from .quotas import DEFAULT_RECENT, DEFAULT_SINKS, Quotas
 from .window import RecurrentLayer, WindowLayer
 
 
-class EvictionCache(DynamicCache):
+class EvictionCache(FixedRows, DynamicCache):
     """The shared base: a token budget, a scoring policy and, with ``limit``, bounded positions.
 
     Every arm of the 2x2 ablation is this class with another policy or limit, so they share the
@@ -440,14 +440,6 @@ class EvictionCache(DynamicCache):
             raise ValueError(f"this cache holds a batch of {len(self._rows.rows)} rows: ask a row, "
                              f"cache.rows[i].{what}")
 
-    def reorder_cache(self, beam_idx):
-        raise NotImplementedError("pace_hf caches do not support beam search (num_beams must be 1)")
-
-    def batch_repeat_interleave(self, repeats: int):
-        raise NotImplementedError("pace_hf caches cannot be expanded in place: give generate the rows it will run")
-
-    def batch_select_indices(self, indices):
-        raise NotImplementedError("pace_hf caches cannot drop rows in place")
 
     def check_prompt(self, input_ids) -> None:
         """``generate`` is given the whole conversation and prefills what the cache has not seen: refuse an
