@@ -440,7 +440,6 @@ class EvictionCache(FixedRows, DynamicCache):
             raise ValueError(f"this cache holds a batch of {len(self._rows.rows)} rows: ask a row, "
                              f"cache.rows[i].{what}")
 
-
     def check_prompt(self, input_ids) -> None:
         """``generate`` is given the whole conversation and prefills what the cache has not seen: refuse an
         input that does not continue what the cache holds, instead of prefilling it again on top (a re-run
