@@ -217,3 +217,23 @@ def test_a_row_saves_and_resumes_as_the_session_run_alone():
             logits = [model(token, cache=c).logits[0, -1] for c in resumed]
             torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=0)
             token = logits[0].argmax().view(1, 1)
+
+
+def test_pads_anywhere_in_a_row_are_dropped_not_only_on_the_left():
+    """A mask with a gap inside a row (right padding, or a hole): the row is its tokens, in order, as alone."""
+    model = tiny_model("llama")
+    rows = prompts([50, 40])
+    ids = torch.zeros(2, 60, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    ids[0, :20], ids[0, 30:60], mask[0, :20], mask[0, 30:60] = rows[0][:20], rows[0][20:], 1, 1  # a hole of 10
+    ids[1, 20:60], mask[1, 20:60] = rows[1], 1
+    cache = H2OCache(model, budget=24, recent=4)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, cache=cache).logits
+    for r, p in enumerate(rows):
+        alone = H2OCache(model, budget=24, recent=4)
+        with torch.no_grad():
+            expected = model(p[None], cache=alone).logits[0, -1]
+        torch.testing.assert_close(logits[r, -1], expected, atol=1e-4, rtol=0)
+        assert cache.rows[r].get_seq_length() == len(p)
+        assert torch.equal(cache.rows[r].ledger()[0], alone.ledger()[0])
