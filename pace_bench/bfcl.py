@@ -22,6 +22,11 @@ The agent loop, one entry and one arm:
   ``eval`` it): its result is the NameError text bfcl-eval would give, and it changes no state.
 - The per-turn cap is BFCL's ``MAXIMUM_STEP_LIMIT`` (20) unless ``--max-steps`` says less: a step past
   it stops the entry, which then fails as BFCL's force-terminated entries do.
+- ``--stop-repeats`` (off by default, BFCL has no such rule): a reply equal word for word to the turn's
+  previous reply ends the turn without running it again. A small model decoding greedily loops so (the
+  same wrong call, its error, the same call); BFCL would let it run to the cap and stop the entry. With
+  the rule, the entry goes on to its next turn, so every turn is scored and compared with the full cache,
+  at a fraction of the cost; the record counts the turns so ended (``looped``).
 - ``miss_func``: the held-out docs come as a user turn at their turn, as BFCL's prompting runner does.
 
 Arms are the registry's caches (``pace_bench.arms``) with the run's B and L. PACE's two differ in what a
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
 import os
 import re
@@ -64,7 +70,7 @@ PACE = ("pace", "pace_retrieval")
 ARMS = ("full", "h2o", "snapkv", "streaming", *PACE)
 BOUNDED = tuple(a for a in ARMS if a in PACE or registry.ARMS[a].bounded)
 BFCL_STEP_LIMIT = 20  # bfcl_eval.constants.default_prompts.MAXIMUM_STEP_LIMIT
-RUN_KEYS = ("model", "budget", "limit", "chunk", "max_steps", "max_new_tokens", "system")  # --resume must match
+RUN_KEYS = ("model", "budget", "limit", "chunk", "max_steps", "max_new_tokens", "system", "stop_repeats")  # --resume must match
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class BfclSettings:
     chunk: int = 2048
     max_steps: int = BFCL_STEP_LIMIT
     max_new_tokens: int = 256
+    stop_repeats: bool = False
 
 
 # -- bfcl-eval's data, backends and checker --------------------------------------------------------------
@@ -499,7 +506,7 @@ def play(model, tokenizer, entry: dict, arm: str, s: BfclSettings, store=None, s
     retriever = PageRetriever(tokenizer) if arm == "pace_retrieval" else None
     backends = Backends(entry, arm)
     decoded, replies, steps, planned = [], [], [], []
-    forced = False
+    forced, looped = False, 0
     bar = tqdm(total=len(entry["question"]), desc=f"{arm} {entry['id']}", unit="turn", leave=False,
                dynamic_ncols=True, disable=not progress)
     try:
@@ -525,6 +532,9 @@ def play(model, tokenizer, entry: dict, arm: str, s: BfclSettings, store=None, s
                     bar.set_postfix_str(f"turn {t + 1} step {step + 1}")
                     text = _reply(model, tokenizer, template, conversation, cache, s, stop_ids)
                     turn_replies.append(text)
+                    if s.stop_repeats and len(turn_replies) > 1 and text.strip() == turn_replies[-2].strip():
+                        looped += 1
+                        break
                     calls = parse_calls(text, names)
                     if not calls:
                         break
@@ -555,7 +565,7 @@ def play(model, tokenizer, entry: dict, arm: str, s: BfclSettings, store=None, s
     record = {"category": entry["category"], "session_id": entry["id"], "probe": 0, "arm": arm,
               "valid": bool(verdict["valid"]), "error_type": verdict.get("error_type"),
               "error_message": str(verdict.get("error_message", ""))[:300], "turns": len(entry["question"]),
-              "turns_played": len(decoded), "force_terminated": forced, "steps": steps, "calls": decoded,
+              "turns_played": len(decoded), "force_terminated": forced, "looped": looped, "steps": steps, "calls": decoded,
               "replies": replies, "tools_native": native, "tokens": tokens, "system_tokens": len(template.system_ids),
               "peak_cache_bytes": peak["bytes"], "full_cache_bytes": full_cache_bytes(model, tokens),
               "seconds": round(time.perf_counter() - started, 2),
@@ -593,8 +603,8 @@ def table(records: list[dict]) -> str:
         full = {r["session_id"]: r for r in got if r["arm"] == "full"}
         out += [f"**multi_turn_{category}**", "",
                 "| arm | n | accuracy [95% CI] | fidelity to full (turns) | full's passes kept | turns with a call "
-                "| tokens | peak KV (MiB) | full KV at that length (MiB) | wall s | CPU s |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| turns looped | tokens | peak KV (MiB) | full KV at that length (MiB) | wall s | CPU s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm in [a for a in ARMS if any(r["arm"] == a for r in got)]:
             rs = [r for r in got if r["arm"] == arm]
             n, k = len(rs), sum(r["valid"] for r in rs)
@@ -615,7 +625,7 @@ def table(records: list[dict]) -> str:
                 return sum(r[key] for r in rs) / n
 
             out.append(f"| {arm} | {n} | {k}/{n} = {100 * k / n:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}] | {fid} | {kept} "
-                       f"| {called}/{turns} | {mean('tokens'):,.0f} | "
+                       f"| {called}/{turns} | {sum(r.get('looped', 0) for r in rs)} | {mean('tokens'):,.0f} | "
                        + (f"{sum(peaks) / len(peaks) / 2**20:.1f}" if peaks else "-")
                        + f" | {mean('full_cache_bytes') / 2**20:.1f} | {mean('seconds'):.0f} | {mean('cpu_seconds'):.0f} |")
         errors: dict[str, dict[str, int]] = {}
@@ -633,7 +643,9 @@ def table(records: list[dict]) -> str:
 def header(run: dict) -> str:
     return (f"model {run['model']} (torch.{run['dtype']}), B={run['budget']:,}, L={run['limit']:,}, H={run['chunk']:,}; "
             f"at most {run['max_steps']} steps a turn (BFCL: {BFCL_STEP_LIMIT}) and {run['max_new_tokens']} new tokens a "
-            "step; greedy; n counts entries, fidelity and kept passes only those full also played")
+            "step; greedy; " + ("a reply repeating the turn's previous one ends the turn (--stop-repeats); "
+                                 if run.get("stop_repeats") else "")
+            + "n counts entries, fidelity and kept passes only those full also played")
 
 
 # -- the command -----------------------------------------------------------------------------------------------
@@ -657,6 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk", type=int_at_least(1), default=2048, help="H: prefill chunk size")
     ap.add_argument("--max-steps", type=int_at_least(1), default=BFCL_STEP_LIMIT,
                     help="steps (replies with calls) a turn may take; one more stops the entry, as BFCL's runner does")
+    ap.add_argument("--stop-repeats", action="store_true",
+                    help="a reply equal to the turn's previous one ends the turn (a greedy loop; not a BFCL rule)")
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=256, help="new tokens per reply")
     ap.add_argument("--system", default=None, help="the system prompt before the tools (default: pace_hf's)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="a bar per entry and arm")
@@ -717,7 +731,9 @@ def main(argv=None) -> int:
     state = process_state()
     out_dir = Path(args.out)
     log_path = out_dir / "probes.jsonl"
-    entries = [e for c in args.categories for e in load_entries(c)[:args.entries]]
+    by_category = [load_entries(c)[:args.entries] for c in args.categories]
+    # the categories interleaved (the first entry of each, then the second...): a partial run covers each
+    entries = [e for row in itertools.zip_longest(*by_category) for e in row if e is not None]
     dtype = preferred_dtype(state.device.type) if args.dtype == "auto" else getattr(torch, args.dtype)
     run = {**{k: v for k, v in vars(args).items() if k not in ("resume", "report", "progress")},
            "dtype": str(dtype).removeprefix("torch."), "num_processes": state.num_processes}
@@ -734,7 +750,7 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model, dtype=dtype)
     model.to(state.device)
     s = BfclSettings(budget=args.budget, limit=args.limit, chunk=args.chunk, max_steps=args.max_steps,
-                     max_new_tokens=args.max_new_tokens)
+                     max_new_tokens=args.max_new_tokens, stop_repeats=args.stop_repeats)
     order = [(e, arm) for e in entries for arm in args.arms]  # an entry's arms together: a partial run is paired
     rank = {(e["id"], arm): k for k, (e, arm) in enumerate(order)}
 

@@ -138,3 +138,32 @@ def test_one_entry_plays_end_to_end_and_resumes(model_dir, tmp_path, monkeypatch
     assert played["replies"] == 2 * len(script)
     with pytest.raises(SystemExit, match="other budget"):
         main([a if a != "256" else "384" for a in argv] + ["--resume"])
+
+
+def test_stop_repeats_ends_a_looping_turn_without_running_the_repeat(model_dir, tmp_path, monkeypatch):
+    """With --stop-repeats, a reply equal to the turn's previous one ends the turn: it is not executed again
+    (the ground truth's calls ran once, so the entry still passes) and the record counts the loop."""
+    import pace_hf.session as session
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    truth = _entry()["ground_truth"]
+    script = [r for turn in truth for r in ["[" + ", ".join(turn) + "]"] * 2]
+    played = {"replies": 0}
+    real = session.generate_reply
+
+    def scripted(model, ids, cache, **kw):
+        real(model, ids, cache, **dict(kw, max_new_tokens=1))
+        text = script[played["replies"]]
+        played["replies"] += 1
+        return tok.encode(text, add_special_tokens=False)
+
+    monkeypatch.setattr(session, "generate_reply", scripted)
+    out = tmp_path / "run"
+    assert main(["--suite", "bfcl", "--model", model_dir, "--categories", "base", "--entries", "1", "--arms", "full",
+                 "--budget", "256", "--limit", "1024", "--chunk", "512", "--no-progress", "--stop-repeats",
+                 "--out", str(out)]) == 0
+    (r,) = [json.loads(x) for x in (out / "probes.jsonl").read_text().splitlines()]
+    assert r["valid"] and r["looped"] == len(truth) and r["steps"] == [2] * len(truth)
+    assert bfcl.turn_calls(r) == [[c.replace(", ", ",") for c in turn] for turn in truth]
+    assert "(--stop-repeats)" in (out / "table.md").read_text()
