@@ -1,5 +1,5 @@
 """The planner-robustness curve: checks passed as a seeded fraction of the oracle's edges is dropped,
-with and without retrieval-triggered rehydration, beside H2O on the same sessions.
+with and without rehydration (the planner restoring what a probe names), beside H2O on the same sessions.
 
 Why: a real planner misses dependencies. Without rehydration PACE should fall toward H2O as edges go
 missing; with rehydration (the evicted turns a probe's prompt names come back from the host tier before

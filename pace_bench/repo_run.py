@@ -44,14 +44,17 @@ from .repo_probes import KINDS, score
 class RepoArm:
     """A repo-suite arm: the cache (a name in ``pace_bench.arms.ARMS``), its plan (``oracle``, a
     ``SymbolPlanner`` plan style, or None) and what brings evicted context back before each probe:
-    ``"symbols"`` (the definitions the prompt names, ``SymbolPlanner.rehydrate``), ``"pages"`` (the pages
-    its words rank first, ``cache.retrieve``) or None."""
+    ``"rehydrate"`` (the definitions the prompt names, ``SymbolPlanner.rehydrate``; the record's
+    ``rehydrated_tokens``), ``"retrieve"`` (the pages its words rank first, ``cache.retrieve``;
+    ``retrieved_tokens``) or None."""
 
     cache: str
     plan: str | None
-    rehydrate: str | None
+    before_probe: str | None
     summary: str
 
+
+_RESTORED_KEY = {"rehydrate": "rehydrated_tokens", "retrieve": "retrieved_tokens"}  # the record's count of each act
 
 REPO_ARMS = {
     "full": RepoArm("full", None, None, "DynamicCache, where the session fits the model's context"),
@@ -61,8 +64,8 @@ REPO_ARMS = {
     "pace_literal": RepoArm("pace", "literal", None, "PACE, SymbolPlanner on literal plans"),
     "pace_prose": RepoArm("pace", "prose", None, "PACE, SymbolPlanner on prose plans"),
     "pace_probe": RepoArm("pace", "probe", None, "PACE, SymbolPlanner on the probes' own prompts"),
-    "pace_rehydrate": RepoArm("pace", None, "symbols", "PACE, no plan, the definitions each probe names restored"),
-    "pace_retrieval": RepoArm("pace", None, "pages", "PACE, no plan, the pages each probe's words rank first restored"),
+    "pace_rehydrate": RepoArm("pace", None, "rehydrate", "PACE, no plan, the definitions each probe names restored"),
+    "pace_retrieval": RepoArm("pace", None, "retrieve", "PACE, no plan, the pages each probe's words rank first restored"),
 }
 
 
@@ -124,7 +127,7 @@ def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, sto
     spec = REPO_ARMS[arm]
     blueprint = arm_blueprint(row, arm, template, settings.budget)
     store = None
-    if spec.rehydrate or (tiers and spec.cache != "full"):
+    if spec.before_probe or (tiers and spec.cache != "full"):
         from pace_hf.tiers import HostTier, TieredStore
 
         store = TieredStore([HostTier()])
@@ -139,9 +142,9 @@ def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, sto
                               + sum(len(p["prompt_ids"]) for p in row["probes"]))
         if evicting:
             cache.progress = bar
-    messages = session_messages(row) if spec.rehydrate == "symbols" else None
+    messages = session_messages(row) if spec.before_probe == "rehydrate" else None
     retriever = None
-    if spec.rehydrate == "pages":
+    if spec.before_probe == "retrieve":
         from pace_hf.memory.retrieval import PageRetriever
 
         retriever = PageRetriever(tokenizer)
@@ -160,7 +163,7 @@ def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, sto
             if evicting:
                 cache.step = probe["step"]
             restored = None
-            if spec.rehydrate:  # the history is in the cache (what it evicted, in the store) when the turn comes
+            if spec.before_probe:  # the history is in the cache (what it evicted, in the store) when the turn comes
                 if bar is not None:
                     bar.phase(f"prefill history {of}", len(ids) - cache.get_seq_length())
                 _prefill(model, cache, ids, chunk)
@@ -194,7 +197,7 @@ def play(model, tokenizer, row, arm: str, settings: ArmSettings, chunk: int, sto
                 **graded(text, probe),
                 "seconds": round(time.perf_counter() - start, 1), **(reading.reading or {}),
                 **plan_reading(blueprint, row, probe), **tier_reading(cache),
-                **({"rehydrated_tokens": restored} if restored is not None else {}),
+                **({_RESTORED_KEY[spec.before_probe]: restored} if restored is not None else {}),
                 **({"peak_cache_bytes": peak["bytes"], "full_cache_bytes": full_cache_bytes(
                     model, cache.get_seq_length())} if peak["bytes"] is not None else {}),
             })

@@ -237,7 +237,8 @@ def test_the_suite_runs_end_to_end_on_a_tiny_model_and_resumes(tmp_path):
     assert all(r["residency"] == 1.0 and r["plan_recall"] == 1.0 for r in oracle)  # the oracle plan is kept
     assert any(r["plan_tokens"] > 0 for r in records if r["arm"] == "pace_literal")  # the planner planned
     retrieved = [r for r in records if r["arm"] == "pace_retrieval"]  # pages the probes' words matched came back
-    assert any(r["rehydrated_tokens"] > 0 and r["plan_tokens"] > 0 for r in retrieved)  # and are planned for the step
+    assert any(r["retrieved_tokens"] > 0 and r["plan_tokens"] > 0 for r in retrieved)  # and are planned for the step
+    assert all("rehydrated_tokens" in r for r in records if r["arm"] == "pace_rehydrate")  # one word per act
     table = (out / "table.md").read_text()
     assert "plan footprint" in table and "| pace_rehydrate |" in table
     assert main(argv + ["--resume"]) == 0  # nothing left to play: the records are kept as they were

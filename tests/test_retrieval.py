@@ -1,4 +1,4 @@
-"""Retrieval-triggered rehydration: evicted pages found by what a later turn asks, restored exactly."""
+"""Page retrieval: evicted pages found by what a later turn asks, restored exactly."""
 
 import pytest
 import torch
