@@ -3,19 +3,21 @@
 A long real text streams through the model in chunks of H tokens; each arm's cache applies its policy
 as the text streams (evicting at every chunk's end), and every token's negative log-likelihood is
 recorded. The report bins the NLL by position (PPL per bin and overall) for each arm, measured in one
-run on the same tokens, and plots log-PPL against position. Arms:
+run on the same tokens, and plots log-PPL against position. Arms are the benchmark's registry
+(``pace_bench.arms``) with no plan, so the foresight arms run as they do between plans, plus one:
 
 - ``full``: DynamicCache (the model's own cache: on a hybrid model its sliding layers keep their window);
-- ``h2o``: H2O, positions unbounded;
-- ``snapkv``: SnapKV's observation window, positions unbounded;
-- ``bounded``: H2O with bounded positions (``limit``), the positions-only arm;
-- ``streaming``: StreamingLLM (sinks plus the most recent tokens), positions unbounded;
-- ``streaming_bounded``: StreamingLLM with bounded positions, the StreamingLLM paper's own setting
-  (positions inside the cache, not in the text);
+- ``h2o``, ``snapkv``, ``streaming``: the scoring policies, positions unbounded;
+- ``positions_only``, ``streaming_bounded``, ``snapkv_bounded``: the same with bounded positions
+  (``limit``; ``streaming_bounded`` is the StreamingLLM paper's own setting, positions inside the cache);
 - ``pace``: PACECache with no plan (so H2O under bounded positions, as PACE runs between plans);
 - ``pace_retrieval``: ``pace`` with a host tier: before each chunk, the evicted pages that the chunk
   just read matches (``cache.retrieve``, BM25) are restored. The query is the previous chunk, never the
   one being predicted, so no token's NLL sees text after it.
+
+It runs on the suite skeleton (``pace_bench.suite.play_all``): one record per arm in ``probes.jsonl``,
+the settings in ``run.json``, ``--resume`` plays only the arms missing, and under ``accelerate launch``
+the arms are dealt to the processes.
 
 The text (``--text``) is real text nobody here wrote that ships with CPython: ``prose``, the
 documentation topics of ``pydoc_data.topics`` (about 465K characters), followed, for longer runs, by the
@@ -25,8 +27,8 @@ in sorted order. Usage:
     python bench/perplexity.py --model gemma3-270m --tokens 32768 --chunk 2048 --budget 1024 --limit 4096 \\
         --arms full,h2o,snapkv,pace --out runs/ppl-gemma3          # --resume skips the arms already done
 
-``--out`` holds ``ppl.jsonl`` (one record per arm: the per-token NLL sums per bin), ``table.md`` and
-``ppl.png``. Logits are computed a slice at a time from the decoder's hidden states, so a 262K-token
+``--out`` holds ``probes.jsonl`` (one record per arm: the per-token NLL sums per bin; runs before the
+skeleton wrote ``ppl.jsonl``), ``run.json``, ``table.md`` and ``ppl.png``. Logits are computed a slice at a time from the decoder's hidden states, so a 262K-token
 vocabulary (Gemma 3) never needs a ``[chunk, vocab]`` fp32 tensor.
 """
 
@@ -41,7 +43,10 @@ from pathlib import Path
 
 import torch
 
-ARMS = ("full", "h2o", "snapkv", "bounded", "streaming", "streaming_bounded", "pace", "pace_retrieval")
+from pace_bench import arms as registry
+
+ARMS = (*registry.ARMS, "pace_retrieval")
+RUN_KEYS = ("model", "text", "tokens", "chunk", "budget", "limit", "bin", "dtype")  # --resume must match
 TEXTS = ("prose", "code")
 LOGIT_SLICE = 256
 
@@ -86,23 +91,14 @@ def code(tokenizer, n: int) -> torch.Tensor:
     raise ValueError(f"only {total} tokens of standard-library code available here, {n} asked")
 
 
-def make_cache(arm: str, model, budget: int, limit: int):
-    from transformers import DynamicCache
+def make_cache(arm: str, model, budget: int, limit: int, store):
+    """The registry's cache for ``arm``, with no plan; ``pace_retrieval`` is ``pace`` spilling to ``store``."""
+    from pace_hf import Blueprint
 
-    from pace_hf import H2OCache, PACECache, SnapKVCache, StreamingLLMCache
-    from pace_hf.tiers import HostTier, TieredStore
-
-    if arm == "full":
-        return DynamicCache(config=model.config)
-    if arm in ("h2o", "bounded"):
-        return H2OCache(model, budget=budget, limit=limit if arm == "bounded" else None)
-    if arm == "snapkv":
-        return SnapKVCache(model, budget=budget)
-    if arm in ("streaming", "streaming_bounded"):
-        return StreamingLLMCache(model, budget=budget, limit=limit if arm == "streaming_bounded" else None)
+    settings = registry.ArmSettings(budget=budget, limit=limit)
     if arm == "pace_retrieval":
-        return PACECache(model=model, budget=budget, limit=limit, store=TieredStore([HostTier()]), session_id="ppl")
-    return PACECache(model=model, budget=budget, limit=limit)
+        return registry.make_cache("pace", model, Blueprint(), settings, store=store, session_id="ppl")
+    return registry.make_cache(arm, model, Blueprint(), settings)
 
 
 def token_nll(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -208,6 +204,23 @@ def figure(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def play(model, tokenizer, ids: torch.Tensor, arm: str, run: dict, store) -> dict:
+    """One arm streamed over ``ids``: its record."""
+    cache = make_cache(arm, model, run["budget"], run["limit"], store)
+    cpu = time.process_time()
+    nll, seconds = stream(model, ids, cache, run["chunk"], tokenizer if arm == "pace_retrieval" else None)
+    cpu = time.process_time() - cpu
+    held = bytes_by_kind(model, cache)
+    restored = getattr(cache, "tier_stats", {}).get("retrieval_tokens_restored")
+    if hasattr(cache, "unbind"):
+        cache.unbind()
+    if arm == "pace_retrieval":
+        store.delete_session("ppl")
+    return {**{k: run[k] for k in RUN_KEYS}, "arm": arm, "session_id": run["text"], "probe": 0, "ppl": math.exp(float(nll.double().mean())),
+            "bins": bins(nll, run["bin"]), "seconds": [round(x, 3) for x in seconds], "cpu_seconds": round(cpu, 1),
+            "cache_bytes": held, **({"retrieval_tokens_restored": restored} if restored is not None else {})}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m", help="a packaged model name or a local directory")
@@ -216,57 +229,48 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--limit", type=int, default=4096)
     ap.add_argument("--bin", type=int, default=4096, help="positions per reported bin")
-    ap.add_argument("--arms", default="full,h2o,snapkv,pace")
+    ap.add_argument("--arms", default="full,h2o,snapkv,pace", help=f"from {{{', '.join(ARMS)}}}")
     ap.add_argument("--text", choices=TEXTS, default="prose")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--resume", action="store_true", help="keep the arms already in OUT/ppl.jsonl")
+    ap.add_argument("--resume", action="store_true", help="keep the arms OUT already holds and play the rest")
     args = ap.parse_args(argv)
-    arms = args.arms.split(",")
+    arms = list(dict.fromkeys(args.arms.split(",")))
     bad = [a for a in arms if a not in ARMS]
     if bad or args.tokens < 2 * args.chunk or args.limit <= args.budget + args.chunk:
         ap.error(f"unknown arm(s) {bad} (known: {', '.join(ARMS)})" if bad else
                  "--tokens must hold two chunks, and --limit must exceed --budget + --chunk")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "ppl.jsonl"
-    settings = {k: getattr(args, k) for k in ("model", "text", "tokens", "chunk", "budget", "limit", "bin")}
-    done = {}
-    if args.resume and path.exists():
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            if all(r.get(k, "prose" if k == "text" else None) == v for k, v in settings.items()):
-                done[r["arm"]] = r
-    else:
-        path.write_text("")
 
     from pace_bench.models import load_model, preferred_dtype
+    from pace_bench.records import read_jsonl, shard_paths
+    from pace_bench.suite import play_all
 
+    out = Path(args.out)
     dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    run = {k: getattr(args, k) for k in RUN_KEYS if k != "dtype"} | {"dtype": str(dtype).removeprefix("torch.")}
+    kept = []
+    if args.resume and (out / "run.json").exists():
+        before = json.loads((out / "run.json").read_text())
+        differ = [k for k in RUN_KEYS if before.get(k) != run[k]]
+        if differ:
+            raise SystemExit(f"perplexity: --resume: {out} was played with other {', '.join(differ)}; "
+                             "resume with the same settings, or use another --out")
+        kept = [r for r in read_jsonl([p for p in [out / "probes.jsonl", *shard_paths(out)] if p.exists()])
+                if r["arm"] in arms]
+    done = {r["arm"] for r in kept}
     model, tokenizer = load_model(args.model, dtype=dtype)
     ids = (prose if args.text == "prose" else code)(tokenizer, args.tokens)
-    for arm in arms:
-        if arm in done:
-            continue
-        cache = make_cache(arm, model, args.budget, args.limit)
-        cpu = time.process_time()
-        nll, seconds = stream(model, ids, cache, args.chunk, tokenizer if arm == "pace_retrieval" else None)
-        cpu = time.process_time() - cpu
-        held = bytes_by_kind(model, cache)
-        restored = getattr(cache, "tier_stats", {}).get("retrieval_tokens_restored")
-        if hasattr(cache, "unbind"):
-            cache.unbind()
-        record = {**settings, "arm": arm, "dtype": str(dtype).removeprefix("torch."), "ppl": math.exp(float(nll.double().mean())),
-                  "bins": bins(nll, args.bin), "seconds": [round(s, 3) for s in seconds], "cpu_seconds": round(cpu, 1), "cache_bytes": held,
-                  **({"retrieval_tokens_restored": restored} if restored is not None else {})}
-        with path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        done[arm] = record
-        print(f"{arm}: PPL {record['ppl']:.3f} in {sum(seconds):.0f} s", flush=True)
-    records = [done[a] for a in arms]
-    (out / "table.md").write_text(table(records))
-    figure(records, out / "ppl.png")
-    print(table(records))
+
+    def finish(records):
+        ordered = sorted(records, key=lambda r: arms.index(r["arm"]))
+        (out / "table.md").write_text(table(ordered))
+        figure(ordered, out / "ppl.png")
+        print(table(ordered))
+
+    play_all(out, run, kept, [a for a in arms if a not in done],
+             lambda arm, store: [play(model, tokenizer, ids, arm, run, store)],
+             rank=lambda r: arms.index(r["arm"]), describe=lambda r: f"{r['arm']}: PPL {r['ppl']:.3f} in "
+             f"{sum(r['seconds']):.0f} s", desc="perplexity arms", finish=finish)
     return 0
 
 

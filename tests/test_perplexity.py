@@ -1,5 +1,6 @@
 """bench/perplexity.py on a tiny random model saved beside a real tokenizer: the streamed full cache gives
-the one-forward NLL, the evicting arms run under the same tokens, and --resume keeps what is done."""
+the one-forward NLL, the evicting arms run under the same tokens, and --resume (the suite skeleton's)
+keeps what is done."""
 
 import importlib.util
 import json
@@ -37,7 +38,7 @@ def test_streamed_full_cache_is_the_one_forward_nll_and_arms_run(ppl, model_dir,
     args = ["--model", str(model_dir), "--tokens", "600", "--chunk", "128", "--budget", "160", "--limit", "400",
             "--bin", "200", "--dtype", "float32", "--out", str(out)]
     assert ppl.main(args + ["--arms", "full,h2o"]) == 0
-    records = {r["arm"]: r for r in map(json.loads, (out / "ppl.jsonl").read_text().splitlines())}
+    records = {r["arm"]: r for r in map(json.loads, (out / "probes.jsonl").read_text().splitlines())}
     assert set(records) == {"full", "h2o"} and (out / "ppl.png").stat().st_size > 0
     full = records["full"]
     assert [b["tokens"] for b in full["bins"]] == [199, 200, 200]  # 599 predicted tokens
@@ -50,11 +51,13 @@ def test_streamed_full_cache_is_the_one_forward_nll_and_arms_run(ppl, model_dir,
     assert records["h2o"]["ppl"] != full["ppl"]  # it evicted
     # --resume plays only the new arm
     assert ppl.main(args + ["--arms", "full,h2o,pace", "--resume"]) == 0
-    lines = (out / "ppl.jsonl").read_text().splitlines()
+    lines = (out / "probes.jsonl").read_text().splitlines()
     assert [json.loads(line)["arm"] for line in lines] == ["full", "h2o", "pace"]
     text = (out / "table.md").read_text()
     assert "| ratio to full |" in text and "| ratio to h2o |" in text and "| CPU seconds |" in text
     assert all(json.loads(line)["cpu_seconds"] > 0 for line in lines)
+    with pytest.raises(SystemExit, match="other budget"):  # a resume with other settings would mix two runs
+        ppl.main([a if a != "160" else "192" for a in args] + ["--arms", "full", "--resume"])
 
 
 def test_every_arm_streams_code_and_retrieval_restores_pages(ppl, model_dir, tmp_path):
@@ -65,7 +68,7 @@ def test_every_arm_streams_code_and_retrieval_restores_pages(ppl, model_dir, tmp
             "--limit", "640", "--bin", "512", "--dtype", "float32", "--out", str(out),
             "--arms", "streaming,streaming_bounded,pace,pace_retrieval"]
     assert ppl.main(args) == 0
-    records = {r["arm"]: r for r in map(json.loads, (out / "ppl.jsonl").read_text().splitlines())}
+    records = {r["arm"]: r for r in map(json.loads, (out / "probes.jsonl").read_text().splitlines())}
     assert all(r["text"] == "code" and math.isfinite(r["ppl"]) for r in records.values())
     assert records["pace_retrieval"]["retrieval_tokens_restored"] > 0
     assert records["pace_retrieval"]["ppl"] != records["pace"]["ppl"]
