@@ -43,8 +43,9 @@ is ``stray`` when it plans a piece of a file it needs nothing from (a false posi
 Plan tokens are those planned for a step; the budget check is plan tokens <= budget // 2.
 
 Split: ``dev`` packages and wordings (used while building the planner), ``held-out`` packages and
-wordings (chosen and written before any result on them was seen; seen since) and ``fresh`` (the same,
-for the bare/large/dot/imported styles; never tuned on). Report all three.
+wordings (chosen and written before any result on them was seen; seen since), ``fresh`` (the same, for
+the bare/large/dot/imported styles; its misses were looked at by the planner's third pass) and
+``unseen`` (the same again, never tuned on). Report all four.
 
 ``--corpus synthetic`` runs the earlier edge-level measure on the generated coding sessions.
 
@@ -95,6 +96,16 @@ CORPUS = {  # (packages, standard library modules)
               ["collections", "functools", "difflib", "optparse", "shlex", "cmd", "ftplib", "poplib",
                "socketserver", "pprint", "tempfile", "fractions", "ipaddress", "enum", "traceback",
                "selectors", "string", "pickle", "zipimport", "plistlib"]),
+    # The planner's third pass looked at ``fresh``'s misses (so it is dev now); ``unseen`` replaced it as
+    # the split never tuned on, chosen on 2026-12-04 before any result on it, from installed packages
+    # and standard library modules that no earlier split, the repo suite or the issue's examples used;
+    # its wordings (below) were written at the same time. Do not tune on it.
+    "unseen": (["jedi", "prompt_toolkit", "yarl", "multidict", "chardet", "fastjsonschema", "patsy",
+                "pathvalidate", "portalocker", "dotenv", "uvicorn", "asttokens", "sacrebleu", "mdurl",
+                "referencing"],
+               ["inspect", "heapq", "statistics", "uuid", "zoneinfo", "glob", "fnmatch", "mimetypes", "codecs",
+                "locale", "random", "sched", "shelve", "tokenize", "graphlib", "weakref", "subprocess",
+                "threading", "warnings", "filecmp", "fileinput", "linecache", "reprlib", "tomllib"]),
 }
 # {ref}: a backquoted name; {words}: a name in words; {doc}: a docstring's first sentence; {cls}/{member}:
 # a class and one of its members, backquoted (in prose, {cls} and {member} are words); {role}: a
@@ -159,6 +170,25 @@ WORDINGS = {
                  "Can {name} be made thread safe?"],
         "large": ["Explain what {ref} does step by step.", "Find dead code in {ref}."],
         "dot": ["Where is {dot} called from, and does it need a lock?", "Rewrite {dot} with early returns."],
+    },
+    "unseen": {
+        "literal": ["Find every caller of {ref} and list them.", "Can {ref} return None? Check.",
+                    "Give {ref} a clearer error message."],
+        "prose": ["I think the {words} has an off-by-one error.", "Let us simplify the {words}.",
+                  "Write a docstring for the {words}."],
+        "docstring": ["Track down the code for this: {doc}", "One part of this project says: {doc} Test that part."],
+        "indirect": ["Add a fast path to {ref}.", "Log every call to {ref}."],
+        "member": ["Override {member} in a class derived from {cls}.", "Show me {member} as {cls} has it."],
+        "chained": ["Can {cls}.{member} be called before setup?"],
+        "hint": ["Add a guard to {member} of the {owner}.", "Profile {member} of the {owner}."],
+        "role": ["Add a log line to the {role}.", "Write a test for the {role}."],
+        "bare": ["Users complained that {name} hangs on slow disks.",
+                 "Should {name} validate its arguments first?",
+                 "I changed {name} yesterday and now the build fails.",
+                 "There is a race between {name} and the cleanup thread.",
+                 "Keep {name} backwards compatible, please."],
+        "large": ["Summarize {ref} in five bullet points.", "Add type hints throughout {ref}."],
+        "dot": ["Does {dot} ever return None?", "Add a deprecation warning to {dot}."],
     },
 }
 TASKS = ["Task: get to know this code base, then follow the plan.", "Task: we will make a few changes here."]
@@ -754,7 +784,7 @@ def run_synthetic(args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", choices=["real", "synthetic"], default="real")
-    ap.add_argument("--split", default="dev,held-out,fresh", help="dev, held-out, fresh (comma-separated)")
+    ap.add_argument("--split", default="dev,held-out,fresh,unseen", help="dev, held-out, fresh, unseen (comma-separated)")
     ap.add_argument("--styles", default=",".join(STYLES), help="plan styles (comma-separated): " + ", ".join(STYLES))
     ap.add_argument("--sessions", type=int, default=12, help="sessions per split and style")
     ap.add_argument("--tokens", type=int, default=48000, help="tokens of tool output per session (about)")
