@@ -560,6 +560,15 @@ def test_an_english_name_needs_the_grammar_of_a_thing(template):
     assert not bare("Then get a summary and put it in the notes.") & {"get", "put"}  # verbs
     assert not bare("Make sure put handles it, and that get raises.")  # two candidates: neither
     assert not bare("Callers should qsize twice.") & {"qsize"}  # after a modal: a verb
+    # where the grammar still makes it a thing: a question's subject, a verb's object with no
+    # determiner, any preposition's object; and of two candidates, the one a common noun rarely stands as
+    assert "qsize" in bare("Can qsize be made thread safe?")  # the modal opens a question: no verb follows it
+    assert "put" in bare("Should put validate its arguments first?")
+    assert "put" in bare("I changed put and it broke.")
+    assert "put" in bare("We rely on put.")
+    assert "put" in bare("Once put returns, the caller must close the queue.")  # "the queue": a common noun
+    assert not bare("Please get a summary.") & {"get"}  # a sentence adverb, then the verb
+    assert not bare("Users put the result in a file.") & {"put"}  # a plural subject, then its verb
 
 
 def test_a_large_function_is_planned_as_a_digest_in_any_format(template):

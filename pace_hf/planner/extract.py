@@ -197,14 +197,15 @@ class Mentions:
     """What a step or a turn names: bare ``names`` (with how literally: 2 code or identifier-shaped,
     1 a capitalized word or a call), dotted ``chains``, the prose ``words`` in order, the names written
     after a dot alone (``dots``: `.put()`, a method) and the other prose words with their context
-    (``bare``: ``(word, previous word, next word, starts a sentence)``, lowercase neighbours, or the
-    punctuation between: a plain word may still be a name the session defines)."""
+    (``bare``: ``(word, previous word, next word, starts a sentence, the previous word starts it)``,
+    lowercase neighbours, or the punctuation between: a plain word may still be a name the session
+    defines)."""
 
     names: dict[str, int] = field(default_factory=dict)
     chains: frozenset[tuple[str, ...]] = frozenset()
     words: tuple[str, ...] = ()
     dots: frozenset[str] = frozenset()
-    bare: tuple[tuple[str, str, str, bool], ...] = ()
+    bare: tuple[tuple[str, str, str, bool, bool], ...] = ()
 
 
 # ------------------------------------------------------------------------------------------- regions
@@ -756,12 +757,13 @@ _NEXT = re.compile(r"[ \t]*([A-Za-z_][\w']*|\S?)")
 _PREVIOUS = re.compile(r"([A-Za-z_][\w']*|\S?)[ \t]*$")
 
 
-def _context(plain: str, start: int, end: int) -> tuple[str, str, bool]:
-    """The word (lowercase) or punctuation right before and after ``plain[start:end]``, and whether it
-    starts a sentence."""
-    before = _PREVIOUS.search(plain, max(0, start - 40), start).group(1)
+def _context(plain: str, start: int, end: int) -> tuple[str, str, bool, bool]:
+    """The word (lowercase) or punctuation right before and after ``plain[start:end]``, whether it starts
+    a sentence, and whether the word before does ("Can X be ...?", "Keep X stable")."""
+    previous = _PREVIOUS.search(plain, max(0, start - 40), start)
     after = _NEXT.match(plain, end).group(1)
-    return before.lower(), after.lower(), sentence_start(plain, start)
+    opens = bool(previous.group(1)) and previous.group(1)[0].isalpha() and sentence_start(plain, previous.start(1))
+    return previous.group(1).lower(), after.lower(), sentence_start(plain, start), opens
 
 
 @lru_cache(maxsize=4096)

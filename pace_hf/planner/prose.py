@@ -104,7 +104,9 @@ def bagged(names) -> dict[frozenset[str], set[str]]:
 
 # Grammar around a bare word (lowercase neighbours, or the punctuation there). A thing follows these ...
 THING_BEFORE = frozenset("""the of by in inside into from with within call calls calling called use uses
-using after before around through via whether does did if when once about""".split())
+using after before around through via whether does did if when once about""".split()) | frozenset("""on at
+for over under against without than like per across behind beyond toward towards unlike despite besides except
+near onto upon beside between among along amid past versus""".split())  # and every other preposition
 # ... of which these rarely introduce a common noun ("raised by X", "after X"; not "the stream")
 NAME_BEFORE = frozenset("""by inside within call calls calling called after before around through via whether
 does did once""".split())
@@ -115,32 +117,51 @@ can't won't shouldn't""".split())
 OBJECT_START = frozenset("the a an for until on up out it them this that these those all some".split())
 # after one of these comes a verb: "should stop swallowing"
 MODALS = frozenset("should must can could will would may might shall".split())
+# ... but one that opens a sentence asks a question, and its subject comes first: "Can X be made safe?"
+AUXILIARIES = MODALS | frozenset("do does did is are was were has have had".split())
+# words that open a sentence without being its verb: "Please X", "Yesterday X broke"
+OPENERS = frozenset("""please next first finally meanwhile however instead otherwise later today yesterday
+tomorrow perhaps maybe hopefully currently apparently honestly""".split())
 
 
-def is_verb(previous: str) -> bool:
-    """Whether a word after ``previous`` is a verb whatever it is ("should stop"): never a name."""
-    return previous in MODALS
+def is_verb(previous: str, opens: bool = False) -> bool:
+    """Whether a word after ``previous`` is a verb whatever it is ("should stop"): never a name. Not
+    where ``previous`` opens the sentence: "Should X validate ...?" asks about X."""
+    return previous in MODALS and not opens
 
 
-def is_common(previous: str, following: str) -> bool:
+def is_object(previous: str, opens: bool = False) -> bool:
+    """Whether a word after ``previous`` stands as a verb's object: after a past form ("I changed X
+    yesterday", "has tested X with") or a verb that opens the sentence ("Keep X stable"; not a
+    determiner, pronoun or auxiliary there: "The X", "We X", "Can X")."""
+    if opens:  # an imperative, not a subject ("Users complained") or a sentence adverb ("Please X")
+        plural = previous.endswith("s") and not previous.endswith("ss")
+        return previous.isalpha() and not plural and previous not in STOPWORDS | AUXILIARIES | OPENERS
+    return len(previous) > 4 and previous.endswith("ed") and previous not in STOPWORDS
+
+
+def is_common(previous: str, following: str, opens: bool = False) -> bool:
     """Whether a word between ``previous`` and ``following`` stands where a name rarely does: a verb
     ("to wait for", "wait for the build", "read `X`": a backquote is where code stood) or a common noun
     ("a stream")."""
-    return is_verb(previous) or previous in ("a", "an") or previous == "to" and following not in ".;:!?" \
+    return is_verb(previous, opens) or previous in ("a", "an") or previous == "to" and following not in ".;:!?" \
         or following in OBJECT_START and previous not in ("the", "this", "that") or following == "`"
 
 
-def is_thing(previous: str, following: str, strict: bool = False) -> bool:
+def is_thing(previous: str, following: str, strict: bool = False, opens: bool = False) -> bool:
     """Whether an English word between ``previous`` and ``following`` (lowercase words or punctuation)
     stands where a sentence puts a thing, not a verb (see the module docstring): after a determiner or
-    a preposition, or as the subject of a verb ("wait returns", "wait's"). ``strict``: only where a
-    common noun rarely stands (a subject, or after "by", "inside", "after" ...): for descriptions."""
-    if is_common(previous, following):
+    a preposition, as the subject of a verb ("wait returns", "wait's", "Can wait be ..."), or as a
+    verb's object with no determiner ("I changed wait", "Keep wait ..."; a common noun would have one).
+    ``strict``: only where a common noun rarely stands (a subject, or after "by", "inside", "after" ...):
+    for descriptions. ``opens``: ``previous`` opens the sentence."""
+    if is_common(previous, following, opens):
         return False
     third_person = len(following) > 3 and following.endswith("s") and not following.endswith("ss") \
         and following not in STOPWORDS
-    subject = following in SUBJECT_OF or third_person or following.startswith("'")
-    return subject or previous in (NAME_BEFORE if strict else THING_BEFORE)
+    subject = following in SUBJECT_OF or third_person or following.startswith("'") \
+        or opens and previous in AUXILIARIES
+    return subject or previous in (NAME_BEFORE if strict else THING_BEFORE) or not strict and is_object(previous, opens)
 
 
 _BETWEEN_WORDS = re.compile(r"(?<=[a-z,] )([a-z]+)(?= [a-z])")
