@@ -58,6 +58,22 @@ def test_byte_range_lock_splits_are_refused(host):
     assert slab.peak_growth < 64, (slab.before, slab.peak)
 
 
+def test_same_page_merging_is_refused():
+    """MADV_MERGEABLE offers a run's pages to KSM, which merges equal pages across processes: where the host
+    runs KSM, write timing then tells a run what others hold. seccomp refuses the advice; the advice
+    CPython and malloc give still works."""
+    results = run("""
+import mmap
+def advise(name):
+    m = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_PRIVATE)
+    m.write(b"x" * (1 << 16))
+    m.madvise(getattr(mmap, name))
+    return name
+""", ["advise('MADV_MERGEABLE')", "advise('MADV_DONTNEED')", "advise('MADV_HUGEPAGE')"])
+    assert results[0].status == "raised" and results[0].exc_type == "PermissionError", results
+    assert [r.status for r in results[1:]] == ["ok", "ok"], results
+
+
 _MAPS = """
 import mmap, time
 keep = []

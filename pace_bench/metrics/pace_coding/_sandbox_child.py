@@ -147,8 +147,11 @@ _X86_64_PIPES = {"pipe": 22, "pipe2": 293, "accept": 43, "accept4": 288}
 # host-wide counter that every new thread or process moves, a covert channel between runs.
 _X86_64_SETSOCKOPT, _X86_64_GETSOCKOPT, _PIDFD_SOCKOPTS = 54, 55, (76, 77)
 # madvise: the advice CPython and malloc give; not WILLNEED, COLD or PAGEOUT, which read in or evict
-# pages of files mapped before the confinement (the interpreter's own, shared with the host)
-_X86_64_MADVISE, _MADVISE_ALLOW = 28, (0, 1, 2, 4, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
+# pages of files mapped before the confinement (the interpreter's own, shared with the host), and not
+# MERGEABLE (12): on a host that runs KSM, a page merged with another process's equal page is slower to
+# write (copy on write), so a run could tell what another run or the host holds, or signal to a later
+# run; and each process that asks costs a KSM slot no cgroup counts. No answer needs it.
+_X86_64_MADVISE, _MADVISE_ALLOW = 28, (0, 1, 2, 4, 8, 9, 10, 11, 13, 14, 15, 16, 17)
 # ioctl: only terminal/size queries (isatty), FIONREAD and the close-on-exec/non-blocking ones
 _IOCTL_ALLOW = (0x5401, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451)
 # fcntl: dup, fd/file flags, pipe size; not F_SETOWN/F_SETSIG (signals), leases, notify, and no record
