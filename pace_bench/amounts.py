@@ -4,8 +4,13 @@ The amounts are part of what a program sees (the checks' calls), so they are dra
 the session's facts: amounts chosen to tell a fact apart from its alternatives would tell it to the
 program too (an amount whose raw fee is an exact half quantum names the base fee, rate and quantum).
 Instead every fee check calls ``fee_for`` on random amounts, and the rounding checks also on
-:func:`half_amounts`, one exact half for every (base fee, fee rate, quantum) of the pools: whichever the
+:func:`half_amounts`, an exact half for every (base fee, fee rate, quantum) of the pools: whichever the
 session's facts are, one of them tells ROUND_HALF_UP from ROUND_HALF_EVEN.
+
+The amounts are from 2,500.00: the rates are whole basis points apart and the base fees a quarter apart,
+so on such an amount two rates' (or two base fees') raw fees differ by at least the largest quantum,
+and so do their fees, almost always (always, but where the two raw fees are halves a quantum apart and
+round half to even): two random amounts tell every rate and every base fee of the pools apart.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import functools
 import math
 import random
 from decimal import Decimal
+from fractions import Fraction
 
-from .facts import BASE_FEES, FEE_RATES, QUANTA, fact_alternatives, fee
+from .facts import AMOUNT_FIELDS, BASE_FEES, FEE_RATES, QUANTA, STATUS_OPEN, fact_alternatives, fee
 
 __all__ = ["pick_amounts", "half_amounts", "distinguishes"]
 
@@ -24,31 +30,39 @@ __all__ = ["pick_amounts", "half_amounts", "distinguishes"]
 _DRAWS = {"base_fee": 2, "fee_rate": 2, "quantum": 16, "rounding_mode": 12}
 
 
+LOW, HIGH = 2_500, 25_000  # the random amounts: whole cents from LOW to below HIGH
+
+
 @functools.lru_cache(maxsize=1)
 def half_amounts() -> tuple[Decimal, ...]:
-    """For every (base fee, fee rate, quantum) of the pools, the smallest amount from 100.00 (whole
-    cents where one exists, else whole mills) whose raw fee ``base + amount * rate`` is an even multiple
-    of the quantum plus a half: there ROUND_HALF_UP and ROUND_HALF_EVEN differ. Sorted, no repeats.
+    """Amounts from :data:`LOW` such that for every (base fee, fee rate, quantum) of the pools one of them
+    makes the raw fee ``base + amount * rate`` an even multiple of the quantum plus a half: there
+    ROUND_HALF_UP and ROUND_HALF_EVEN differ. Sorted, no repeats.
 
-    In millionths the raw fee is ``base * 10**6 + mills * rate * 10**3``, and an even multiple plus a
-    half of the quantum ``q`` is ``(4k + 1) * q * 10**6 / 2``: one linear congruence per combination."""
+    With the rate ``2**v * odd`` basis points and the quantum ``q``, the amount ``q * 10**4 * x / 2**v``
+    (``2x`` an integer) adds ``x * odd`` to the raw fee over the quantum, ``base / q``; the sum is an even
+    number plus a half exactly when ``2x = (1 - 2 * base / q) * odd`` modulo 4 (``odd * odd`` is 1 modulo
+    4). So one amount serves every combination with the same quantum, power of two ``v`` and residue
+    ``2x`` modulo 4, the smallest such from LOW: at most 4 * 10 * 4 of them, whatever the pools' sizes.
+    Every base fee is a multiple of a quarter, so ``2 * base / q`` is a whole number for every quantum."""
+    rates = set()  # (v, odd modulo 4) of every rate: all that decides the amount
+    for rate in FEE_RATES:
+        bp = int(Fraction(rate) * 10**4)
+        v = (bp & -bp).bit_length() - 1
+        rates.add((v, (bp >> v) % 4))
     out = set()
-    for base in BASE_FEES:
-        for rate in FEE_RATES:
-            for q in QUANTA:
-                b, r, qu = (int(Decimal(x) * 10**6) for x in (base, rate, q))
-                r //= 1000  # the rate per mill, in millionths
-                modulus, target = 2 * qu, (qu // 2 - b) % (2 * qu)
-                g = math.gcd(r, modulus)
-                if target % g:  # pragma: no cover - every combination of the pools has one
-                    raise RuntimeError(f"no exact half for base {base}, rate {rate}, quantum {q}")
-                period = modulus // g
-                first = target // g * pow(r // g, -1, period) % period
-                first += (100_000 - first + period - 1) // period * period  # from 100.000
-                mills = [first + t * period for t in range(10)]
-                m = next((m for m in mills if m % 10 == 0), first)
-                out.add(Decimal(m).scaleb(-3).quantize(Decimal("0.01") if m % 10 == 0 else Decimal("0.001")))
-    return tuple(sorted(out))
+    for q in map(Fraction, QUANTA):
+        twice = {(1 - 2 * Fraction(b) / q) for b in BASE_FEES}
+        if any(t.denominator != 1 for t in twice):  # pragma: no cover - the pools are built so
+            raise RuntimeError(f"a base fee is no multiple of half the quantum {q}")
+        for v, odd in rates:
+            for t in twice:
+                c = int(t) * odd % 4
+                unit = q * 10**4 / 2 ** (v + 1)  # the amount for 2x = 1
+                k = c + 4 * max(0, math.ceil((LOW / unit - c) / 4))
+                amount = unit * k
+                out.add(Decimal(amount.numerator) / Decimal(amount.denominator))
+    return tuple(sorted(a if a.as_tuple().exponent <= -2 else a.quantize(Decimal("0.01")) for a in out))
 
 
 def distinguishes(facts: dict[str, str], name: str, amounts: list[Decimal]) -> bool:
@@ -65,7 +79,7 @@ def pick_amounts(facts: dict[str, str], rng: random.Random) -> dict[str, list[De
     fee check's amounts fail to tell its fact apart (see :func:`distinguishes`; rarer than one session
     in a thousand) is one more amount drawn, until they do: the choice then depends on the facts, by
     that much."""
-    cents = lambda: Decimal(rng.randint(10_000, 99_999)) / 100  # noqa: E731
+    cents = lambda: Decimal(rng.randint(LOW * 100, HIGH * 100 - 1)) / 100  # noqa: E731
     out = {}
     for name, n in _DRAWS.items():
         amounts = [cents() for _ in range(n)]
@@ -75,6 +89,6 @@ def pick_amounts(facts: dict[str, str], rng: random.Random) -> dict[str, list[De
         while not distinguishes(facts, name, amounts):
             amounts.append(cents())
         out[name] = amounts
-    out["settle"] = [cents() for _ in range(64)]
-    out["module"] = [cents() for _ in range(16)]
+    out["settle"] = [cents() for _ in range((len(STATUS_OPEN) + 1) * len(AMOUNT_FIELDS))]
+    out["module"] = [cents() for _ in range(len(STATUS_OPEN) + 1)]
     return out

@@ -142,15 +142,15 @@ ANSWER_PREFIX = {
 # load: no preamble defines it.)
 _PACE_EACH = (
     "def _pace_each(f, items, **names):\n"
-    '    """f(x) for each x (None where it raised), with ``names`` bound in this module first: the\n'
-    '    checks\' helper, not part of the spec."""\n'
+    '    """f(x) for each x (where it raised, the name of the exception\'s class), with ``names`` bound\n'
+    '    in this module first: the checks\' helper, not part of the spec."""\n'
     "    globals().update(names)\n"
     "    out = []\n"
     "    for x in items:\n"
     "        try:\n"
     "            out.append(f(x))\n"
-    "        except Exception:\n"
-    "            out.append(None)\n"
+    "        except Exception as exc:\n"
+    "            out.append(type(exc).__name__)\n"
     "    return out\n"
 )
 

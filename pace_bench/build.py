@@ -23,7 +23,7 @@ from .billing_spec import (ANSWER_PREFIX, MAX_NEW_TOKENS, PROBE_READS, PROBE_REC
 __all__ = ["GENERATOR_VERSION", "SYSTEM_PROMPT", "MIN_CHUNK_TOKENS", "build_session", "answer_suffix_ids",
            "check_knobs", "check_length", "check_secret", "new_secret"]
 
-GENERATOR_VERSION = "15"  # bump whenever the generated content changes
+GENERATOR_VERSION = "16"  # bump whenever the generated content changes
 SECRET_HEX = 32  # a session secret: 128 bits, as hex digits
 
 SYSTEM_PROMPT = (

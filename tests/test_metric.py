@@ -1,3 +1,4 @@
+import itertools
 import json
 import math
 import re
@@ -30,6 +31,23 @@ def _facts(row):
     return {f["name"]: f["value"] for f in row["facts"]}
 
 
+def _some_alternatives(facts, fact, near=6, spread=12):
+    """The other values of ``fact`` that a sandboxed test tries: all of them for a pool of 24 or fewer;
+    for a larger one (the base fee, the rate, the class and exception names) the ``near`` nearest on either
+    side in the pool's order (the closest numbers, the names that share a qualifier or domain) and
+    ``spread`` more drawn at random. ``distinguishes`` and test_no_run_is_given_a_session_fact try all."""
+    import random
+
+    alts = S.fact_alternatives(facts, fact)
+    if len(alts) <= 24:
+        return alts
+    pool = sorted(set(alts) | {facts[fact]}, key=(lambda v: float(v)) if fact in ("base_fee", "fee_rate") else None)
+    at = pool.index(facts[fact])
+    close = [v for v in pool[max(0, at - near):at + near + 1] if v != facts[fact]]
+    rest = [v for v in alts if v not in close]
+    return close + random.Random(f"{fact}:{facts[fact]}").sample(rest, spread)
+
+
 
 
 def test_reference_solution_passes_every_check(rows):
@@ -44,14 +62,14 @@ def test_reference_solution_passes_every_check(rows):
 
 @pytest.mark.parametrize("fact", S.FACT_NAMES)
 def test_single_fact_mutation_fails_its_check(rows, fact):
-    """Changing one fact in the reference solution fails the check that fact controls,
-    for every other value the fact could have taken."""
+    """Changing one fact in the reference solution fails the check that fact controls, for every other
+    value the fact could have taken (of a large pool, the nearest and a sample: _some_alternatives)."""
     for row in rows[:2]:
         facts = _facts(row)
         probes = {p["name"]: p for p in row["probes"]}
         owners = [(name, c) for name, p in probes.items() for c in json.loads(p["checks"]) if c["fact"] == fact]
         assert owners, f"no check controls {fact}"
-        for alt in S.fact_alternatives(facts, fact):
+        for alt in _some_alternatives(facts, fact):
             mutated = dict(facts, **{fact: alt})
             caught = False
             for probe_name, check in owners:
@@ -125,12 +143,13 @@ def test_an_answer_that_lists_every_pool_value_recalls_nothing(rows):
     its pool used so: the list recalls no more than an answer that lists nothing."""
     pools = {name: [facts[name]] + S.fact_alternatives(facts, name) for facts in [_facts(rows[0])]
              for name in S.FACT_NAMES}
-    codes = ["E-%d" % n for n in range(100, 1000)] + ["%s-%d" % (p, n) for p in S.CODE_PREFIXES for n in (100, 417, 999)]
+    codes = ["E-%d" % n for n in range(1000, 10000)] + ["%s-%d" % (p, n) for p in S.CODE_PREFIXES
+                                                          for n in (1000, 4817, 9999)]
     strings = sorted({v for vs in pools.values() for v in vs} | set(codes))
     listing = ("```python\nfrom decimal import Decimal\n"
                + "".join(f"class {c}(Exception):\n    {f}: str\n" for c, f in zip(
                    sorted(set(S.CLASS_NAMES) | set(S.EXCEPTION_NAMES)),
-                   sorted({v for k in ("field_id", "field_amount", "field_status") for v in pools[k]}) * 3))
+                   itertools.cycle(sorted({v for k in ("field_id", "field_amount", "field_status") for v in pools[k]}))))
                + "def settle(r):\n" + "".join(f"    raise {e}(r.{f})\n" for e in S.EXCEPTION_NAMES
                                                for f in S.STATUS_FIELDS)
                + "VALUES = " + repr(strings) + "\n"
@@ -232,7 +251,7 @@ def test_no_run_is_given_a_session_fact(rows):
             for alt in S.fact_alternatives(facts, fact):
                 mutated = dict(facts, **{fact: alt})
                 if fact == "class_name":  # the id field's name follows the class name
-                    mutated["field_id"] = facts["field_id"].replace(facts["class_name"].lower(), alt.lower())
+                    mutated["field_id"] = facts["field_id"].replace(S.snake(facts["class_name"]), S.snake(alt))
                 a = build_checks(facts, random.Random(f"draws:{row['secret']}"), "0.042")
                 b = build_checks(mutated, random.Random(f"draws:{row['secret']}"), "0.042")
                 for probe in a:
@@ -719,8 +738,10 @@ def test_chance_levels_match_a_fixed_guess_over_simulated_sessions(monkeypatch):
     """Issue 54: one fixed guess passed 0.43 checks per session. ``chance_levels`` computes each check's
     chance from the generator's pools and the facts that decide it; a fixed guess (the reference program of
     one fixed set of facts) over 4,000 sessions of the generator passes no check more often than that, and
-    the single-fact checks about as often. The checks are built twice from the same draws, once with the
-    session's facts and once with the guess's, so the guess passes exactly where the expected values agree."""
+    all checks together no more often than the fifth round's bound, 1e-3 per session (with the spread of
+    4,000 sessions: 12 passes at most; the generator before, 15, passed 1,635 here: 0.41 per session). The checks are built
+    twice from the same draws, once with the session's facts and once with the guess's, so the guess passes
+    exactly where the expected values agree."""
     import random
 
     from pace_bench.checks import CHECK_FACTS, build_checks, chance_levels, stand_in_rate
@@ -753,7 +774,25 @@ def test_chance_levels_match_a_fixed_guess_over_simulated_sessions(monkeypatch):
         assert rate <= level + spread, (name, rate, level)
         if len(CHECK_FACTS[name]) == 1 and level > 0.01:
             assert rate >= level - spread, (name, rate, level)
-    assert 0.3 < sum(levels.values()) < 0.5  # the generator as it is: far above the issue's 1e-3 (not met yet)
+    bound = 1e-3
+    assert sum(levels.values()) <= bound, sum(levels.values())
+    assert sum(passed.values()) / n <= bound + 4 * math.sqrt(bound / n) + 1 / n, passed
+
+
+def test_half_amounts_tell_half_up_from_half_even_for_every_rate_and_quantum():
+    """The rounding checks' fixed amounts (drawn without the facts) hold, for every rate and quantum of the
+    pools and base fees of every residue that matters (a multiple of 1.00 plus 0, 0.25, 0.50, 0.75; the
+    largest), an amount where ROUND_HALF_UP and ROUND_HALF_EVEN give different fees."""
+    from pace_bench.amounts import LOW, half_amounts
+
+    halves = half_amounts()
+    assert min(halves) >= LOW and len(halves) <= 160
+    for base in ("0.25", "0.50", "0.75", "1.00", "12.50"):
+        for rate in S.FEE_RATES:
+            for q in S.QUANTA:
+                up = {"base_fee": base, "fee_rate": rate, "quantum": q, "rounding_mode": "ROUND_HALF_UP"}
+                even = dict(up, rounding_mode="ROUND_HALF_EVEN")
+                assert any(S.fee(up, a) != S.fee(even, a) for a in halves), (base, rate, q)
 
 
 def test_the_card_publishes_the_chance_levels():
@@ -764,4 +803,4 @@ def test_the_card_publishes_the_chance_levels():
     card = (Path(PACE_CODING) / "README.md").read_text()
     for name, level in chance_levels().items():
         assert f"| `{name}` | {level:.2g} |" in card, name
-    assert f"**{sum(chance_levels().values()):.2f}**" in card
+    assert f"**{sum(chance_levels().values()):.2g}**" in card
