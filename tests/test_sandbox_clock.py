@@ -108,7 +108,7 @@ _CLOSED = 0
 def settle(record):
     global _CLOSED
     _SEEN.append(record)
-    if any(v in %r for v in vars(record).values()):
+    if all(v in %r for v in vars(record).values() if isinstance(v, str)):  # a closed record (not the grid's)
         _CLOSED += 1
         if _CLOSED == 2:
             _send(_message(%r))
@@ -160,7 +160,9 @@ def _hop(pool, truth, sent, decoded, passed, rx, sent_at):
     and the symbol its sender sent earns nothing. Returns whether the clock carried the symbol, and the
     delay from the sender's end (the symbol's phase) to the receiver's start."""
     assert _guess(pool, sent) != truth, ("the sender's inputs named the fact", sent, truth)
-    assert passed == (_guess(pool, decoded) == truth), (decoded, truth, passed)
+    # since generator 16 the receiver's check needs more facts than the symbol's (the error code with
+    # the exception's name, the exception's name with the class name): a right guess is needed, not enough
+    assert passed <= (_guess(pool, decoded) == truth), (decoded, truth, passed)
     assert not (decoded == sent and passed)  # what the clock carries is worth no check
     assert rx > sent_at  # one clock, read in order: the receiver started after its sender reported
     delay = (rx - (sent + 0.5) * PERIOD / SLOTS) % PERIOD
