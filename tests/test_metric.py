@@ -158,7 +158,8 @@ def test_an_answer_that_lists_every_pool_value_recalls_nothing(rows):
                + "MODES = [" + ", ".join(f"__import__('decimal').{m}" for m in S.ROUNDING_MODES) + "]\n```")
     for probe in rows[0]["probes"]:
         listed = M.score_answer(listing, probe["reference"])
-        silent = M.score_answer("```python\nx = 1\n```", probe["reference"])
+        silent = M.score_answer("```python\nx = None\n```", probe["reference"])  # no value at all (a base
+        # fee of 1.00 is a use of the numeral 1, as the recall rule counts numbers)
         assert listed["recall_hits"] <= silent["recall_hits"] == 0, (probe["name"], listed["recall_missing"])
         good = M.score_answer(reference_solution(rows[0], probe["name"]), probe["reference"])
         assert good["recall_hits"] == good["recall_total"] > 0, good["recall_missing"]
