@@ -44,8 +44,9 @@ Plan tokens are those planned for a step; the budget check is plan tokens <= bud
 
 Split: ``dev`` packages and wordings (used while building the planner), ``held-out`` packages and
 wordings (chosen and written before any result on them was seen; seen since), ``fresh`` (the same, for
-the bare/large/dot/imported styles; its misses were looked at by the planner's third pass) and
-``unseen`` (the same again, never tuned on). Report all four.
+the bare/large/dot/imported styles; its misses were looked at by the planner's third pass), ``unseen``
+(the same again; its misses were looked at by the third pass's second step) and ``novel`` (the same
+again, never tuned on). Report all five.
 
 ``--corpus synthetic`` runs the earlier edge-level measure on the generated coding sessions.
 
@@ -106,6 +107,17 @@ CORPUS = {  # (packages, standard library modules)
                ["inspect", "heapq", "statistics", "uuid", "zoneinfo", "glob", "fnmatch", "mimetypes", "codecs",
                 "locale", "random", "sched", "shelve", "tokenize", "graphlib", "weakref", "subprocess",
                 "threading", "warnings", "filecmp", "fileinput", "linecache", "reprlib", "tomllib"]),
+    # The planner's third pass, second step, looked at ``unseen``'s misses (so it is dev now); ``novel``
+    # replaced it as the split never tuned on, chosen on 2026-12-04 before any result on it, from installed
+    # packages and standard library modules that no earlier split, the repo suite or the issue's examples
+    # used; its wordings (below) were written at the same time. Do not tune on it.
+    "novel": (["pexpect", "ptyprocess", "filelock", "fsspec", "sniffio", "shellingham", "wcwidth", "tabulate",
+               "dill", "cloudpickle", "mergedeep", "defusedxml", "executing", "pure_eval", "stack_data",
+               "rouge_score", "colorama", "wrapt"],
+              ["contextlib", "copy", "bisect", "numbers", "secrets", "hmac", "base64", "gzip", "bz2", "lzma",
+               "netrc", "trace", "bdb", "timeit", "pstats", "doctest", "code", "codeop", "dis", "pickletools",
+               "getopt", "platform", "colorsys", "compileall", "modulefinder", "runpy", "pkgutil", "symtable",
+               "tabnanny", "zipapp", "quopri", "rlcompleter", "pyclbr", "operator", "_strptime"]),
 }
 # {ref}: a backquoted name; {words}: a name in words; {doc}: a docstring's first sentence; {cls}/{member}:
 # a class and one of its members, backquoted (in prose, {cls} and {member} are words); {role}: a
@@ -189,6 +201,27 @@ WORDINGS = {
                  "Keep {name} backwards compatible, please."],
         "large": ["Summarize {ref} in five bullet points.", "Add type hints throughout {ref}."],
         "dot": ["Does {dot} ever return None?", "Add a deprecation warning to {dot}."],
+    },
+    "novel": {
+        "literal": ["Add input validation to {ref}.", "Why is {ref} called twice on startup?",
+                    "Rewrite {ref} so that it no longer touches global state."],
+        "prose": ["The {words} needs better error messages.", "Benchmark the {words} against the old release.",
+                  "Clean up the {words} before we tag a release."],
+        "docstring": ["Which code does this? {doc} Add a test for it.",
+                      "This behaviour matters to our users: {doc} Guard it with a test."],
+        "indirect": ["Add retries around {ref}.", "Cache what {ref} computes."],
+        "member": ["Make a subclass of {cls} with its own {member}.", "How does {cls} implement {member}?"],
+        "chained": ["Is {cls}.{member} safe to use from two threads?"],
+        "hint": ["Add tracing to {member} of the {owner}.", "Document {member} of the {owner}."],
+        "role": ["Remove the duplication in the {role}.", "Who calls the {role}?"],
+        "bare": ["The profiler says {name} dominates the startup time.",
+                 "What happens if {name} gets a negative count?",
+                 "Port {name} to the async API before Friday.",
+                 "Our fork patched {name} last year, and upstream never did.",
+                 "The bug report blames {name} for the memory spike.",
+                 "Is {name} still used anywhere?"],
+        "large": ["Break {ref} into helper functions.", "Where does {ref} allocate memory?"],
+        "dot": ["Should {dot} be async?", "Add a type check to {dot}."],
     },
 }
 TASKS = ["Task: get to know this code base, then follow the plan.", "Task: we will make a few changes here."]
@@ -784,7 +817,7 @@ def run_synthetic(args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", choices=["real", "synthetic"], default="real")
-    ap.add_argument("--split", default="dev,held-out,fresh,unseen", help="dev, held-out, fresh, unseen (comma-separated)")
+    ap.add_argument("--split", default="dev,held-out,fresh,unseen,novel", help="dev, held-out, fresh, unseen, novel (comma-separated)")
     ap.add_argument("--styles", default=",".join(STYLES), help="plan styles (comma-separated): " + ", ".join(STYLES))
     ap.add_argument("--sessions", type=int, default=12, help="sessions per split and style")
     ap.add_argument("--tokens", type=int, default=48000, help="tokens of tool output per session (about)")

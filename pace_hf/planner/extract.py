@@ -197,7 +197,8 @@ class Mentions:
     """What a step or a turn names: bare ``names`` (with how literally: 2 code or identifier-shaped,
     1 a capitalized word or a call), dotted ``chains``, the prose ``words`` in order, the names written
     after a dot alone (``dots``: `.put()`, a method) and the other prose words with their context
-    (``bare``: ``(word, previous word, next word, starts a sentence, the previous word starts it)``,
+    (``bare``: ``(word, previous word, next word, starts a sentence, what stands before the previous
+    word)`` ("." where the previous word opens a sentence),
     lowercase neighbours, or the punctuation between: a plain word may still be a name the session
     defines)."""
 
@@ -205,7 +206,7 @@ class Mentions:
     chains: frozenset[tuple[str, ...]] = frozenset()
     words: tuple[str, ...] = ()
     dots: frozenset[str] = frozenset()
-    bare: tuple[tuple[str, str, str, bool, bool], ...] = ()
+    bare: tuple[tuple[str, str, str, bool, str], ...] = ()
 
 
 # ------------------------------------------------------------------------------------------- regions
@@ -757,13 +758,19 @@ _NEXT = re.compile(r"[ \t]*([A-Za-z_][\w']*|\S?)")
 _PREVIOUS = re.compile(r"([A-Za-z_][\w']*|\S?)[ \t]*$")
 
 
-def _context(plain: str, start: int, end: int) -> tuple[str, str, bool, bool]:
+def _context(plain: str, start: int, end: int) -> tuple[str, str, bool, str]:
     """The word (lowercase) or punctuation right before and after ``plain[start:end]``, whether it starts
-    a sentence, and whether the word before does ("Can X be ...?", "Keep X stable")."""
+    a sentence, and what stands before the word before: "." where that word opens a sentence ("Can X be
+    ...?", "Keep X stable"), else the word or punctuation there ("has tested X")."""
     previous = _PREVIOUS.search(plain, max(0, start - 40), start)
     after = _NEXT.match(plain, end).group(1)
-    opens = bool(previous.group(1)) and previous.group(1)[0].isalpha() and sentence_start(plain, previous.start(1))
-    return previous.group(1).lower(), after.lower(), sentence_start(plain, start), opens
+    word = previous.group(1)
+    if word and word[0].isalpha() and sentence_start(plain, previous.start(1)):
+        before = "."
+    else:
+        before = _PREVIOUS.search(plain, max(0, previous.start(1) - 40), previous.start(1)).group(1).lower() \
+            if word else ""
+    return word.lower(), after.lower(), sentence_start(plain, start), before
 
 
 @lru_cache(maxsize=4096)

@@ -19,12 +19,16 @@ readings turn such a step into the session's definitions:
   sentence's grammar makes it a thing (after "the", "by", "inside" ...; before "should", "runs") and not
   a verb ("then wait for the build", "to wait for"), and only when it is the step's only candidate. In
   a description's many words a name that is a word is mostly a coincidence ("... into a YAML stream"):
-  there an English word must be a subject or follow "by", "inside", "after" ..., and one that is no
+  there an English word must be a subject, follow "by", "inside", "after" ..., or be a perfect's object
+  ("has tested X": after "has" stands a participle, never an adjective), and one that is no
   English word must not stand as a verb or after "a", and score, by the lexical ranker, at least half
   the best match. In a step that also names code, any bare word must be a subject or follow "by",
   "inside", "after" ... ("Next, read `X`": the plan is `X`). A word is English here when the session's own
   prose (docstrings, comments, remarks) uses it between two lowercase words at least twice: the
-  vocabulary of the code at hand, with no dictionary.
+  vocabulary of the code at hand, with no dictionary. Stopwords are never names, but for a few that
+  code often uses as names (``write``, ``keep``, ``use``: English words, so they need the grammar too);
+  a kind word ("variables", "fields") is a name only where it stands as a thing ("the local variables":
+  the kind word).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ from .extract import STOPWORDS, Definition
 # any root handler (pace-serve's default log showed one per turn): let the root level decide again.
 logging.getLogger("bm25s").setLevel(logging.NOTSET)
 
+# stopwords to the ranker, yet common names in code: a bare one may still be the name ("I suspect write is
+# leaking handles"), as an English word (see below)
+NAMING_STOPWORDS = frozenset("write keep make use note step reply done".split())
 KIND_WORDS = frozenset("""function functions method methods class classes constant constants helper helpers
 attribute attributes field fields property properties decorator decorators variable variables""".split())
 
@@ -124,44 +131,57 @@ OPENERS = frozenset("""please next first finally meanwhile however instead other
 tomorrow perhaps maybe hopefully currently apparently honestly""".split())
 
 
-def is_verb(previous: str, opens: bool = False) -> bool:
+PERFECT = frozenset("has have had having 've".split())  # "has tested X": a verb's object, never an adjective's noun
+
+
+def is_verb(previous: str, before: str = "") -> bool:
     """Whether a word after ``previous`` is a verb whatever it is ("should stop"): never a name. Not
-    where ``previous`` opens the sentence: "Should X validate ...?" asks about X."""
-    return previous in MODALS and not opens
+    where ``previous`` opens the sentence (``before`` is "."): "Should X validate ...?" asks about X."""
+    return previous in MODALS and before != "."
 
 
-def is_object(previous: str, opens: bool = False) -> bool:
+def is_perfect(previous: str, before: str = "") -> bool:
+    """Whether a word after ``previous`` is the object of a perfect ("has tested X", "have changed X"):
+    after "has" only a participle stands, so the word after it is a verb's object, not a noun an
+    adjective qualifies ("the parsed value")."""
+    return before in PERFECT and previous.isalpha() and previous not in STOPWORDS | AUXILIARIES
+
+
+def is_object(previous: str, before: str = "") -> bool:
     """Whether a word after ``previous`` stands as a verb's object: after a past form ("I changed X
     yesterday", "has tested X with") or a verb that opens the sentence ("Keep X stable"; not a
-    determiner, pronoun or auxiliary there: "The X", "We X", "Can X")."""
-    if opens:  # an imperative, not a subject ("Users complained") or a sentence adverb ("Please X")
+    determiner, pronoun or auxiliary there: "The X", "We X", "Can X"). ``before``: what stands before
+    ``previous`` ("." where it opens the sentence)."""
+    if before == ".":  # an imperative, not a subject ("Users complained") or a sentence adverb ("Please X")
         plural = previous.endswith("s") and not previous.endswith("ss")
         return previous.isalpha() and not plural and previous not in STOPWORDS | AUXILIARIES | OPENERS
-    return len(previous) > 4 and previous.endswith("ed") and previous not in STOPWORDS
+    return len(previous) > 4 and previous.endswith("ed") and previous not in STOPWORDS or is_perfect(previous, before)
 
 
-def is_common(previous: str, following: str, opens: bool = False) -> bool:
+def is_common(previous: str, following: str, before: str = "") -> bool:
     """Whether a word between ``previous`` and ``following`` stands where a name rarely does: a verb
     ("to wait for", "wait for the build", "read `X`": a backquote is where code stood) or a common noun
     ("a stream")."""
-    return is_verb(previous, opens) or previous in ("a", "an") or previous == "to" and following not in ".;:!?" \
+    return is_verb(previous, before) or previous in ("a", "an") or previous == "to" and following not in ".;:!?" \
         or following in OBJECT_START and previous not in ("the", "this", "that") or following == "`"
 
 
-def is_thing(previous: str, following: str, strict: bool = False, opens: bool = False) -> bool:
+def is_thing(previous: str, following: str, strict: bool = False, before: str = "") -> bool:
     """Whether an English word between ``previous`` and ``following`` (lowercase words or punctuation)
     stands where a sentence puts a thing, not a verb (see the module docstring): after a determiner or
     a preposition, as the subject of a verb ("wait returns", "wait's", "Can wait be ..."), or as a
     verb's object with no determiner ("I changed wait", "Keep wait ..."; a common noun would have one).
-    ``strict``: only where a common noun rarely stands (a subject, or after "by", "inside", "after" ...):
-    for descriptions. ``opens``: ``previous`` opens the sentence."""
-    if is_common(previous, following, opens):
+    ``strict``: only where a common noun rarely stands (a subject, after "by", "inside", "after" ..., or
+    the object of a perfect: "has tested wait"): for descriptions. ``before``: what stands before
+    ``previous`` ("." where it opens the sentence)."""
+    if is_common(previous, following, before):
         return False
     third_person = len(following) > 3 and following.endswith("s") and not following.endswith("ss") \
         and following not in STOPWORDS
     subject = following in SUBJECT_OF or third_person or following.startswith("'") \
-        or opens and previous in AUXILIARIES
-    return subject or previous in (NAME_BEFORE if strict else THING_BEFORE) or not strict and is_object(previous, opens)
+        or before == "." and previous in AUXILIARIES
+    return subject or previous in (NAME_BEFORE if strict else THING_BEFORE) or is_perfect(previous, before) \
+        or not strict and is_object(previous, before)
 
 
 _BETWEEN_WORDS = re.compile(r"(?<=[a-z,] )([a-z]+)(?= [a-z])")

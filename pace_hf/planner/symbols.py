@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from ..blueprint import Blueprint, Span, as_index
 from .digest import digest, union_size
 from .extract import STOPWORDS, Definition, mentions, plain_word, read, shaped
-from .prose import (KIND_WORDS, Lexicon, bagged, by_role, candidates, english, is_common, is_object, is_thing, is_verb,
+from .prose import (KIND_WORDS, NAMING_STOPWORDS, Lexicon, bagged, by_role, candidates, english, is_common, is_object, is_thing, is_verb,
                     keyed, root, split_name, variants)
 
 LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
@@ -430,19 +430,20 @@ class SymbolPlanner:
         joined = {w for name in resolved for w in split_name(name)}  # "templates not found": one name, joined
         bare = [(w, p, n, o) for w, p, n, start, o in said.bare if w not in resolved and w in index.defined
                 and w.lower() not in joined
-                and w.lower() not in STOPWORDS and not is_verb(p, o)
+                and (w.lower() not in STOPWORDS or w.lower() in NAMING_STOPWORDS) and not is_verb(p, o)
                 and not (start and w[0].isupper() and index.english(w))
-                and not (code and not is_thing(p, n, strict=True, opens=o))]
+                and not (w.lower() in KIND_WORDS and not is_thing(p, n, before=o))  # "the local variables"
+                and not (code and not is_thing(p, n, strict=True, before=o))]
         english = [(w, p, n, o) for w, p, n, o in bare if index.english(w)]
         query = list(said.words) + list(said.names)
         for w, p, n, o in bare:
-            if (w, p, n, o) not in english and (not described or is_thing(p, n, strict=True, opens=o)
+            if (w, p, n, o) not in english and (not described or is_thing(p, n, strict=True, before=o)
                                                 or not is_common(p, n, o) and index.lexicon.near_best(
                                                     query, before, index.name(w, before))):
                 resolved.setdefault(w, (index.name(w, before), DERIVED))
-        things = {w for w, p, n, o in english if is_thing(p, n, strict=described, opens=o)}
+        things = {w for w, p, n, o in english if is_thing(p, n, strict=described, before=o)}
         if len(things) > 1:  # "once relation returns, ... close the file": the one where a common noun rarely is
-            things = {w for w, p, n, o in english if w in things and (is_thing(p, n, strict=True, opens=o)
+            things = {w for w, p, n, o in english if w in things and (is_thing(p, n, strict=True, before=o)
                                                                       or is_object(p, o) and not is_common(p, n, o))}
         if len(things) == 1 and not said.chains and not said.dots and not any(got for got, _ in resolved.values()):
             w = things.pop()
