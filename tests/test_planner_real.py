@@ -575,6 +575,11 @@ def test_an_english_name_needs_the_grammar_of_a_thing(template):
     # places count: after "has" comes a participle, not an adjective ("the parsed value")
     assert "put" in bare("Nobody has tested put with unicode input yet.")
     assert not bare("Nobody tested the put with unicode input yet, nor the wrapper.") & {"put"}
+    # among many content words, a verb's object or a preposition's is also a name when the word is
+    # among the step's best lexical matches; after a determiner it stays a common noun
+    assert "put" in bare("I changed put yesterday and now the build fails.")
+    assert "put" in bare("There is a race between put and the cleanup thread.")
+    assert not bare("The build fails whenever the put of another thread runs twice.") & {"put"}
 
 
 def test_a_name_that_is_a_stopword_or_a_kind_word(template):

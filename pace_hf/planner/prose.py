@@ -120,6 +120,8 @@ does did once""".split())
 # ... or is the subject of one of these (an auxiliary; a third-person verb is any "-s" word: "runs")
 SUBJECT_OF = frozenset("""should must can could will would may might does did is was has had isn't doesn't
 can't won't shouldn't""".split())
+# a common noun's, in a description mostly a coincidence ("the parser for this node")
+DETERMINERS = frozenset("the this that these those its their our your his her".split())
 # after a verb comes its object: "wait for the build", "print the result"
 OBJECT_START = frozenset("the a an for until on up out it them this that these those all some".split())
 # after one of these comes a verb: "should stop swallowing"

@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from ..blueprint import Blueprint, Span, as_index
 from .digest import digest, union_size
 from .extract import STOPWORDS, Definition, mentions, plain_word, read, shaped
-from .prose import (KIND_WORDS, NAMING_STOPWORDS, Lexicon, bagged, by_role, candidates, english, is_common, is_object, is_thing, is_verb,
+from .prose import (DETERMINERS, KIND_WORDS, NAMING_STOPWORDS, Lexicon, bagged, by_role, candidates, english, is_common, is_object, is_thing, is_verb,
                     keyed, root, split_name, variants)
 
 LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
@@ -441,7 +441,12 @@ class SymbolPlanner:
                                                 or not is_common(p, n, o) and index.lexicon.near_best(
                                                     query, before, index.name(w, before))):
                 resolved.setdefault(w, (index.name(w, before), DERIVED))
-        things = {w for w, p, n, o in english if is_thing(p, n, strict=described, before=o)}
+        # in a description a thing's place must be strict, or, but after a determiner ("the parser for this
+        # node": a common noun), the word must also be among the best lexical matches of the step's words
+        # ("I changed eval yesterday and now the build fails")
+        things = {w for w, p, n, o in english if is_thing(p, n, strict=described, before=o) or described
+                  and p not in DETERMINERS and is_thing(p, n, before=o)
+                  and index.lexicon.near_best(query, before, index.name(w, before))}
         if len(things) > 1:  # "once relation returns, ... close the file": the one where a common noun rarely is
             things = {w for w, p, n, o in english if w in things and (is_thing(p, n, strict=True, before=o)
                                                                       or is_object(p, o) and not is_common(p, n, o))}
