@@ -83,8 +83,8 @@ from dataclasses import dataclass
 from ..blueprint import Blueprint, Span, as_index
 from .digest import digest, union_size
 from .extract import STOPWORDS, Definition, mentions, plain_word, read, shaped
-from .prose import (DETERMINERS, KIND_WORDS, NAMING_STOPWORDS, Lexicon, bagged, by_role, candidates, english, is_common, is_object, is_thing, is_verb,
-                    keyed, root, split_name, variants)
+from .prose import (DETERMINERS, KIND_WORDS, NAMING_STOPWORDS, Lexicon, bagged, by_role, candidates, english,
+                    is_common, is_object, is_thing, is_verb, keyed, root, split_name, variants)
 
 LITERAL, DERIVED, LEXICAL = 2, 1, 0  # how a step named a definition
 
