@@ -45,8 +45,9 @@ Plan tokens are those planned for a step; the budget check is plan tokens <= bud
 Split: ``dev`` packages and wordings (used while building the planner), ``held-out`` packages and
 wordings (chosen and written before any result on them was seen; seen since), ``fresh`` (the same, for
 the bare/large/dot/imported styles; its misses were looked at by the planner's third pass), ``unseen``
-(the same again; its misses were looked at by the third pass's second step) and ``novel`` (the same
-again, never tuned on). Report all five.
+(the same again; its misses were looked at by the third pass's second step), ``novel`` (the same
+again, measured before and after that step, never tuned on) and ``untouched`` (the same again, for the
+third step). Report them all.
 
 ``--corpus synthetic`` runs the earlier edge-level measure on the generated coding sessions.
 
@@ -118,6 +119,17 @@ CORPUS = {  # (packages, standard library modules)
                "netrc", "trace", "bdb", "timeit", "pstats", "doctest", "code", "codeop", "dis", "pickletools",
                "getopt", "platform", "colorsys", "compileall", "modulefinder", "runpy", "pkgutil", "symtable",
                "tabnanny", "zipapp", "quopri", "rlcompleter", "pyclbr", "operator", "_strptime"]),
+    # Chosen on 2026-12-04, before any result on it and before the generic wordings of ``dev``'s bare style
+    # were written, from installed packages and standard library modules that no earlier split, the repo
+    # suite or the issue's examples used; its wordings (below) were written at the same time. Do not tune
+    # on it. Its writer had seen ``novel``'s wordings (not its misses).
+    "untouched": (["nbformat", "jupyter_core", "jupyter_client", "nbclient", "comm", "pytz", "formulaic",
+                   "interface_meta", "tabledata", "typepy", "dataproperty", "mbstrdecoder", "pytablewriter",
+                   "tcolorpy", "word2number", "backrefs", "paginate", "mkdocs_autorefs", "pymdownx"],
+                  ["datetime", "_pydecimal", "hashlib", "abc", "types", "typing", "stat", "ntpath", "genericpath",
+                   "os", "_pyio", "stringprep", "xmlrpc", "ssl", "socket", "signal", "webbrowser", "wave", "sunau",
+                   "aifc", "chunk", "imghdr", "sndhdr", "pdb", "cProfile", "profile", "getpass", "nturl2path",
+                   "uu", "xdrlib", "nntplib", "pipes", "opcode", "keyword", "token", "py_compile"]),
 }
 # {ref}: a backquoted name; {words}: a name in words; {doc}: a docstring's first sentence; {cls}/{member}:
 # a class and one of its members, backquoted (in prose, {cls} and {member} are words); {role}: a
@@ -143,7 +155,17 @@ WORDINGS = {
         "role": ["Clean up the {role}; its other logic is duplicated.", "Review the {role}."],
         "bare": ["{name} should stop swallowing errors raised by its callers.",
                  "After {name} runs, the cache gets stale data.", "Make sure {name} handles an empty list.",
-                 "Why does {name} allocate so much?"],
+                 "Why does {name} allocate so much?",
+                 # the third step's generic grammar (a name as subject, object, after an adverb, in a question,
+                 # a possessive ...), written after ``untouched`` was fixed and measured
+                 "{name} is called far too often.", "Does {name} copy its input?",
+                 "How often is {name} called per request?", "The tests never exercise {name}.",
+                 "We should inline {name} into its caller.", "Replace {name} with a generator.",
+                 "The new release deprecates {name}.", "I would like {name} to return a tuple.",
+                 "Why is {name} so slow on large inputs?", "Calling {name} twice leaks memory.",
+                 "Move {name} into its own module.", "Someone removed the lock around {name}.",
+                 "Let us memoize {name}.", "The reviewer flagged {name} as too clever.",
+                 "Ask the maintainers whether {name} is still needed.", "Profile {name} under load."],
         "large": ["Refactor {ref}; it has grown too long.", "Add logging to {ref}."],
         "dot": ["Update {dot} so it logs a warning.", "Make {dot} raise on bad input."],
     },
@@ -222,6 +244,28 @@ WORDINGS = {
                  "Is {name} still used anywhere?"],
         "large": ["Break {ref} into helper functions.", "Where does {ref} allocate memory?"],
         "dot": ["Should {dot} be async?", "Add a type check to {dot}."],
+    },
+    "untouched": {
+        "literal": ["Add a debug log line at the top of {ref}.", "Is {ref} covered by any test?",
+                    "Make {ref} return early on empty input."],
+        "prose": ["Where is the {words} tested?", "The {words} swallows an exception; fix that.",
+                  "Add a short example to the {words}."],
+        "docstring": ["Show me where this happens: {doc}", "Our users depend on this: {doc} Find the code."],
+        "indirect": ["Time {ref} on a cold cache.", "Check the arguments {ref} receives."],
+        "member": ["Inherit from {cls} and replace {member}.", "What does {member} do in {cls}?"],
+        "chained": ["Why does {cls}.{member} take so long?"],
+        "hint": ["Review {member} of the {owner}.", "Add an assertion to {member} of the {owner}."],
+        "role": ["Refactor the {role}.", "Explain the {role} to me."],
+        "bare": ["Last week someone rewrote {name} without telling anyone.",
+                 "The crash log points at {name}.",
+                 "Could {name} return early when the list is empty?",
+                 "We never call {name} from the worker pool.",
+                 "Start by reading {name} and summarise it.",
+                 "Make {name} idempotent.",
+                 "How does {name} behave with a zero timeout?",
+                 "The docs claim {name} is pure, but it writes a cache file."],
+        "large": ["List the side effects of {ref}.", "Which branches of {ref} are never taken?"],
+        "dot": ["Who overrides {dot}?", "Make {dot} thread safe."],
     },
 }
 TASKS = ["Task: get to know this code base, then follow the plan.", "Task: we will make a few changes here."]
@@ -817,7 +861,8 @@ def run_synthetic(args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", choices=["real", "synthetic"], default="real")
-    ap.add_argument("--split", default="dev,held-out,fresh,unseen,novel", help="dev, held-out, fresh, unseen, novel (comma-separated)")
+    ap.add_argument("--split", default="dev,held-out,fresh,unseen,novel,untouched",
+                    help="dev, held-out, fresh, unseen, novel, untouched (comma-separated)")
     ap.add_argument("--styles", default=",".join(STYLES), help="plan styles (comma-separated): " + ", ".join(STYLES))
     ap.add_argument("--sessions", type=int, default=12, help="sessions per split and style")
     ap.add_argument("--tokens", type=int, default=48000, help="tokens of tool output per session (about)")

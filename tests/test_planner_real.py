@@ -580,6 +580,15 @@ def test_an_english_name_needs_the_grammar_of_a_thing(template):
     assert "put" in bare("I changed put yesterday and now the build fails.")
     assert "put" in bare("There is a race between put and the cleanup thread.")
     assert not bare("The build fails whenever the put of another thread runs twice.") & {"put"}
+    # a question word's auxiliary: its subject comes next; a pronoun's verb, a modal's verb, and an "-s"
+    # verb after a noun: their object
+    assert "put" in bare("How often is put called per request?")
+    assert "qsize" in bare("Let us memoize qsize.") and "put" in bare("We should inline put into its caller.")
+    assert "put" in bare("The new release deprecates put.")
+    assert not bare("We put the result in a file.") & {"put"}  # after a pronoun: a verb
+    assert "put" in bare("The bug report blames put for the memory spike.")  # an object, not "put for"
+    assert "qsize" in bare("Port qsize to the async API.")  # "API" is no code the session defines
+    assert not bare("The tests put the result in a file.") & {"put"}  # "the tests": a plural noun's verb
 
 
 def test_a_name_that_is_a_stopword_or_a_kind_word(template):

@@ -128,6 +128,10 @@ OBJECT_START = frozenset("the a an for until on up out it them this that these t
 MODALS = frozenset("should must can could will would may might shall".split())
 # ... but one that opens a sentence asks a question, and its subject comes first: "Can X be made safe?"
 AUXILIARIES = MODALS | frozenset("do does did is are was were has have had".split())
+# ... and so does one after a question word: "How often is X called?", "Why is X slow?"
+QUESTION_WORDS = frozenset("how why when where what which who often long much many".split())
+# after a subject pronoun comes its verb: "We X the ...", "Let us X"
+PRONOUNS = frozenset("i we you they he she it us".split())
 # words that open a sentence without being its verb: "Please X", "Yesterday X broke"
 OPENERS = frozenset("""please next first finally meanwhile however instead otherwise later today yesterday
 tomorrow perhaps maybe hopefully currently apparently honestly""".split())
@@ -137,9 +141,10 @@ PERFECT = frozenset("has have had having 've".split())  # "has tested X": a verb
 
 
 def is_verb(previous: str, before: str = "") -> bool:
-    """Whether a word after ``previous`` is a verb whatever it is ("should stop"): never a name. Not
-    where ``previous`` opens the sentence (``before`` is "."): "Should X validate ...?" asks about X."""
-    return previous in MODALS and before != "."
+    """Whether a word after ``previous`` is a verb whatever it is ("should stop", "we inline"): never a
+    name. Not after a modal that opens the sentence (``before`` is "."): "Should X validate ...?" asks
+    about X."""
+    return previous in MODALS and before != "." or previous in PRONOUNS
 
 
 def is_perfect(previous: str, before: str = "") -> bool:
@@ -157,15 +162,21 @@ def is_object(previous: str, before: str = "") -> bool:
     if before == ".":  # an imperative, not a subject ("Users complained") or a sentence adverb ("Please X")
         plural = previous.endswith("s") and not previous.endswith("ss")
         return previous.isalpha() and not plural and previous not in STOPWORDS | AUXILIARIES | OPENERS
-    return len(previous) > 4 and previous.endswith("ed") and previous not in STOPWORDS or is_perfect(previous, before)
+    past = len(previous) > 4 and previous.endswith("ed") and previous not in STOPWORDS
+    # "the release deprecates X": an "-s" word after a noun (not after a determiner: "the tests X")
+    third_person = len(previous) > 3 and previous.endswith("s") and not previous.endswith("ss") \
+        and previous not in STOPWORDS and before.isalpha() and before not in STOPWORDS | DETERMINERS | PRONOUNS
+    verb = before in PRONOUNS | MODALS and previous.isalpha() and previous not in STOPWORDS  # "we inline X"
+    return past or third_person or verb or is_perfect(previous, before)
 
 
 def is_common(previous: str, following: str, before: str = "") -> bool:
     """Whether a word between ``previous`` and ``following`` stands where a name rarely does: a verb
-    ("to wait for", "wait for the build", "read `X`": a backquote is where code stood) or a common noun
-    ("a stream")."""
+    ("to wait for", "wait for the build", "read `X`": a backquote is where code stood; not where it is a
+    verb's object: "blames X for the spike") or a common noun ("a stream")."""
     return is_verb(previous, before) or previous in ("a", "an") or previous == "to" and following not in ".;:!?" \
-        or following in OBJECT_START and previous not in ("the", "this", "that") or following == "`"
+        or following in OBJECT_START and previous not in ("the", "this", "that") and not is_object(previous, before) \
+        or following == "`"
 
 
 def is_thing(previous: str, following: str, strict: bool = False, before: str = "") -> bool:
@@ -181,7 +192,7 @@ def is_thing(previous: str, following: str, strict: bool = False, before: str = 
     third_person = len(following) > 3 and following.endswith("s") and not following.endswith("ss") \
         and following not in STOPWORDS
     subject = following in SUBJECT_OF or third_person or following.startswith("'") \
-        or before == "." and previous in AUXILIARIES
+        or previous in AUXILIARIES and (before == "." or before in QUESTION_WORDS)
     return subject or previous in (NAME_BEFORE if strict else THING_BEFORE) or is_perfect(previous, before) \
         or not strict and is_object(previous, before)
 

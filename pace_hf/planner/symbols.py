@@ -426,7 +426,8 @@ class SymbolPlanner:
         # Plain words that are names the session defines ("after decodebytes runs"): a word that is not
         # English is the name; an English one only where it stands as a thing and nothing else is named.
         # In a description, or a step that also names code, they need more (pace_hf.planner.prose).
-        code = LITERAL in said.names.values() or bool(said.chains)
+        # code: a name written as code that the session defines ("API" or "URL" in prose is no code here)
+        code = any(how == LITERAL and index.name(name, before) for name, how in said.names.items()) or bool(said.chains)
         joined = {w for name in resolved for w in split_name(name)}  # "templates not found": one name, joined
         bare = [(w, p, n, o) for w, p, n, start, o in said.bare if w not in resolved and w in index.defined
                 and w.lower() not in joined
@@ -438,6 +439,7 @@ class SymbolPlanner:
         query = list(said.words) + list(said.names)
         for w, p, n, o in bare:
             if (w, p, n, o) not in english and (not described or is_thing(p, n, strict=True, before=o)
+                                                or p not in DETERMINERS and is_thing(p, n, before=o)
                                                 or not is_common(p, n, o) and index.lexicon.near_best(
                                                     query, before, index.name(w, before))):
                 resolved.setdefault(w, (index.name(w, before), DERIVED))
