@@ -237,8 +237,9 @@ def variants(name: str, by_key: dict[str, set[str]]) -> set[str]:
 
 def candidates(words: tuple[str, ...], by_key: dict[str, set[str]],
                by_bag: dict[frozenset[str], set[str]] | None = None) -> set[str]:
-    """Names that a prose step means, among the session's (``by_key``, from :func:`keyed`): joins of 2-4
-    adjacent words (not all of them stopwords; a plural last word also singular), and a single word
+    """Names that a prose step means, among the session's (``by_key``, from :func:`keyed`): joins of 2-8
+    adjacent words (a test's name runs long: "the test copy glob to existing directory method"; not all
+    of them stopwords; a plural last word also singular), and a single word
     right before a word like "function" ("the open function"). The longest join wins: "value token
     class" means ``ValueToken``, not also ``Token``. Then, with ``by_bag`` (from :func:`bagged`), the
     words left: 2-4 adjacent content words (no stopword between them) that are the words of exactly one
@@ -257,7 +258,7 @@ def candidates(words: tuple[str, ...], by_key: dict[str, set[str]],
                         and (kind_after and n > 1 or not any(w in KIND_WORDS for w in chunk)):
                     yield i, n, chunk
 
-    for i, n, chunk in spans((4, 3, 2, 1)):
+    for i, n, chunk in spans((8, 7, 6, 5, 4, 3, 2, 1)):
         if any(used[i:i + n]) or (n == 1 and not (i + 1 < len(words) and lower[i + 1] in KIND_WORDS)):
             continue
         found = by_key.get(key(chunk), set())
