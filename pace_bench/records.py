@@ -64,11 +64,11 @@ def shard_paths(out_dir: Path) -> list[Path]:
 
 
 def run_records(run_dir: Path) -> list[dict]:
-    """The records of the run in ``run_dir``: its ``probes.jsonl``, else (a sharded run not merged yet)
-    its shards. No record at all is an error."""
+    """The records of the run in ``run_dir``: its ``probes.jsonl`` and the shards of a sharded run not
+    merged yet (a resumed one holds both: the kept records, and what each process added). No record at
+    all is an error."""
     run_dir = Path(run_dir)
-    merged = run_dir / "probes.jsonl"
-    records = read_jsonl(merged if merged.exists() else shard_paths(run_dir))
+    records = read_jsonl([run_dir / "probes.jsonl", *shard_paths(run_dir)])
     if not records:
         raise SystemExit(f"no probe records in {run_dir} (looked for probes.jsonl and probes.rank*.jsonl)")
     return records

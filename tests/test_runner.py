@@ -427,6 +427,9 @@ def test_resume_reads_the_merged_log_and_the_shards(tmp_path):
     assert [(r["arm"], r["session_id"], r["probe"]) for r in kept] == [
         ("h2o", "a", "p1"), ("h2o", "a", "p2"), ("pace", "b", "p1"), ("pace", "b", "p2")]
     assert not any(r.get("dup") for r in kept)  # a record repeated in a shard counts once
+    # the figures read a run still going the same way: the merged log and every shard
+    from pace_bench.records import run_records
+    assert len(run_records(tmp_path)) == 5 and not any(r.get("dup") for r in run_records(tmp_path))
 
 
 def _tiny_model_dir(path):
