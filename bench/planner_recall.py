@@ -130,6 +130,17 @@ CORPUS = {  # (packages, standard library modules)
                    "os", "_pyio", "stringprep", "xmlrpc", "ssl", "socket", "signal", "webbrowser", "wave", "sunau",
                    "aifc", "chunk", "imghdr", "sndhdr", "pdb", "cProfile", "profile", "getpass", "nturl2path",
                    "uu", "xdrlib", "nntplib", "pipes", "opcode", "keyword", "token", "py_compile"]),
+    # The planner's third pass, fourth step: chosen on 2026-12-04, before any result on it and before
+    # ``untouched``'s misses were looked at, from installed packages and standard library modules that no
+    # earlier split, the repo suite or the issue's examples used; its wordings (below) were written at the
+    # same time. Do not tune on it. Its writer had seen every earlier split's wordings (not its misses).
+    "sealed": (["aiohttp", "frozenlist", "aiosignal", "propcache", "annotated_types", "charset_normalizer",
+                "idna", "iniconfig", "joblib", "prometheus_client", "psutil", "sse_starlette", "truststore",
+                "mkdocs_get_deps", "networkx", "bm25s", "narwhals", "nltk"],
+               ["posixpath", "re", "ctypes", "curses", "dbm", "lib2to3", "pydoc", "tkinter", "turtle", "venv",
+                "mailcap", "telnetlib", "cgi", "cgitb", "asynchat", "asyncore", "smtpd", "imp",
+                "_threading_local", "_markupbase", "_compression", "_osx_support", "sysconfig", "tty", "pty",
+                "copyreg", "_compat_pickle", "distutils", "_collections_abc", "ensurepip"]),
 }
 # {ref}: a backquoted name; {words}: a name in words; {doc}: a docstring's first sentence; {cls}/{member}:
 # a class and one of its members, backquoted (in prose, {cls} and {member} are words); {role}: a
@@ -266,6 +277,30 @@ WORDINGS = {
                  "The docs claim {name} is pure, but it writes a cache file."],
         "large": ["List the side effects of {ref}.", "Which branches of {ref} are never taken?"],
         "dot": ["Who overrides {dot}?", "Make {dot} thread safe."],
+    },
+    "sealed": {
+        "literal": ["Rename {ref} to something clearer and update its callers.",
+                    "Is {ref} ever called with keyword arguments?", "Write a changelog entry for a fix in {ref}."],
+        "prose": ["A user reports that the {words} crashes on Windows.", "Give the {words} a clearer name.",
+                  "Could the {words} be simplified?"],
+        "docstring": ["Here is what the docs promise: {doc} Where is that implemented?",
+                      "Find the part that does this and review it: {doc}"],
+        "indirect": ["Put a timeout around {ref}.", "Wrap {ref} in a tracing span."],
+        "member": ["Extend {cls} with a subclass whose {member} logs first.",
+                   "Compare {member} in {cls} with its parent's version."],
+        "chained": ["What does {cls}.{member} assume about its caller?"],
+        "hint": ["Tighten {member} of the {owner}.", "Sketch a test plan for {member} of the {owner}."],
+        "role": ["Look for bugs in the {role}.", "Shorten the {role}."],
+        "bare": ["Since the upgrade, {name} returns the wrong value.",
+                 "Please check that {name} closes what it opens.",
+                 "I doubt {name} works on Python 3.8.",
+                 "Both {name} and its tests need an update.",
+                 "Add a timeout to {name} so it cannot block forever.",
+                 "When {name} fails, we lose the whole batch.",
+                 "Could you explain why {name} sleeps?",
+                 "Our metrics show {name} near the top of the profile."],
+        "large": ["Rewrite {ref} with fewer branches.", "Write a docstring for {ref} that covers every path."],
+        "dot": ["Can {dot} block?", "Add logging to {dot} and to its callers."],
     },
 }
 TASKS = ["Task: get to know this code base, then follow the plan.", "Task: we will make a few changes here."]
@@ -861,8 +896,8 @@ def run_synthetic(args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", choices=["real", "synthetic"], default="real")
-    ap.add_argument("--split", default="dev,held-out,fresh,unseen,novel,untouched",
-                    help="dev, held-out, fresh, unseen, novel, untouched (comma-separated)")
+    ap.add_argument("--split", default="dev,held-out,fresh,unseen,novel,untouched,sealed",
+                    help="dev, held-out, fresh, unseen, novel, untouched, sealed (comma-separated)")
     ap.add_argument("--styles", default=",".join(STYLES), help="plan styles (comma-separated): " + ", ".join(STYLES))
     ap.add_argument("--sessions", type=int, default=12, help="sessions per split and style")
     ap.add_argument("--tokens", type=int, default=48000, help="tokens of tool output per session (about)")
