@@ -141,6 +141,15 @@ CORPUS = {  # (packages, standard library modules)
                 "mailcap", "telnetlib", "cgi", "cgitb", "asynchat", "asyncore", "smtpd", "imp",
                 "_threading_local", "_markupbase", "_compression", "_osx_support", "sysconfig", "tty", "pty",
                 "copyreg", "_compat_pickle", "distutils", "_collections_abc", "ensurepip"]),
+    # The fourth step looked at ``sealed``'s misses (so it is dev now); ``final`` replaced it as the split
+    # never tuned on, chosen on 2026-12-04 before any result on it and before any change of that step, from
+    # installed packages and standard library modules that no earlier split, the repo suite or the issue's
+    # examples used; its wordings (below) were written at the same time. Do not tune on it.
+    "final": (["opentelemetry", "pydantic", "lm_eval", "fontTools", "httpx2", "httpcore2", "huggingface_hub",
+               "openai", "fastapi", "mkdocstrings", "debugpy", "zmq", "playwright", "absl", "valkey", "gguf",
+               "statsmodels", "kernels", "IPython"],
+              ["idlelib", "turtledemo", "encodings", "site", "_py_abc", "_weakrefset", "crypt", "sre_parse",
+               "sre_compile", "_sitebuiltins", "__future__", "struct", "io", "decimal", "msilib"]),
 }
 # {ref}: a backquoted name; {words}: a name in words; {doc}: a docstring's first sentence; {cls}/{member}:
 # a class and one of its members, backquoted (in prose, {cls} and {member} are words); {role}: a
@@ -301,6 +310,28 @@ WORDINGS = {
                  "Our metrics show {name} near the top of the profile."],
         "large": ["Rewrite {ref} with fewer branches.", "Write a docstring for {ref} that covers every path."],
         "dot": ["Can {dot} block?", "Add logging to {dot} and to its callers."],
+    },
+    "final": {
+        "literal": ["Does {ref} still need its third argument?", "Convert {ref} to use pathlib.",
+                    "Explain the return value of {ref}."],
+        "prose": ["Our users keep tripping over the {words}.", "The {words} could use a cache.",
+                  "Port the {words} to async."],
+        "docstring": ["The manual says: {doc} Which code backs that up?", "Point me at whatever does this: {doc}"],
+        "indirect": ["Count the allocations in {ref}.", "Could {ref} be made lazy?"],
+        "member": ["Give a subclass of {cls} a {member} that retries.", "What changes if {cls} drops {member}?"],
+        "chained": ["Is {cls}.{member} tested for empty input?"],
+        "hint": ["Speed up {member} of the {owner}.", "Find a bug in {member} of the {owner}."],
+        "role": ["Add metrics to the {role}.", "Is the {role} still needed?"],
+        "bare": ["Ever since the refactor, {name} logs twice.",
+                 "I am not sure {name} respects the timeout.",
+                 "Tell me what {name} expects as its first argument.",
+                 "Neither the docs nor {name} mention this limit.",
+                 "A colleague said {name} is the bottleneck.",
+                 "If {name} raises, the retry loop spins forever.",
+                 "We could drop {name} entirely in the next major version.",
+                 "Run {name} under the debugger and report what you see."],
+        "large": ["Annotate {ref} with comments for reviewers.", "Point out the slowest part of {ref}."],
+        "dot": ["Does anything call {dot} on a closed object?", "Document the exceptions {dot} raises."],
     },
 }
 TASKS = ["Task: get to know this code base, then follow the plan.", "Task: we will make a few changes here."]
@@ -896,8 +927,8 @@ def run_synthetic(args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", choices=["real", "synthetic"], default="real")
-    ap.add_argument("--split", default="dev,held-out,fresh,unseen,novel,untouched,sealed",
-                    help="dev, held-out, fresh, unseen, novel, untouched, sealed (comma-separated)")
+    ap.add_argument("--split", default="dev,held-out,fresh,unseen,novel,untouched,sealed,final",
+                    help="dev, held-out, fresh, unseen, novel, untouched, sealed, final (comma-separated)")
     ap.add_argument("--styles", default=",".join(STYLES), help="plan styles (comma-separated): " + ", ".join(STYLES))
     ap.add_argument("--sessions", type=int, default=12, help="sessions per split and style")
     ap.add_argument("--tokens", type=int, default=48000, help="tokens of tool output per session (about)")
