@@ -602,7 +602,9 @@ def build_session(files, split, style, rng, tokens, template, n_steps, budget, p
         pool = []
         for fi, sub, bfi, base in chosen:
             sub_node = next(n for n in ast.parse(files[fi][1]).body if isinstance(n, ast.ClassDef) and n.name == sub)
-            own = {n.name for n in sub_node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            own = {n.name for n in sub_node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))} | {
+                t.id for n in sub_node.body if isinstance(n, (ast.Assign, ast.AnnAssign))  # `history = ...`
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
             methods = [m for m in _methods(base) if m.name not in own]
             if methods:
                 m = rng.choice(methods)
@@ -680,6 +682,8 @@ def plan_text(style, t: Target, wordings, rng, c: Corpus):
     whole = [(t.file, t.first, t.last)]
     path = c.files[t.file][0]
     if style == "imported":  # the answer reads the member and the subclass's header
+        if c.top_count.get(t.via, 0) > 1:  # two printed files define the subclass: either answer would do
+            return None
         ref, pieces = f"`{t.via}.{t.name}`", [t.node] + whole
         if rng.random() < 0.5:
             return rng.choice(wordings["indirect"]).format(ref=ref), "imported", pieces

@@ -589,6 +589,13 @@ def test_an_english_name_needs_the_grammar_of_a_thing(template):
     assert "put" in bare("The bug report blames put for the memory spike.")  # an object, not "put for"
     assert "qsize" in bare("Port qsize to the async API.")  # "API" is no code the session defines
     assert not bare("The tests put the result in a file.") & {"put"}  # "the tests": a plural noun's verb
+    # the verb of a plural subject takes an object; "both" and a preposition are followed by a thing, not
+    # a verb ("for put that covers"); a word that is no English word is no infinitive after "to"
+    assert "put" in bare("Our metrics show put near the top of the profile.")
+    assert "put" in bare("Both put and its tests need an update.")
+    assert "put" in bare("Write a docstring for put that covers every path.")
+    assert "qsize" in bare("Add a timeout to qsize so it cannot block forever.")
+    assert not bare("Remember to put the lock back.") & {"put"}  # an infinitive
 
 
 def test_a_name_that_is_a_stopword_or_a_kind_word(template):
@@ -683,3 +690,33 @@ def test_a_base_of_the_same_name_in_another_file_is_found_through_the_import(tem
     wrap = "    def wrap(self, text):\n        return [text[:self.width]]"
     assert_found(sess, plan, 2, 2, wrap, tight=4)
     assert covered(planned(plan, 2), sess.tokens(4, "class TextWrapper(base.TextWrapper):")) == 1.0
+
+
+def _rwbase(version):
+    return f"""class NotebookWriter:
+    def write(self, nb, fp):
+        return fp.write(self.writes(nb, version={version}))
+"""
+
+
+NBJSON = """from .rwbase import NotebookWriter
+
+
+class JSONWriter(NotebookWriter):
+    def writes(self, nb, **kwargs):
+        return str(nb)
+"""
+
+
+@pytest.mark.parametrize("step", ["Time `JSONWriter.write` on a cold cache.",
+                                  "Why does `JSONWriter`.`write` take so long?"])
+def test_a_relative_import_finds_the_base_in_the_importers_own_package(template, step):
+    """Two files end with ``rwbase`` (``v4/`` and ``v3/``): ``from .rwbase import ...`` in ``v4/nbjson.py``
+    is v4's, though v3's was printed later; a chain may be written as two pieces of code."""
+    sess = Session(template, ("user", "Task."), *cat("nbformat/v4/rwbase.py", _rwbase(4)),
+                   *cat("nbformat/v3/rwbase.py", _rwbase(3)), *cat("nbformat/v4/nbjson.py", NBJSON))
+    plan = sess.plan({2: step})
+    v4 = "    def write(self, nb, fp):\n        return fp.write(self.writes(nb, version=4))"
+    assert_found(sess, plan, 2, 2, v4, tight=4)
+    assert covered(planned(plan, 2), sess.tokens(4, "    def write(self, nb, fp):")) == 0.0  # not v3's
+    assert covered(planned(plan, 2), sess.tokens(6, "class JSONWriter(NotebookWriter):")) == 1.0

@@ -663,7 +663,8 @@ def _module(tree: ast.Module, region: Region, base: int, owner: str | None = Non
                         for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             mod = ("." * node.level) + (node.module or "")
-            imports += [(a.asname or a.name, f"{mod}.{a.name}".lstrip(".") if mod.strip(".") else a.name)
+            # a relative import keeps its dots: the session's index resolves it against the file's package
+            imports += [(a.asname or a.name, f"{mod}.{a.name}" if mod.strip(".") else f"{mod}{a.name}")
                         for a in node.names if a.name != "*"]
     return defs, imports
 
@@ -784,7 +785,7 @@ def mentions(text: str) -> Mentions:
     prose = text
     for m in _FENCED.finditer(text):
         _code_names(m.group(1), names, chains)
-    prose = _FENCED.sub("\n", prose)
+    prose = _FENCED.sub("\n", prose).replace("`.`", ".")  # "`Reader`.`read`" is the chain `Reader.read`
     dots = set()
     for m in _INLINE.finditer(prose):
         _code_names(m.group(1), names, chains)

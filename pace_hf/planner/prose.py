@@ -113,7 +113,14 @@ def bagged(names) -> dict[frozenset[str], set[str]]:
 THING_BEFORE = frozenset("""the of by in inside into from with within call calls calling called use uses
 using after before around through via whether does did if when once about""".split()) | frozenset("""on at
 for over under against without than like per across behind beyond toward towards unlike despite besides except
-near onto upon beside between among along amid past versus""".split())  # and every other preposition
+near onto upon beside between among along amid past versus""".split()) | frozenset(
+    "both either neither".split())  # and every other preposition; "Both X and its tests"
+# after a preposition stands a thing, never a verb: "a docstring for parse that covers ..."
+PREPOSITIONS = frozenset("""of by in inside into from with within via through around after before about on at
+for over under against without than like per across behind beyond toward towards unlike despite besides except
+near onto upon beside between among along amid past versus""".split())
+# a new clause: "to X so it cannot block" (like a full stop: "to X." is no infinitive with an object)
+CLAUSE_OPENERS = frozenset("so because although though whereas".split())
 # ... of which these rarely introduce a common noun ("raised by X", "after X"; not "the stream")
 NAME_BEFORE = frozenset("""by inside within call calls calling called after before around through via whether
 does did once""".split())
@@ -147,6 +154,11 @@ def is_verb(previous: str, before: str = "") -> bool:
     return previous in MODALS and before != "." or previous in PRONOUNS
 
 
+def is_s_form(word: str) -> bool:
+    """Whether ``word`` ends in a plural's or a third person's "-s" ("tests", "returns"; not "class")."""
+    return word.endswith("s") and not word.endswith("ss")
+
+
 def is_perfect(previous: str, before: str = "") -> bool:
     """Whether a word after ``previous`` is the object of a perfect ("has tested X", "have changed X"):
     after "has" only a participle stands, so the word after it is a verb's object, not a noun an
@@ -160,37 +172,44 @@ def is_object(previous: str, before: str = "") -> bool:
     determiner, pronoun or auxiliary there: "The X", "We X", "Can X"). ``before``: what stands before
     ``previous`` ("." where it opens the sentence)."""
     if before == ".":  # an imperative, not a subject ("Users complained") or a sentence adverb ("Please X")
-        plural = previous.endswith("s") and not previous.endswith("ss")
-        return previous.isalpha() and not plural and previous not in STOPWORDS | AUXILIARIES | OPENERS
+        return previous.isalpha() and not is_s_form(previous) and previous not in STOPWORDS | AUXILIARIES | OPENERS
     past = len(previous) > 4 and previous.endswith("ed") and previous not in STOPWORDS
     # "the release deprecates X": an "-s" word after a noun (not after a determiner: "the tests X")
-    third_person = len(previous) > 3 and previous.endswith("s") and not previous.endswith("ss") \
+    third_person = len(previous) > 3 and is_s_form(previous) \
         and previous not in STOPWORDS and before.isalpha() and before not in STOPWORDS | DETERMINERS | PRONOUNS
     verb = before in PRONOUNS | MODALS and previous.isalpha() and previous not in STOPWORDS  # "we inline X"
-    return past or third_person or verb or is_perfect(previous, before)
+    # "our metrics show X": the verb of a plural subject (a noun, not a determiner's: "these tests")
+    plural_subject = len(before) > 3 and is_s_form(before) and before.isalpha() and before not in STOPWORDS \
+        and previous.isalpha() and not is_s_form(previous) and previous not in STOPWORDS | AUXILIARIES
+    return past or third_person or verb or plural_subject or is_perfect(previous, before)
 
 
-def is_common(previous: str, following: str, before: str = "") -> bool:
+def is_common(previous: str, following: str, before: str = "", english: bool = True) -> bool:
     """Whether a word between ``previous`` and ``following`` stands where a name rarely does: a verb
     ("to wait for", "wait for the build", "read `X`": a backquote is where code stood; not where it is a
-    verb's object: "blames X for the spike") or a common noun ("a stream")."""
-    return is_verb(previous, before) or previous in ("a", "an") or previous == "to" and following not in ".;:!?" \
-        or following in OBJECT_START and previous not in ("the", "this", "that") and not is_object(previous, before) \
-        or following == "`"
+    verb's object, "blames X for the spike", or a preposition's, "for parse that covers") or a common
+    noun ("a stream"). ``english``: whether the word is an English word; one that is not is no infinitive
+    ("add a timeout to setdefault so ...")."""
+    infinitive = english and previous == "to" and following not in CLAUSE_OPENERS and following not in ".;:!?"
+    return is_verb(previous, before) or previous in ("a", "an") or infinitive \
+        or following in OBJECT_START and previous not in PREPOSITIONS | {"the", "this", "that"} \
+        and not is_object(previous, before) or following == "`"
 
 
-def is_thing(previous: str, following: str, strict: bool = False, before: str = "") -> bool:
+def is_thing(previous: str, following: str, strict: bool = False, before: str = "", english: bool = True) -> bool:
     """Whether an English word between ``previous`` and ``following`` (lowercase words or punctuation)
     stands where a sentence puts a thing, not a verb (see the module docstring): after a determiner or
     a preposition, as the subject of a verb ("wait returns", "wait's", "Can wait be ..."), or as a
     verb's object with no determiner ("I changed wait", "Keep wait ..."; a common noun would have one).
     ``strict``: only where a common noun rarely stands (a subject, after "by", "inside", "after" ..., or
     the object of a perfect: "has tested wait"): for descriptions. ``before``: what stands before
-    ``previous`` ("." where it opens the sentence)."""
-    if is_common(previous, following, before):
+    ``previous`` ("." where it opens the sentence); ``english``: whether the word is an English word (one
+    that is not stands as a thing after "to" too: "add a timeout to setdefault")."""
+    if is_common(previous, following, before, english):
         return False
-    third_person = len(following) > 3 and following.endswith("s") and not following.endswith("ss") \
-        and following not in STOPWORDS
+    if not english and previous == "to":
+        return True
+    third_person = len(following) > 3 and is_s_form(following) and following not in STOPWORDS
     subject = following in SUBJECT_OF or third_person or following.startswith("'") \
         or previous in AUXILIARIES and (before == "." or before in QUESTION_WORDS)
     return subject or previous in (NAME_BEFORE if strict else THING_BEFORE) or is_perfect(previous, before) \

@@ -128,6 +128,30 @@ def _path_parts(path: str) -> list[str]:
     return parts
 
 
+def _absolute(target: str, path: str | None) -> str:
+    """An import's dotted target made absolute against the importing file's package (``.rwbase.Writer``
+    in ``nbformat/v4/nbjson.py`` is ``nbformat.v4.rwbase.Writer``), so that of two files that end with
+    the same module the importer's sibling is found; without a path, the dots are dropped."""
+    rest = target.lstrip(".")
+    level = len(target) - len(rest)
+    if not level:
+        return target
+    parts = [p for p in (path or "").replace("\\", "/").split("/") if p and p != "."]
+    package = parts[:-1]  # the file's own directory (an __init__.py's too)
+    if not parts or level - 1 > len(package):
+        return rest
+    return ".".join(package[:len(package) - (level - 1)] + ([rest] if rest else []))
+
+
+def _shared_ending(parts: list[str], module: list[str]) -> int:
+    """How many trailing parts a file's path and a dotted module share (``v4/rwbase`` and
+    ``nbformat.v4.rwbase``: 2)."""
+    k = 0
+    while k < min(len(parts), len(module)) and parts[-1 - k] == module[-1 - k]:
+        k += 1
+    return k
+
+
 class _Index:
     """The session's definitions by namespace, in message order (see the module docstring)."""
 
@@ -161,7 +185,7 @@ class _Index:
                     self.members.setdefault((d.owner, d.name), []).append(entry)
                     self.member_names.setdefault(d.name, []).append(entry)
             for alias, target in r.imports:
-                self.aliases.setdefault(alias, []).append((i, target))
+                self.aliases.setdefault(alias, []).append((i, _absolute(target, path)))
         self.defined = set(self.top) | set(self.facts) | set(self.member_names)
         self.by_key = keyed(self.defined)
         self.by_bag = bagged(self.defined)
@@ -221,11 +245,10 @@ class _Index:
         found = [e for e in self.classes.get(name, ()) if e[0] < before and e != entry]
         if not found:
             return None
-        if module:
-            for e in reversed(found):
-                parts = self.path_of(*e)
-                if parts and (parts[-len(module):] == module or parts[-1] == module[-1]):
-                    return e
+        if module:  # the file whose path ends with most of the module (the latest of those)
+            best = max(_shared_ending(self.path_of(*e), module) for e in found)
+            if best:
+                return next(e for e in reversed(found) if _shared_ending(self.path_of(*e), module) == best)
         return next((e for e in reversed(found) if e[0] == i), found[-1])
 
     def mro(self, cls, before: int) -> list:
@@ -305,8 +328,8 @@ class _Index:
         for q in (expanded, qualifier):
             for i, d in reversed(self.top.get(name, [])):
                 if i < before:
-                    parts = self.path_of(i, d)
-                    if parts and parts[-len(q):] == q:
+                    parts = self.path_of(i, d)  # the path and the module agree wherever both go
+                    if parts and _shared_ending(parts, q) == min(len(parts), len(q)):
                         return i, d
         return self.name(name, before)
 
@@ -427,7 +450,8 @@ class SymbolPlanner:
         # English is the name; an English one only where it stands as a thing and nothing else is named.
         # In a description, or a step that also names code, they need more (pace_hf.planner.prose).
         # code: a name written as code that the session defines ("API" or "URL" in prose is no code here)
-        code = any(how == LITERAL and index.name(name, before) for name, how in said.names.items()) or bool(said.chains)
+        code = bool(said.chains) or any(how == LITERAL for _, how in resolved.values()) \
+            or any(said.names.get(d) == LITERAL and index.name(d, before) for d in said.dots)
         joined = {w for name in resolved for w in split_name(name)}  # "templates not found": one name, joined
         bare = [(w, p, n, o) for w, p, n, start, o in said.bare if w not in resolved and w in index.defined
                 and w.lower() not in joined
@@ -439,8 +463,8 @@ class SymbolPlanner:
         query = list(said.words) + list(said.names)
         for w, p, n, o in bare:
             if (w, p, n, o) not in english and (not described or is_thing(p, n, strict=True, before=o)
-                                                or p not in DETERMINERS and is_thing(p, n, before=o)
-                                                or not is_common(p, n, o) and index.lexicon.near_best(
+                                                or p not in DETERMINERS and is_thing(p, n, before=o, english=False)
+                                                or not is_common(p, n, o, english=False) and index.lexicon.near_best(
                                                     query, before, index.name(w, before))):
                 resolved.setdefault(w, (index.name(w, before), DERIVED))
         # in a description a thing's place must be strict, or, but after a determiner ("the parser for this
