@@ -46,8 +46,9 @@ Split: ``dev`` packages and wordings (used while building the planner), ``held-o
 wordings (chosen and written before any result on them was seen; seen since), ``fresh`` (the same, for
 the bare/large/dot/imported styles; its misses were looked at by the planner's third pass), ``unseen``
 (the same again; its misses were looked at by the third pass's second step), ``novel`` (the same
-again, measured before and after that step, never tuned on) and ``untouched`` (the same again, for the
-third step). Report them all.
+again, measured before and after that step, never tuned on), ``untouched`` (the same again, for the
+third step; its inherited misses were looked at by the fourth), ``sealed`` (the same again; its misses
+were looked at by the fourth step) and ``final`` (the same again, never tuned on). Report them all.
 
 ``--corpus synthetic`` runs the earlier edge-level measure on the generated coding sessions.
 
