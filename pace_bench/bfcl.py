@@ -70,7 +70,8 @@ PACE = ("pace", "pace_retrieval")
 ARMS = ("full", "h2o", "snapkv", "streaming", *PACE)
 BOUNDED = tuple(a for a in ARMS if a in PACE or registry.ARMS[a].bounded)
 BFCL_STEP_LIMIT = 20  # bfcl_eval.constants.default_prompts.MAXIMUM_STEP_LIMIT
-RUN_KEYS = ("model", "budget", "limit", "chunk", "max_steps", "max_new_tokens", "system", "stop_repeats")  # --resume must match
+# --resume must match (dtype too: ``--dtype auto`` picks bf16 or fp32 by CPU, and one run must not mix them)
+RUN_KEYS = ("model", "dtype", "budget", "limit", "chunk", "max_steps", "max_new_tokens", "system", "stop_repeats")
 
 
 @dataclass(frozen=True)
@@ -744,7 +745,7 @@ def main(argv=None) -> int:
             differ = [k for k in RUN_KEYS if before.get(k) != run.get(k)]
             if differ:
                 raise SystemExit(f"pace-bench --suite bfcl: --resume: {out_dir} was played with other {', '.join(differ)}; "
-                                 "resume with the same settings, or use another --out")
+                                 "resume with the same settings (--dtype too), or use another --out")
         records = read_jsonl([log_path, *shard_paths(out_dir)])
     done = {(r["session_id"], r["arm"]) for r in records}
     model, tokenizer = load_model(args.model, dtype=dtype)

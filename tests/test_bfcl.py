@@ -138,6 +138,9 @@ def test_one_entry_plays_end_to_end_and_resumes(model_dir, tmp_path, monkeypatch
     assert played["replies"] == 2 * len(script)
     with pytest.raises(SystemExit, match="other budget"):
         main([a if a != "256" else "384" for a in argv] + ["--resume"])
+    other = "bfloat16" if json.loads((out / "run.json").read_text())["dtype"] == "float32" else "float32"
+    with pytest.raises(SystemExit, match="other dtype"):  # --dtype auto picks by CPU: a run never mixes them
+        main(argv + ["--resume", "--dtype", other])
 
 
 def test_stop_repeats_ends_a_looping_turn_without_running_the_repeat(model_dir, tmp_path, monkeypatch):
