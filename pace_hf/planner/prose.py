@@ -110,15 +110,12 @@ def bagged(names) -> dict[frozenset[str], set[str]]:
 
 
 # Grammar around a bare word (lowercase neighbours, or the punctuation there). A thing follows these ...
-THING_BEFORE = frozenset("""the of by in inside into from with within call calls calling called use uses
-using after before around through via whether does did if when once about""".split()) | frozenset("""on at
-for over under against without than like per across behind beyond toward towards unlike despite besides except
-near onto upon beside between among along amid past versus""".split()) | frozenset(
-    "both either neither".split())  # and every other preposition; "Both X and its tests"
 # after a preposition stands a thing, never a verb: "a docstring for parse that covers ..."
 PREPOSITIONS = frozenset("""of by in inside into from with within via through around after before about on at
 for over under against without than like per across behind beyond toward towards unlike despite besides except
 near onto upon beside between among along amid past versus""".split())
+THING_BEFORE = frozenset("""the call calls calling called use uses using whether does did if when once""".split()) \
+    | PREPOSITIONS | frozenset("both either neither".split())  # "Both X and its tests"
 # a new clause: "to X so it cannot block" (like a full stop: "to X." is no infinitive with an object)
 CLAUSE_OPENERS = frozenset("so because although though whereas".split())
 # ... of which these rarely introduce a common noun ("raised by X", "after X"; not "the stream")

@@ -246,9 +246,10 @@ class _Index:
         if not found:
             return None
         if module:  # the file whose path ends with most of the module (the latest of those)
-            best = max(_shared_ending(self.path_of(*e), module) for e in found)
+            endings = [(_shared_ending(self.path_of(*e), module), e) for e in found]
+            best = max(k for k, _ in endings)
             if best:
-                return next(e for e in reversed(found) if _shared_ending(self.path_of(*e), module) == best)
+                return next(e for k, e in reversed(endings) if k == best)
         return next((e for e in reversed(found) if e[0] == i), found[-1])
 
     def mro(self, cls, before: int) -> list:
