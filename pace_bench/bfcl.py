@@ -56,6 +56,7 @@ import re
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -592,10 +593,23 @@ def fidelity(r: dict, full: dict) -> tuple[int, int]:
     return same, max(len(mine), len(theirs))
 
 
+def calls_kept(r: dict, full: dict) -> tuple[int, int]:
+    """(the full cache's executed calls that the arm also executed at the same turn, the full cache's calls).
+    Fidelity counts a turn where neither executed anything as equal, and with a small model most turns are
+    such; this counts only what the full cache did, so an arm that drops its calls cannot hide there."""
+    mine = turn_calls(r)
+    kept = total = 0
+    for t, theirs in enumerate(turn_calls(full)):
+        total += len(theirs)
+        if t < len(mine):
+            kept += sum((Counter(theirs) & Counter(mine[t])).values())
+    return kept, total
+
+
 def table(records: list[dict]) -> str:
     """Markdown: per category, a row per arm: accuracy with its 95% Wilson interval; fidelity to the full
-    cache over the entries both played; of the full cache's passes, those the arm keeps; tokens, peak KV
-    and seconds per entry (means)."""
+    cache over the entries both played; of the full cache's executed calls and of its passes, those the arm
+    keeps; tokens, peak KV and seconds per entry (means)."""
     out = []
     for category in CATEGORIES:
         got = [r for r in records if r["category"] == category]
@@ -603,19 +617,21 @@ def table(records: list[dict]) -> str:
             continue
         full = {r["session_id"]: r for r in got if r["arm"] == "full"}
         out += [f"**multi_turn_{category}**", "",
-                "| arm | n | accuracy [95% CI] | fidelity to full (turns) | full's passes kept | turns with a call "
-                "| turns looped | tokens | peak KV (MiB) | full KV at that length (MiB) | wall s | CPU s |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| arm | n | accuracy [95% CI] | fidelity to full (turns) | full's calls kept | full's passes kept "
+                "| turns with a call | turns looped | tokens | peak KV (MiB) | full KV at that length (MiB) | wall s | CPU s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm in [a for a in ARMS if any(r["arm"] == a for r in got)]:
             rs = [r for r in got if r["arm"] == arm]
             n, k = len(rs), sum(r["valid"] for r in rs)
             lo, hi = wilson(k, n)
             paired = [(r, full[r["session_id"]]) for r in rs if r["session_id"] in full]
             if arm == "full" or not paired:
-                fid = kept = "-"
+                fid = calls = kept = "-"
             else:
                 same, turns = map(sum, zip(*(fidelity(r, f) for r, f in paired)))
                 fid = f"{same}/{turns} ({100 * same / max(turns, 1):.0f}%)"
+                hit, of = map(sum, zip(*(calls_kept(r, f) for r, f in paired)))
+                calls = f"{hit}/{of} ({100 * hit / of:.0f}%)" if of else "0/0"
                 passes = [r for r, f in paired if f["valid"]]
                 kept = f"{sum(r['valid'] for r in passes)}/{len(passes)}"
             called = sum(sum(1 for t in r["calls"] if t) for r in rs)
@@ -625,7 +641,7 @@ def table(records: list[dict]) -> str:
             def mean(key):
                 return sum(r[key] for r in rs) / n
 
-            out.append(f"| {arm} | {n} | {k}/{n} = {100 * k / n:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}] | {fid} | {kept} "
+            out.append(f"| {arm} | {n} | {k}/{n} = {100 * k / n:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}] | {fid} | {calls} | {kept} "
                        f"| {called}/{turns} | {sum(r.get('looped', 0) for r in rs)} | {mean('tokens'):,.0f} | "
                        + (f"{sum(peaks) / len(peaks) / 2**20:.1f}" if peaks else "-")
                        + f" | {mean('full_cache_bytes') / 2**20:.1f} | {mean('seconds'):.0f} | {mean('cpu_seconds'):.0f} |")
@@ -646,7 +662,7 @@ def header(run: dict) -> str:
             f"at most {run['max_steps']} steps a turn (BFCL: {BFCL_STEP_LIMIT}) and {run['max_new_tokens']} new tokens a "
             "step; greedy; " + ("a reply repeating the turn's previous one ends the turn (--stop-repeats); "
                                  if run.get("stop_repeats") else "")
-            + "n counts entries, fidelity and kept passes only those full also played")
+            + "n counts entries; fidelity and what is kept, only the entries full also played")
 
 
 # -- the command -----------------------------------------------------------------------------------------------

@@ -56,6 +56,17 @@ def test_calls_are_read_leniently_and_only_identifiers_reach_eval():
     assert hostile and hostile[0].source() is None  # a key that is no identifier never reaches eval
 
 
+def test_calls_kept_counts_only_what_the_full_cache_executed():
+    """Fidelity counts a turn where neither arm called anything as equal; calls_kept does not: it counts
+    the full cache's calls (a multiset per turn) that the arm executed at the same turn."""
+    full = {"calls": [[["cd(folder='a')"], ["ls()"]], [], [["ls()"]]]}
+    arm = {"calls": [[["ls()"], ["ls()"]], [], [["cd(folder='a')"]]]}
+    assert bfcl.fidelity(arm, full) == (1, 3)  # only the empty turn is "the same"
+    assert bfcl.calls_kept(arm, full) == (1, 3)  # one ls() at turn 0; the twin and the wrong turn's call are not
+    assert bfcl.calls_kept({"calls": [[]]}, {"calls": [[], []]}) == (0, 0)
+    assert bfcl.calls_kept({"calls": [[["ls()"]]]}, {"calls": [[["ls()"]], [["pwd()"]]]}) == (1, 2)  # a turn not reached
+
+
 def test_held_out_categories_are_refused_before_anything_loads(nothing_loads, capsys):
     for held in ("miss_param", "multi_turn_composite"):
         with pytest.raises(SystemExit):
@@ -133,7 +144,8 @@ def test_one_entry_plays_end_to_end_and_resumes(model_dir, tmp_path, monkeypatch
     assert all(p["planned_tool_tokens"] > 0 for p in pace["planned"])
     table = (out / "table.md").read_text()
     assert "**multi_turn_base**" in table and f"| pace | 1 | 1/1 = 100%" in table
-    assert f"| {len(truth)}/{len(truth)} (100%) | 1/1 |" in table  # fidelity to full, full's passes kept
+    calls = sum(len(turn) for turn in truth)
+    assert f"| {len(truth)}/{len(truth)} (100%) | {calls}/{calls} (100%) | 1/1 |" in table  # fidelity, calls, passes kept
     assert main(argv + ["--resume"]) == 0  # both pairs kept: nothing played
     assert played["replies"] == 2 * len(script)
     with pytest.raises(SystemExit, match="other budget"):
