@@ -1,7 +1,6 @@
 """pace_coding: hidden-test and fact-recall scoring of the PACE benchmark's coding probes."""
 
 import json
-import math
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -9,6 +8,7 @@ import datasets
 import evaluate
 
 from pace_bench.facts import in_pool, numeral
+from pace_bench.stats import sign_test
 from pace_bench.metrics.pace_coding.sandbox import SandboxLimits, decode_value, plain_data_error, run_answer
 
 _CITATION = """\
@@ -334,16 +334,6 @@ def score_answer(answer, reference, limits=None):
         "recall_total": len(hits),
         "recall_missing": [v for (_, v), h in zip(facts, hits) if not h],
     }
-
-
-def sign_test(better, worse):
-    """Two-sided exact sign test (binomial, p = 1/2) on the untied pairs; 1.0 when none."""
-    n = better + worse
-    if n == 0:
-        return 1.0
-    k = min(better, worse)
-    tail = sum(math.comb(n, i) for i in range(k + 1))
-    return min(1.0, 2 * tail / 2**n)
 
 
 def _totals(details):
