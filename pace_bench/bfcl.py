@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 
 from pace_bench import arms as registry
-from pace_bench.stats import wilson
+from pace_bench.stats import sign_test, wilson
 
 CATEGORIES = ("base", "long_context", "miss_func")
 HELD_OUT = ("miss_param", "composite")  # kept to evaluate this suite on material it was not tuned on
@@ -653,8 +653,44 @@ def table(records: list[dict]) -> str:
         if errors:
             out += ["", "Failures by bfcl-eval's error type: " + "; ".join(
                 f"{e} " + ", ".join(f"{a} {c}" for a, c in sorted(by.items())) for e, by in sorted(errors.items()))]
+        if paired_line := against_h2o(got):
+            out += ["", paired_line]
         out.append("")
+    if twins_line := long_context_twins(records):
+        out.append(twins_line)
     return "\n".join(out)
+
+
+def against_h2o(records: list[dict]) -> str:
+    """Each arm against H2O entry by entry, on the full cache's calls kept, with the two-sided sign test:
+    the calls of one entry hang together, so the entries, not the calls, are the independent units."""
+    by = {(r["session_id"], r["arm"]): r for r in records}
+    parts = []
+    for arm in [a for a in ARMS if a not in ("full", "h2o") and any(r["arm"] == a for r in records)]:
+        more = fewer = tied = 0
+        for (sid, a), full in by.items():
+            if a != "full" or (sid, arm) not in by or (sid, "h2o") not in by:
+                continue
+            mine, theirs = calls_kept(by[sid, arm], full)[0], calls_kept(by[sid, "h2o"], full)[0]
+            more, fewer, tied = more + (mine > theirs), fewer + (mine < theirs), tied + (mine == theirs)
+        if more + fewer + tied:
+            parts.append(f"{arm} more on {more}, fewer on {fewer}, as many on {tied} "
+                         f"(sign test p = {sign_test(more, fewer):.2g})")
+    return ("Full's calls kept, entry by entry against h2o: " + "; ".join(parts)) if parts else ""
+
+
+def long_context_twins(records: list[dict]) -> str:
+    """How many ``long_context`` entries played exactly as their ``base`` twins under the full cache (the
+    same calls and tokens). Their long content reaches the model only through tool outputs, so a model
+    whose calls never fetch it plays the base entry again, and the two categories are not two samples."""
+    full = {r["session_id"]: r for r in records if r["arm"] == "full"}
+    pairs = [(r, full[sid.replace("long_context", "base")]) for sid, r in full.items()
+             if r["category"] == "long_context" and sid.replace("long_context", "base") in full]
+    if not pairs:
+        return ""
+    same = sum(a["calls"] == b["calls"] and a["tokens"] == b["tokens"] for a, b in pairs)
+    return (f"Under the full cache, {same} of {len(pairs)} long_context entries played exactly as their base "
+            "twins (the same calls and tokens): their long content comes only through tool outputs.")
 
 
 def header(run: dict) -> str:

@@ -67,6 +67,25 @@ def test_calls_kept_counts_only_what_the_full_cache_executed():
     assert bfcl.calls_kept({"calls": [[["ls()"]]]}, {"calls": [[["ls()"]], [["pwd()"]]]}) == (1, 2)  # a turn not reached
 
 
+def test_arms_are_compared_with_h2o_entry_by_entry_and_twins_are_found():
+    """The paired line counts entries, not calls (an entry's calls hang together), and says the sign test's p;
+    the twins line finds long_context entries that played exactly as their base twins."""
+    def rec(sid, arm, calls, tokens=100):
+        return {"session_id": sid, "arm": arm, "category": sid.rsplit("_", 1)[0].removeprefix("multi_turn_"),
+                "calls": calls, "tokens": tokens}
+    two = [[["ls()"], ["cd(folder='a')"]]]
+    records = [rec(f"multi_turn_base_{i}", "full", two) for i in range(6)]
+    records += [rec(f"multi_turn_base_{i}", "h2o", [[]]) for i in range(6)]
+    records += [rec(f"multi_turn_base_{i}", "pace", two if i < 5 else [[]]) for i in range(6)]
+    records += [rec(f"multi_turn_base_{i}", "pace_retrieval", [[]]) for i in range(6)]
+    line = bfcl.against_h2o(records)
+    assert "pace more on 5, fewer on 0, as many on 1 (sign test p = 0.062)" in line
+    assert "pace_retrieval more on 0, fewer on 0, as many on 6 (sign test p = 1)" in line
+    assert bfcl.long_context_twins(records) == ""  # no long_context entries
+    records += [rec("multi_turn_long_context_0", "full", two), rec("multi_turn_long_context_1", "full", two, tokens=900)]
+    assert bfcl.long_context_twins(records).startswith("Under the full cache, 1 of 2 long_context entries")
+
+
 def test_held_out_categories_are_refused_before_anything_loads(nothing_loads, capsys):
     for held in ("miss_param", "multi_turn_composite"):
         with pytest.raises(SystemExit):
