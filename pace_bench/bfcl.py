@@ -42,7 +42,8 @@ per turn and step, the raw replies, tokens, peak KV bytes and wall and CPU secon
 pairs played; under ``accelerate launch`` each process plays a share into ``probes.rank{N}.jsonl`` and the
 main one merges them (``pace_bench.records``). ``table.md``: accuracy with 95% Wilson intervals, fidelity
 to the full cache (turns whose executed calls equal full's), the full cache's calls and passes each arm
-keeps, each arm against H2O entry by entry (sign test), and memory. ``--report`` writes the table of what ``--out`` holds so far, a run still going included.
+keeps, each arm against H2O entry by entry (sign test), and memory. ``--report`` writes the table of what
+``--out`` holds so far, a run still going included.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import datasets
 import evaluate
 
 from pace_bench.facts import in_pool, numeral
-from pace_bench.stats import sign_test
 from pace_bench.metrics.pace_coding.sandbox import SandboxLimits, decode_value, plain_data_error, run_answer
+from pace_bench.stats import sign_test
 
 _CITATION = """\
 @software{pace_hf,
