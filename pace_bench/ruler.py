@@ -40,7 +40,8 @@ answer's first query runs; for ``pace_retrieval``, the rank of that needle's pag
 signal (lexical, digest, both) over every page of the context. Output in ``--out``: ``probes.jsonl``
 (``--resume`` keeps it; a context cut short answers only its missing questions), ``table.md``
 (accuracy per task, length and arm over questions, with 95% Wilson intervals, per setting),
-``ruler_{setting}.png`` and ``run.json``. ``--report`` plays nothing and writes the table and figures of
+``ruler_{setting}.png``, ``run.json`` and ``contexts/`` (the samples, so a resumed stage need not
+generate them again). ``--report`` plays nothing and writes the table and figures of
 what ``--out`` holds so far, a run still going included.
 
 Contexts are independent, so several processes can share the (context, arm) pairs, as in the coding
@@ -55,6 +56,7 @@ import argparse
 import bisect
 import contextlib
 import copy
+import hashlib
 import importlib.util
 import io
 import json
@@ -179,7 +181,43 @@ def generate(task: str, length: int, n: int, tokenizer, seed: int, needles: int 
             out = modules[0].sys_kwext(tokenizer=tokenizer, max_seq_length=length, num_samples=n)
         else:
             out = modules[0].sys_word_pair_random(num_samples=n, max_seq_length=length, tokenizer=tokenizer)
-    return [dict(x, task=task, needles=needles) for x in out]
+    out = [dict(x, task=task, needles=needles) for x in out]
+    return [dict(x, questions=form_questions(x)) for x in out]
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """What a tokenizer cuts text with (a fast tokenizer's whole pipeline, else its vocabulary), hashed: a
+    context sized with another tokenizer has other lengths."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def kept_or_generated(folder: Path, task: str, length: int, n: int, tokenizer, seed: int,
+                      needles: int = 1) -> list[dict]:
+    """:func:`generate`'s samples, kept in ``folder`` (a run's ``OUT/contexts``): a stage resumed, or a
+    second stage on the same contexts, reads them instead of importing lm-eval's generators again (8 s
+    for ``prepare_niah``) and sizing each context again with the tokenizer (minutes at 128K). An entry
+    is keyed by all that :func:`generate` reads, lm-eval's version and the tokenizer included; one that
+    cannot be read, or holds another key, is generated again and replaced (atomically)."""
+    from importlib.metadata import version
+
+    key = {"task": task, "length": length, "samples": n, "seed": seed, "needles": needles,
+           "lm_eval": version("lm_eval"), "tokenizer": tokenizer_digest(tokenizer)}
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = folder / f"{task}-{length}-{name}.json"
+    try:
+        kept = json.loads(path.read_text())
+        if kept["key"] == key and len(kept["samples"]) == n:
+            return kept["samples"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent, cut short or damaged: generated again below
+    samples = generate(task, length, n, tokenizer, seed, needles)
+    folder.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(f".{os.getpid()}.part")
+    part.write_text(json.dumps({"key": key, "samples": samples}))
+    os.replace(part, path)
+    return samples
 
 
 def niah_question(task: str, key: str) -> tuple[str, str]:
@@ -212,10 +250,10 @@ def niah_questions(sample: dict) -> list[dict]:
     return out
 
 
-def questions(sample: dict) -> list[dict]:
+def form_questions(sample: dict) -> list[dict]:
     """The questions asked of ``sample``'s context, each a RULER doc for :func:`score` (its question line,
     ``gen_prefix``, ``outputs`` and the sample's ``max_length``): one per needle when it carries several,
-    else the sample's own."""
+    else the sample's own. :func:`generate` forms them once, into the sample's ``questions``."""
     own = [{"question": split_question(sample)[1], "gen_prefix": sample["gen_prefix"],
             "outputs": list(sample["outputs"])}]
     return [dict(q, max_length=sample["max_length"]) for q in (niah_questions(sample) if sample["needles"] > 1 else own)]
@@ -295,9 +333,9 @@ def tool_cuts(context: str, spans, tokenizer, tool_tokens: int) -> list[int]:
 def build_prompt(sample: dict, setting: str, template, settings: RulerSettings) -> dict:
     """The conversation's ids: ``context`` (everything before the first question's turn, or before the
     question in question-last), ``questions`` (per question, the rest, up to and with its answer prefix),
-    ``docs`` (:func:`questions`) and ``needles`` (per question, its needle's logical positions)."""
+    ``docs`` (the sample's ``questions``) and ``needles`` (per question, its needle's logical positions)."""
     context, _ = split_question(sample)
-    docs = questions(sample)
+    docs = sample["questions"]
     groups = [needle_spans(context, d["outputs"]) for d in docs]
     ids = list(template.system_ids)
 
@@ -673,10 +711,9 @@ def contexts(args, tokenizer) -> list[tuple[str, dict]]:
             k = needles_of(task, args.needles) if setting == "session" else 1
             for length in args.lengths:
                 if (task, length, k) not in made:
-                    try:
-                        made[task, length, k] = generate(task, length, args.samples, tokenizer, args.seed, k)
-                        for x in made[task, length, k]:
-                            questions(x)  # every needle's question can be formed
+                    try:  # every needle's question is formed here too
+                        made[task, length, k] = kept_or_generated(Path(args.out) / "contexts", task, length,
+                                                                  args.samples, tokenizer, args.seed, k)
                     except (ValueError, AssertionError) as e:
                         raise SystemExit(f"pace-bench --suite ruler: {task} at {length} tokens: {e}") from None
                 out += [(setting, x) for x in made[task, length, k]]
@@ -689,7 +726,7 @@ def kept_records(paths, plays) -> list[dict]:
     would mix two runs' questions."""
     from pace_bench.records import read_jsonl
 
-    asked = {context_id(setting, x): [q["outputs"] for q in questions(x)] for setting, x in plays}
+    asked = {context_id(setting, x): [q["outputs"] for q in x["questions"]] for setting, x in plays}
     records = read_jsonl(paths)
     for r in records:
         want = asked.get(r["session_id"])
@@ -758,7 +795,7 @@ def main(argv=None) -> int:
            "dtype": str(dtype).removeprefix("torch."), "num_processes": state.num_processes}
     order = [(setting, x, arm) for setting, x in plays for arm in args.arms]
     work = [(setting, x, arm) for setting, x, arm in order
-            if len(answered.get((context_id(setting, x), arm), ())) < len(questions(x))]
+            if len(answered.get((context_id(setting, x), arm), ())) < len(x["questions"])]
     rank = {(context_id(setting, x), arm): k for k, (setting, x, arm) in enumerate(order)}
 
     def played(item, store):

@@ -64,7 +64,7 @@ def test_without_lm_eval_the_suite_says_so_before_anything_loads(nothing_loads, 
 def test_samples_and_scores_are_lm_evals_own(tok):
     sample = ruler.generate("niah_single_1", 1024, 1, tok, seed=0)[0]
     assert sample["max_length"] == 1024 and sample["outputs"][0] in sample["input"]
-    [doc] = ruler.questions(sample)  # one needle: the sample's own question
+    [doc] = sample["questions"]  # one needle: the sample's own question
     assert ruler.score(doc, f" {sample['outputs'][0]}.") == 1.0 and ruler.score(doc, " 12.") == 0.0
     context, question = ruler.split_question(sample)
     assert question.startswith("What is the special magic number") and sample["outputs"][0] in context
@@ -92,6 +92,35 @@ for task in ("niah_single_1", "vt"):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_contexts_are_kept_and_read_back_without_lm_evals_generators(tok, model_dir, tmp_path):
+    """A stage resumed, or another stage on the same contexts, reads its samples (questions formed) from
+    OUT/contexts instead of importing lm-eval's generators again; another seed is another entry, and a
+    damaged entry, or one that holds another key, is generated again, the same."""
+    made = ruler.kept_or_generated(tmp_path, "niah_single_1", 1024, 2, tok, seed=0, needles=2)
+    assert made == ruler.generate("niah_single_1", 1024, 2, tok, seed=0, needles=2)
+    [path] = tmp_path.glob("niah_single_1-1024-*.json")
+    code = f"""
+import json, sys
+from pathlib import Path
+from transformers import AutoTokenizer
+from pace_bench import ruler
+tok = AutoTokenizer.from_pretrained({str(model_dir)!r})
+print(json.dumps(ruler.kept_or_generated(Path({str(tmp_path)!r}), "niah_single_1", 1024, 2, tok, seed=0, needles=2)))
+print(sorted(m for m in sys.modules if m.startswith("lm_eval.tasks.ruler.")))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    read, imported = done.stdout.splitlines()[-2:]
+    assert json.loads(read) == made and imported == "[]"
+    other = ruler.kept_or_generated(tmp_path, "niah_single_1", 1024, 2, tok, seed=1, needles=2)
+    assert other != made and len(list(tmp_path.glob("niah_single_1-1024-*.json"))) == 2
+    for damage in (path.read_text()[:100], json.dumps({"key": {"task": "vt"}, "samples": []})):
+        path.write_text(damage)
+        assert ruler.kept_or_generated(tmp_path, "niah_single_1", 1024, 2, tok, seed=0, needles=2) == made
+        assert json.loads(path.read_text())["samples"] == made
+    assert not list(tmp_path.glob("*.part"))
+
+
 def test_a_context_carries_k_needles_from_lm_evals_generator_each_asked_and_scored_alone(tok):
     from pace_hf.chat import DEFAULT_SYSTEM, ChatTemplate
 
@@ -99,7 +128,7 @@ def test_a_context_carries_k_needles_from_lm_evals_generator_each_asked_and_scor
     context, _ = ruler.split_question(sample)
     assert context.startswith("Some special magic numbers are hidden")  # lm-eval's template, K needles
     needles = dict(NEEDLE_LINE.findall(context))  # the repeat haystack has no other line of that form
-    docs = ruler.questions(sample)
+    docs = sample["questions"]
     assert len(needles) == 3 and sorted(d["outputs"][0] for d in docs) == sorted(needles.values())
     for doc in docs:
         key = re.fullmatch(r"What is the special magic number for (.+) mentioned in the provided text\?",
@@ -112,7 +141,7 @@ def test_a_context_carries_k_needles_from_lm_evals_generator_each_asked_and_scor
     multi = ruler.generate("niah_multikey_2", 1024, 1, tok, seed=0, needles=2)[0]
     lines = dict(NEEDLE_LINE.findall(multi["input"]))
     assert len(lines) > 10 and [lines[re.search(r"for (.+) mentioned", d["question"]).group(1)] for d in
-                                ruler.questions(multi)] == multi["outputs"]
+                                multi["questions"]] == multi["outputs"]
     # each question's needle is its own span of the conversation's tokens
     template = ChatTemplate(tok, DEFAULT_SYSTEM)
     prompt = ruler.build_prompt(sample, "session", template, ruler.RulerSettings(tool_tokens=128))
