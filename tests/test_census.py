@@ -4,17 +4,22 @@
 family's row there must say what the check finds now.
 """
 
+import functools
 import re
 from pathlib import Path
 
+import census
 import pytest
 import torch
 import transformers as tf
-from census import check, families, renumbered_keys_are_the_models_own, tiny_config
+from census import families, renumbered_keys_are_the_models_own, tiny_config
 
 from pace_hf import H2OCache, PACECache
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "concepts" / "families.md"
+# A family's verdict is deterministic (seeded): found once per run, read by every test that asks (a hybrid's
+# check takes half a minute)
+check = functools.cache(census.check)
 
 
 def documented() -> dict[str, str]:
