@@ -149,11 +149,28 @@ class Backends:
         self.name = re.sub(r"\W", "_", f"pace_bench_{tag}_{uuid.uuid4().hex[:8]}")
 
     def execute(self, calls: list[str]) -> list[str]:
+        return self.run(calls)[0]
+
+    def run(self, calls: list[str]) -> tuple[list[str], dict]:
+        """Each call's output, and the backend instances by class (their state, for ``state_checker``)."""
         from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import execute_multi_turn_func_call
 
-        results, _ = execute_multi_turn_func_call(calls, self.entry["initial_config"], self.entry["involved_classes"],
-                                                  self.name, self.entry["id"], long_context=long_context(self.entry))
-        return results
+        return execute_multi_turn_func_call(calls, self.entry["initial_config"], self.entry["involved_classes"],
+                                            self.name, self.entry["id"], long_context=long_context(self.entry))
+
+    def fork(self, tag: str) -> "Backends":
+        """A copy of these backends as they are now (their instances deep-copied): a call tried aside on it
+        leaves this play's state untouched. Backends not yet used copy nothing and start from the entry's
+        ``initial_config``, as these would."""
+        import copy
+
+        from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+
+        twin = Backends(self.entry, tag)
+        space = vars(multi_turn_utils)
+        for key in [k for k in space if k.startswith(self.name)]:
+            space[twin.name + key[len(self.name):]] = copy.deepcopy(space[key])
+        return twin
 
     def check(self, decoded: list[list[list[str]]], forced: bool) -> dict:
         """bfcl-eval's verdict: ``{"valid": bool, ...}``. As its eval runner does, an entry stopped before

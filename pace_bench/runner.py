@@ -348,10 +348,11 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 def _suite_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--suite", choices=("coding", "ruler", "repo", "bfcl"), default="coding",
+    ap.add_argument("--suite", choices=("coding", "ruler", "repo", "bfcl", "bfcl-chain"), default="coding",
                     help="coding: the long-session coding benchmark; ruler: RULER through lm-eval (see --suite ruler "
                          "--help); repo: sessions over installed packages' real source (see --suite repo --help); "
-                         "bfcl: BFCL v4 multi-turn tool calling, scored by bfcl-eval (see --suite bfcl --help)")
+                         "bfcl: BFCL v4 multi-turn tool calling, scored by bfcl-eval (see --suite bfcl --help); bfcl-chain: BFCL "
+                         "entries chained into long sessions, teacher-forced (see --suite bfcl-chain --help)")
     return ap
 
 
@@ -469,6 +470,10 @@ def main(argv=None) -> int:
         from pace_bench.bfcl import main as bfcl_main
 
         return bfcl_main(argv)
+    if suite.suite == "bfcl-chain":  # BFCL entries chained into long sessions, teacher-forced (--suite bfcl-chain --help)
+        from pace_bench.bfcl_chain import main as chain_main
+
+        return chain_main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)

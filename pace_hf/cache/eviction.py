@@ -10,6 +10,7 @@ from ``pace_hf.memory``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 
 import torch
@@ -570,6 +571,31 @@ class EvictionCache(FixedRows, DynamicCache):
         positions back in layer 0, in any KV head)."""
         self._one_sequence("restore(start, end)")
         return self.memory.restore(self, start, end)
+
+    def fork(self) -> "EvictionCache":
+        """An independent copy of this cache, bound to the same model and holding no store: a branch (a
+        speculative probe, a sampled alternative) runs on the copy and this cache stays exactly as it was,
+        so the session goes on as if the branch had never run. Why not ``copy.deepcopy``: the binding, the
+        store and its threads must not be duplicated. Copied: every layer's tensors (resident and reference
+        keys, ledger, scores), the policy with its blueprint, the step, the renumber state and the ids seen.
+        The copy's evictions are dropped, never spilled into this session's store. ``unbind()`` it when done."""
+        self._one_sequence("fork()")
+        model = self._filled_by() if self._filled_by is not None else None
+        if self.binding is None or model is None:
+            raise RuntimeError("fork() needs a cache bound to a model (bind(model) first)")
+        if self.in_forward or self._held is not None:
+            raise RuntimeError("fork() cannot run inside a forward or while a held prompt is not yet compressed")
+        twin = type(self).__new__(type(self))
+        EvictionCache.__init__(twin, budget=self.budget, sinks=self.sinks, recent=self.recent,
+                               scoring=copy.deepcopy(self.scoring), limit=self.limit)
+        twin.layer_class = self.layer_class
+        twin.bind(model)
+        for mine, theirs in zip(twin.layers, self.layers):
+            if theirs.is_initialized:
+                mine.load(theirs.tensors(), theirs.get_seq_length())  # every kind's load copies
+        twin._step, twin.renumbers, twin.next_physical = self._step, self.renumbers, self.next_physical
+        twin.tokens = copy.deepcopy(self.tokens)
+        return twin
 
     def save(self) -> str:
         """Write everything needed to continue this session to the store, as one new generation: every
