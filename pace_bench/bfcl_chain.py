@@ -313,7 +313,7 @@ class Prefill:
                 piece = torch.tensor([ids[start:stop]], dtype=torch.long, device=self.model.device)
                 hidden = self.decoder(input_ids=piece, cache=self.cache, use_cache=True).last_hidden_state[0]
                 at = [p for p in range(start, stop) if p + 1 in self.targets]
-                if stop == end:
+                if stop == end and stop - 1 not in at:
                     at.append(stop - 1)
                 if not at:
                     continue
@@ -325,7 +325,7 @@ class Prefill:
                         got[1] += float(torch.logsumexp(row, 0) - row[ids[p + 1]])
                         got[2] += int(int(row.argmax()) == ids[p + 1])
                 if stop == end:
-                    last = logits[-1]
+                    last = logits[at.index(stop - 1)]
         self.done = end
         self.seconds += time.perf_counter() - started
         return last
@@ -350,10 +350,10 @@ def probe(model, cache, first: torch.Tensor, *, max_tokens: int, stop_ids, token
                 piece = torch.tensor([[token]], dtype=torch.long, device=model.device)
                 token = int(_head(model, decoder(input_ids=piece, cache=branch, use_cache=True).last_hidden_state[0, -1:])[0].argmax())
     finally:
-        if branch is cache and cache.get_seq_length() > seen:
-            cache.crop(seen - cache.get_seq_length())  # transformers 5 takes the tokens to drop, negative
-        else:
+        if branch is not cache:
             branch.unbind()
+        elif cache.get_seq_length() > seen:
+            cache.crop(seen - cache.get_seq_length())  # transformers 5 takes the tokens to drop, negative
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
