@@ -331,10 +331,11 @@ class Prefill:
         return last
 
 
-def probe(model, cache, first: torch.Tensor, *, max_tokens: int, stop_ids, tokenizer) -> str:
+def probe(model, cache, first: torch.Tensor, *, max_tokens: int, stop_ids, tokenizer, names=()) -> str:
     """Greedy decoding from the logits ``first`` on a branch of ``cache`` (an ``EvictionCache``'s
-    ``fork()``, or a ``DynamicCache`` cropped back after), until a stop token, the first call's closing
-    ``</tool_call>`` or ``max_tokens``; the text. ``cache`` is left exactly as it was."""
+    ``fork()``, or a ``DynamicCache`` cropped back after), until a stop token, ``max_tokens``, or the first
+    call is written whole (:func:`pace_bench.bfcl.parse_calls` reads one: only the first is scored); the
+    text. ``cache`` is left exactly as it was."""
     from pace_hf import EvictionCache
 
     decoder = model.get_decoder()
@@ -345,7 +346,10 @@ def probe(model, cache, first: torch.Tensor, *, max_tokens: int, stop_ids, token
         with torch.no_grad():
             while token not in stop_ids and len(out) < max_tokens:
                 out.append(token)
-                if len(out) == max_tokens or "</tool_call>" in tokenizer.decode(out[-8:]):
+                if len(out) == max_tokens:
+                    break
+                closing = tokenizer.decode(out[-1:])  # a call can only be whole after a brace or parenthesis
+                if ("}" in closing or ")" in closing) and bfcl.parse_calls(tokenizer.decode(out, skip_special_tokens=True), names):
                     break
                 piece = torch.tensor([[token]], dtype=torch.long, device=model.device)
                 token = int(_head(model, decoder(input_ids=piece, cache=branch, use_cache=True).last_hidden_state[0, -1:])[0].argmax())
@@ -437,7 +441,7 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
                             if probes:
                                 t0 = time.perf_counter()
                                 text = probe(model, cache, first, max_tokens=s.probe_tokens, stop_ids=stop_ids,
-                                             tokenizer=tokenizer)
+                                             tokenizer=tokenizer, names=docs)
                                 probe_seconds += time.perf_counter() - t0
                                 judged.append([e, turn.index, judge(text, turn, docs)])
                             conversation.add("assistant", block.content, block.ids)
