@@ -805,3 +805,168 @@ def test_the_card_publishes_the_chance_levels():
     for name, level in chance_levels().items():
         assert f"| `{name}` | {level:.2g} |" in card, name
     assert f"**{sum(chance_levels().values()):.2g}**" in card
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 66: an answer that answers the harness's calls, answers that abort the batch, candidate lists
+
+
+_ANSWERS_THE_CALLS = '''
+import json, os, sys, threading
+CODES = ["%%s-%%d" %% (p, n) for p in %r for n in range(1000, 10000)]
+seen = []
+
+def _forge(read_fd, write_fd):
+    """Wait on the call channel; answer each request read off it with its nonce and every error code."""
+    buf = b""
+    while True:
+        try:
+            chunk = os.read(read_fd, 1 << 16)
+        except OSError:
+            return
+        if not chunk:
+            return
+        buf += chunk
+        while b"\\n" in buf:
+            line, buf = buf.split(b"\\n", 1)
+            if len(line) > 33 and line[32:33] == b" ":
+                seen.append(line[:32])
+                reply = json.dumps({"c": line[:32].decode(), "violations": [], "status": "raised",
+                                    "exc_type": "LedgerError", "exc_args": CODES, "exc_attrs": {}})
+                view = memoryview(reply.encode() + b"\\n")
+                while view:
+                    view = view[os.write(write_fd, view):]
+
+def _by_path():
+    try:
+        _forge(os.open(".pace-call", os.O_RDONLY), os.open(".pace-report", os.O_WRONLY))
+    except OSError:
+        pass
+
+threading.Thread(target=_forge, args=(int(sys.argv[2]), int(sys.argv[3])), daemon=True).start()
+threading.Thread(target=_by_path, daemon=True).start()
+
+def settle(record):
+    raise ValueError("no code")
+
+def calls_read():
+    return len(seen)
+'''
+
+
+def test_an_answers_thread_cannot_answer_the_harnesss_calls():
+    """Issue 66, attack 1: a thread of the answer waited on the call FIFO (its number is in ``sys.argv``,
+    its path in the scratch folder), got the next request (a reader that waits first is woken first) and
+    answered it with the right nonce and all 108,000 error codes: ``settle_error_code`` passed in every
+    session. Now the harness's descriptors are in a table of its own and the FIFOs' paths are gone before
+    the answer runs, the parent refuses a reply over the harness's caps, and a check needs exactly one
+    code."""
+    ref = {"checks": [{"name": "settle_error_code", "expr": "settle(None)", "expected": {"raises": None, "code": "PAY-4817"}},
+                      {"name": "no_request_read", "expr": "calls_read()", "expected": 0}]}
+    out = M.score_answer("```python\n" + _ANSWERS_THE_CALLS % S.CODE_PREFIXES + "```", json.dumps(ref))
+    error_code, read = out["checks"]
+    assert not error_code["passed"] and error_code["got"] == "ValueError('no code',)", error_code
+    assert read["passed"], read  # no request ever reached the answer's threads
+
+
+def test_an_answer_that_cannot_be_described_fails_alone(rows):
+    """Issue 66, attack 2: a module holding an integer literal of 4,470 decimal digits made the child's
+    description of the answer raise (``repr``: "Exceeds the limit (4300 digits)"); the child reported a
+    failed setup, and ``compute`` raised SandboxUnavailable for the whole batch. Now that answer scores 0
+    with the reason, and the next answer of the batch is scored as usual."""
+    ref = rows[0]["probes"][0]["reference"]
+    good = reference_solution(rows[0], "fee_for")
+    literal = good.replace("```python\n", "```python\nBIG = 0x" + "f" * 3712 + "\n", 1)
+    out = M.score([literal, good], [ref, ref])
+    hostile, honest = out["details"]
+    assert hostile["checks_passed"] == 0 and hostile["failure"] == "error", hostile
+    assert all("4300" in c["got"] for c in hostile["checks"]), hostile["checks"][0]
+    assert honest["passed"], honest
+
+
+_READS_REPORTS_BACK = '''
+import os, sys, threading
+reached = []
+
+def _steal(fd):
+    """Read back what the harness writes to the report FIFO, and write it again."""
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+            reached.append(1)
+            os.write(fd, data)
+        except OSError:
+            return
+
+threading.Thread(target=_steal, args=(int(sys.argv[3]),), daemon=True).start()
+
+def channel_reached():
+    return len(reached)
+'''
+
+
+def test_a_report_fifo_read_back_does_not_abort_the_batch(rows):
+    """Issue 66, attack 3: the child held the report FIFO read-write, and a thread of the answer read each
+    reply back (and wrote it again); where it won the race between the parent's ``select`` and ``read``, the
+    parent's read of the non-blocking FIFO raised BlockingIOError out of ``compute``. Now the answer's
+    threads hold no descriptor of the FIFO, and the parent takes an empty read as nothing to read (an error
+    reading a FIFO fails that answer alone: ``test_sandbox.py``)."""
+    ref = json.loads(rows[0]["probes"][0]["reference"])
+    ref["checks"].append({"name": "no_channel", "expr": "channel_reached()", "expected": 0, "fact": None})
+    good = reference_solution(rows[0], "fee_for")
+    hostile = good.replace("```python\n", "```python\n" + _READS_REPORTS_BACK, 1)
+    out = M.score([hostile] * 3 + [good], [json.dumps(ref)] * 3 + [rows[0]["probes"][0]["reference"]])
+    assert all(d["passed"] for d in out["details"]), [d["failure"] for d in out["details"]]
+
+
+def _every_candidate(value):
+    """``value`` with each leaf that a session fact could be replaced by every value of that fact's pool
+    (a name, a status, a code: all of them; a number: it and its neighbours; a bool: both)."""
+    from decimal import Decimal
+
+    pools = [S.CLASS_NAMES, S.EXCEPTION_NAMES, S.STATUS_OPEN, S.STATUS_SETTLED, S.AMOUNT_FIELDS, S.STATUS_FIELDS,
+             [f.format(c=S.snake(c)) for f in S.ID_FIELDS for c in S.CLASS_NAMES]]
+    if isinstance(value, dict) and set(value) == {"__decimal__"}:
+        x = Decimal(value["__decimal__"])
+        return [{"__decimal__": str(x + d)} for d in (Decimal("-0.05"), Decimal("-0.01"), 0, Decimal("0.01"), Decimal("0.05"))]
+    if isinstance(value, dict):
+        return {k: _every_candidate(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_every_candidate(v) for v in value]
+    if isinstance(value, bool):
+        return [True, False]
+    if isinstance(value, str):
+        return next((list(pool) for pool in pools if value in pool), value)
+    return value
+
+
+def test_an_answer_offering_every_candidate_passes_no_check(rows):
+    """Issue 66: ``settle_error_code`` passed when any one of the exception's values equalled the code, so an
+    exception carrying every code passed it. For every check of every probe, a result that offers every
+    candidate value of the pools its expected value is drawn from (every code among the exception's args or
+    attributes, beside the right one; every name, status or neighbouring amount in place of each) passes
+    nothing, while the result that offers only the right values passes."""
+    from pace_bench.metrics.pace_coding.sandbox import CallResult, decode_value
+
+    codes = ["%s-%d" % (p, n) for p in S.CODE_PREFIXES for n in range(S.CODE_NUMBERS[0], S.CODE_NUMBERS[1] + 1)]
+    seen = set()
+    for row in rows:
+        for probe in row["probes"]:
+            for c in json.loads(probe["reference"])["checks"]:
+                seen.add(c["name"])
+                expected = c["expected"]
+                if isinstance(expected, dict) and "raises" in expected:
+                    name, code = expected["raises"] or "LedgerError", expected["code"]
+                    right = CallResult("raised", exc_type=name, exc_args=[code, "the record is settled"], exc_attrs={})
+                    offers = [CallResult("raised", exc_type=name, exc_args=codes, exc_attrs={}),
+                              CallResult("raised", exc_type=name, exc_args=[code, codes[0]], exc_attrs={}),
+                              CallResult("raised", exc_type=name, exc_args=[code], exc_attrs={"alternative": codes[-1]}),
+                              CallResult("raised", exc_type=name, exc_args=[], exc_attrs={"code": code, "old": "E-417"})]
+                else:
+                    right = CallResult("ok", value=expected)
+                    offers = [CallResult("ok", value=_every_candidate(expected))]
+                assert M.check_passed(expected, right), c["name"]
+                for offer in offers:
+                    assert not M.check_passed(expected, offer), (c["name"], decode_value(offer.exc_args or [])[:3])
+    from pace_bench.checks import CHECK_FACTS
+    assert seen == set(CHECK_FACTS)

@@ -422,9 +422,10 @@ def test_lookalike_values_with_forged_equality_are_errors():
                    zip(results, [1, "x", 42, [1, 42], {"a": 1}, {}, [1, 2], {"__decimal__": "42"}, 0]))
 
 
-def test_fake_report_lines_on_stdout_are_ignored_and_on_the_pipe_fail_the_run():
-    """Lines on stdout/stderr mean nothing; a line the program writes on the report pipe is an
-    unasked answer: it fails the call during which it came and every later one."""
+def test_fake_report_lines_on_stdout_are_ignored_and_none_reach_the_pipe():
+    """Lines on stdout/stderr mean nothing; a line the program writes to every descriptor it has reaches
+    no report pipe (issue 66: the harness's descriptors are its own; what the parent makes of an unasked
+    answer: test_unasked_duplicate_and_early_lines_fail_the_calls)."""
     results = run("""
         import os, sys
         FAKE = '{"c": "0", "status": "ok", "value": 42}'
@@ -441,8 +442,7 @@ def test_fake_report_lines_on_stdout_are_ignored_and_on_the_pipe_fail_the_run():
             return "real"
         """, ["on_stdout()", "forge()", "'after'"])
     assert passes(results[0], "real") and not passes(results[0], 42)
-    assert [r.status for r in results[1:]] == ["error", "error"], results
-    assert all("broke the protocol" in r.detail for r in results[1:])
+    assert passes(results[1], "real") and passes(results[2], "after"), results
 
 
 def test_stdout_flood_does_not_block_or_confuse_the_parent():
@@ -731,7 +731,8 @@ def test_libraries_that_open_files_themselves_meet_the_wall(exposed):
 
 def test_a_result_nested_700_deep_is_a_failed_call_not_a_crash():
     """Defect 2: the parent validates a result's shape and size itself (a forged report line, or
-    a child that does not check) and turns anything else into an error."""
+    a child that does not check) and turns anything else into an error; a line nested deeper than any
+    reply of the harness is not parsed at all (issue 66): it breaks the protocol."""
     import json
     from pace_bench.metrics.pace_coding import sandbox as S
 
@@ -747,19 +748,20 @@ def test_a_result_nested_700_deep_is_a_failed_call_not_a_crash():
             run_.feed(raw.replace(b"NONCE", nonce.encode()) if raw else json.dumps(dict(msg, c=nonce)).encode())
 
         run_.feed(json.dumps({"setup": ["landlock v7"]}).encode())
-        answer(ready=True)
-        answer(b'{"c": "NONCE", "status": "ok", "value": ' + b"[" * 700 + b"]" * 700 + b"}")
-        answer(status="ok", value={"__decimal__": "not a number"})
-        answer(status="raised", exc_type="E", exc_args=[{"__decimal__": "sNaN"}], exc_attrs=[])
-        answer(status="ok", value={"__decimal__": "1.25"})
+        answer(ready=True, violations=[])
+        answer(status="ok", value=[[[]]] * 3 + [{"__decimal__": "not a number"}], violations=[])
+        answer(status="raised", exc_type="E", exc_args=[{"__decimal__": "sNaN"}], exc_attrs={"k": {"__decimal__": "sNaN"}},
+               violations=[])
+        answer(status="ok", value={"__decimal__": "1.25"}, violations=[])
+        answer(b'{"c": "NONCE", "status": "ok", "value": ' + b"[" * 700 + b"]" * 700 + b', "violations": []}')
         results = run_.results(None, 1.0, "")
     finally:
         os.close(rfd)
         run_.close_calls()
-    assert [r.status for r in results] == ["error", "error", "raised", "ok"]
-    assert "deeper than" in results[0].detail and "decimal" in results[1].detail
-    assert results[2].exc_args is None and results[2].exc_attrs == {}
-    assert S.decode_value(results[3].value) == __import__("decimal").Decimal("1.25")
+    assert [r.status for r in results] == ["error", "raised", "ok", "error"]
+    assert "decimal" in results[0].detail and "deeper than" in results[3].detail  # not parsed: no reply
+    assert results[1].exc_args is None and results[1].exc_attrs == {}
+    assert S.decode_value(results[2].value) == __import__("decimal").Decimal("1.25")
     assert sent == ["", "a()", "b()", "c()", "d()"]  # the load, then one call at a time
     deep = []
     for _ in range(100_000):
@@ -967,3 +969,208 @@ def test_diagnostics_do_not_name_the_runs_scratch_folder():
     assert raised.status == "raised" and raised.exc_type == "ValueError"
     for text in (failed.detail, raised.exc_args[0]):
         assert "email/utils.py" in text and "pace-sandbox-" not in text
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 66: the parent's side of a run, where the report channel is reached (code on the harness's thread)
+
+
+def _fake_child(call_fd, report_fd, reply):
+    """Answer each request on ``call_fd`` with ``reply(k, nonce)`` (the load is request 0) on ``report_fd``,
+    as the child's harness would; a thread of this process."""
+    import threading
+
+    def serve():
+        buf, k = b"", 0
+        while True:
+            try:
+                chunk = os.read(call_fd, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                try:
+                    data = reply(k, line.split(b" ")[0].decode()) + b"\n"
+                    while data:
+                        data = data[os.write(report_fd, data):]
+                except OSError:
+                    return
+                k += 1
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def _parent_run(calls, reply, deadline_s=5.0):
+    """``_read_reports`` against a fake child that answers with ``reply``; returns the run's results."""
+    import json
+    from pace_bench.metrics.pace_coding import sandbox as S
+
+    call_r, call_w = os.pipe()
+    report_r, report_w = os.pipe()
+    err_r, err_w = os.pipe()
+    os.set_blocking(call_w, False)
+    run_ = S._Run(list(calls), os.getpid(), call_w)
+    try:
+        _fake_child(call_r, report_w, reply)
+        run_.feed(json.dumps({"setup": ["landlock v7"]}).encode())
+        with os.fdopen(err_r, "rb") as err:
+            S._read_reports(report_r, S._Tail(err), run_, time.monotonic() + deadline_s)
+        return run_.results(None, deadline_s, "")
+    finally:
+        run_.close_calls()
+        for fd in (call_r, report_r, report_w, err_w):
+            os.close(fd)
+
+
+def test_a_reply_beyond_the_harnesss_caps_breaks_the_protocol():
+    """Issue 66: the parent took any plain-data exception args up to the 4 MiB line (108,000 error codes
+    passed ``settle_error_code``), where the child's harness sends at most 64 of at most 65,536 characters.
+    A reply beyond the harness's own caps (args, attributes, type name, value, detail, refusals named, keys)
+    was written by other code: it breaks the protocol. At the caps, the reply is taken."""
+    import json
+
+    def reply(extra):
+        return lambda k, nonce: json.dumps(dict(extra, c=nonce, violations=[]) if k else
+                                           {"c": nonce, "violations": [], "ready": True}).encode()
+
+    raised = {"status": "raised", "exc_type": "E", "exc_args": ["x"] * 64, "exc_attrs": {f"a{k}": 1 for k in range(64)}}
+    at_caps = _parent_run(["f()"], reply(raised))[0]
+    assert at_caps.status == "raised" and len(at_caps.exc_args) == 64, at_caps
+    over = [dict(raised, exc_args=["x"] * 65), dict(raised, exc_args=["x" * 70_000]),
+            dict(raised, exc_attrs={f"a{k}": 1 for k in range(65)}), dict(raised, exc_attrs={"__code": "E-1"}),
+            dict(raised, exc_type="E" * 201), {"status": "ok", "value": "x" * 1_000_001},
+            {"status": "error", "detail": "x" * 1001}, dict(raised, more=1),
+            {"status": "ok", "value": 1, "violations": ["x"] * 65}, {"status": "ok", "value": 1, "violations": ["x" * 101]}]
+    for extra in over:
+        result = _parent_run(["f()"], lambda k, nonce, extra=extra: json.dumps(
+            dict({"violations": []}, **extra, c=nonce) if k else {"c": nonce, "violations": [], "ready": True}).encode())[0]
+        assert result.status == "error" and "broke the protocol" in result.detail, (list(extra), result)
+
+
+def test_unasked_duplicate_and_early_lines_fail_the_calls():
+    """What the sandbox tests can no longer send from the answer's threads (they hold no descriptor of the
+    channel): a second answer to the load, a duplicate of call 0's answer and an answer with a nonce never
+    sent each fail the call outstanding and every later one (a repeated nonce, the call it repeats too)."""
+    import json
+
+    sent = {}
+
+    def reply(k, nonce):
+        sent[k] = nonce
+        if k == 0:
+            return json.dumps({"c": nonce, "violations": [], "ready": True}).encode()
+        answer = json.dumps({"c": nonce, "violations": [], "status": "ok", "value": k})
+        if k == 2:  # a second answer to call 0 before call 1's
+            answer = json.dumps({"c": sent[1], "violations": [], "status": "ok", "value": 42}) + "\n" + answer
+        if k == 3:
+            answer = json.dumps({"c": "0" * 32, "violations": [], "status": "ok", "value": 42})
+        return answer.encode()
+
+    results = _parent_run(["0", "1", "2"], reply)
+    assert [r.status for r in results] == ["error"] * 3 and all("broke the protocol" in r.detail for r in results)
+    early = _parent_run(["0", "1", "2"], lambda k, nonce: reply(k, nonce) if k != 2 else reply(3, nonce))
+    assert [r.status for r in early] == ["ok", "error", "error"], early
+
+
+def test_an_error_reading_the_reports_fails_that_answer_alone(monkeypatch):
+    """Issue 66, attack 3: the parent's ``os.read`` of the non-blocking report FIFO raised BlockingIOError
+    out of ``compute`` when the child read the bytes back between ``select`` and ``read``. An empty read is
+    now nothing to read; any other error reading the reports stops that run, its calls failed with the
+    reason, and raises nothing."""
+    import errno
+    import json
+    from pace_bench.metrics.pace_coding import sandbox as S
+
+    failures = []
+
+    class FlakyOs:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def read(fd, n):
+            if failures:
+                raise failures.pop()
+            return os.read(fd, n)
+
+    def reply(k, nonce):
+        if k == 1:
+            failures.append(error)
+        body = {"ready": True} if k == 0 else {"status": "ok", "value": k}
+        return json.dumps(dict(body, c=nonce, violations=[])).encode()
+
+    monkeypatch.setattr(S, "os", FlakyOs())
+    error = BlockingIOError(errno.EAGAIN, "stolen")
+    assert [r.value for r in _parent_run(["1", "2"], reply)] == [1, 2]
+    error = OSError(errno.EIO, "I/O error")
+    results = _parent_run(["1", "2"], reply)
+    assert [r.status for r in results] == ["error", "error"], results
+    assert all("could not read the run's reports" in r.detail for r in results)
+
+
+_FLOOD_WRITER = """
+import os, sys
+fd, line = int(sys.argv[1]), ("[" + ",".join(["[" * 49 + "]" * 49] * 42_000) + "]\\n").encode()
+os.write(fd, b"not an answer\\n")
+while True:
+    os.write(fd, line)
+"""
+
+
+def test_the_parent_reads_nothing_once_the_run_has_ended(monkeypatch):
+    """Issue 66: the parent read and parsed every line of a flood (4 MB JSON lines of lists nested 50 deep)
+    until the deadline, even after the flood had broken the protocol: its CPU grew with the timeout. Here
+    the channel is reached, as by code on the harness's thread: a process writes the flood to the report
+    pipe; with a 20 s deadline the parent stops at the first line, which ends the run, and parses nothing
+    larger than the caps (``json.loads`` never sees a flood line)."""
+    import json
+    import subprocess
+    import sys
+    from pace_bench.metrics.pace_coding import sandbox as S
+
+    parsed = []
+    real_loads = json.loads
+    monkeypatch.setattr(S.json, "loads", lambda text, *a, **k: (parsed.append(len(text)), real_loads(text, *a, **k))[1])
+    report_r, report_w = os.pipe()
+    err_r, err_w = os.pipe()
+    writer = subprocess.Popen([sys.executable, "-c", _FLOOD_WRITER, str(report_w)], pass_fds=(report_w,))
+    os.close(report_w)
+    call_r, call_w = os.pipe()
+    run_ = S._Run(["1"], os.getpid(), call_w)
+    try:
+        run_.feed(b'{"setup": ["landlock v7"]}')  # the load request is sent: the flood answers no request
+        cpu, wall = time.process_time(), time.monotonic()
+        with os.fdopen(err_r, "rb") as err:
+            S._read_reports(report_r, S._Tail(err), run_, time.monotonic() + 20.0)
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    finally:
+        writer.kill()
+        writer.wait()
+        run_.close_calls()
+        for fd in (call_r, report_r, err_w):
+            os.close(fd)
+    assert run_.finished() and run_.broken_from == 0
+    assert cpu < 0.5 and wall < 5.0 and max(parsed) < 100, (cpu, wall, parsed[:5])
+    # and a flood line is refused unparsed wherever it comes: too many values
+    line = ("[" + ",".join(["[" * 49 + "]" * 49] * 42_000) + "]").encode()
+    assert "values" in S._shape_error(line) and "deeper" in S._shape_error(b"[" * 200 + b"]" * 200)
+    assert S._shape_error(b'{"c": "x", "value": ["[[[[\\\\", "\\\\\\"{{"]}') is None  # brackets in strings
+
+
+def test_what_the_parent_reads_of_one_run_is_capped():
+    """Issue 66: however long the timeout, the parent reads at most 16 MiB of one run's reports: a child
+    that answers every call with a value near the 1 MB cap stops being read there, and the calls it has
+    not answered yet fail with the reason."""
+    import json
+
+    results = _parent_run([f"f({k})" for k in range(24)], lambda k, nonce: json.dumps(
+        {"c": nonce, "violations": [], "ready": True} if k == 0 else
+        {"c": nonce, "violations": [], "status": "ok", "value": "x" * 999_000}).encode(), deadline_s=20.0)
+    ok = [r for r in results if r.status == "ok"]
+    assert 12 <= len(ok) <= 16 and results[len(ok)].status == "error", [r.status for r in results]
+    assert all("more than 16 MiB" in r.detail for r in results[len(ok):])

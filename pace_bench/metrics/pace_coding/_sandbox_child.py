@@ -55,7 +55,7 @@ except ImportError:  # pragma: no cover - always present on Linux
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-_CLONE_NEWCGROUP, _CLONE_NEWTIME, _CLONE_THREAD = 0x02000000, 0x00000080, 0x00010000
+_CLONE_NEWCGROUP, _CLONE_NEWTIME, _CLONE_THREAD, _CLONE_FILES = 0x02000000, 0x00000080, 0x00010000, 0x00000400
 _NAMESPACES = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
 _NAMESPACE_FLAGS = _NAMESPACES | _CLONE_NEWUSER | _CLONE_NEWCGROUP | _CLONE_NEWTIME
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
@@ -139,6 +139,7 @@ _X86_64_UNSUPPORTED = {
 _X86_64_PROCESS = {"fork": 57, "vfork": 58, "execve": 59, "setsid": 112, "setpgid": 109, "arch_prctl": 158}
 _X86_64_CLONE, _X86_64_CLONE3, _X86_64_KILL, _X86_64_TGKILL = 56, 435, 62, 234
 _X86_64_SOCKET, _X86_64_SOCKETPAIR, _X86_64_PRLIMIT64 = 41, 53, 302
+_X86_64_UNSHARE = 272  # only CLONE_FILES: the harness's descriptor table of its own (see _start_worker)
 _X86_64_IOCTL, _X86_64_FCNTL = 16, 72
 # Only where processes are allowed (subprocess needs pipes): each pipe or socket takes its inode number
 # from a host-wide counter (get_next_ino) that one run can move and the next read, a covert channel.
@@ -172,6 +173,10 @@ MAX_DEPTH = 100
 MAX_NODES = 200_000
 MAX_WRITE_OPENS = 64  # files opened for writing per run: with RLIMIT_FSIZE this bounds disk use
 MAX_VIOLATION_NAMES = 64  # refusals named in one answer (the kernel counter counts them all)
+MAX_VIOLATION_CHARS = 100  # each refusal's name
+MAX_EXC_ITEMS = 64  # an exception's args reported, and (separately) its attributes
+MAX_TYPE_CHARS = 200  # an exception's class name
+MAX_DETAIL_CHARS = 1000  # why a call or the load failed
 MAX_PENDING_SIGNALS = 64  # RLIMIT_SIGPENDING: the kernel's own signals (SIGXCPU, SIGCHLD) are not counted
 
 # Events that are always refused. Process creation is refused unless the limits allow processes.
@@ -219,26 +224,44 @@ def main():
     with open(job_fd, "rb") as f:
         job = json.loads(f.read())
     send = _make_sender(report_fd)
-    try:
+    try:  # nothing here reads the answer: a failure is the host's, and the parent refuses to run code here
         joined = _join_cgroup(job.get("cgroup"))
-        layers, read_roots = _confine(job, (call_fd, report_fd))  # returns in the sandbox process only
+        layers, read_roots, unshare = _confine(job, (call_fd, report_fd))  # returns in the sandbox process only
         layers += joined
-        parsed = {}
-        if job.get("answers") is not None:  # parsed here, confined, before any of it runs
-            parsed["chosen"], parsed["uses"] = _choose_answer(job["answers"])
-            code = job["answers"][parsed["chosen"] or 0]
-            job["program"] = job["program"] + "\n\n" + code if job["program"] else code
+        worker = _start_worker(unshare, (call_fd, report_fd))
+        layers.append("channel held by the harness alone")
         to_plain, describe_exception, type_name, encode = _make_converter()
         violations = []
         _install_audit_hook(job["work"], read_roots, job["limits"]["max_processes"] > 0, violations)
     except BaseException as e:  # noqa: BLE001 - the parent must hear why
         send(_plain_json({"setup": [], "failed": "%s: %s" % (type(e).__name__, str(e)[:300])}))
         os._exit(0)
-    send(encode(dict(parsed, setup=layers)))
+    send(encode({"setup": layers}))
     if not any(layer.startswith("landlock") for layer in layers):
         os._exit(0)  # no OS-level wall against reads and writes: the parent refuses to run code here
-    _serve(job["program"], _make_request_reader(call_fd), send, encode, to_plain, describe_exception,
+    if job.get("answers") is not None:  # parsed here, confined, before any of it runs
+        parsed = _parse_answers(job["answers"])
+        send(encode(parsed))
+        if "rejected" in parsed:
+            os._exit(0)
+        code = job["answers"][parsed["chosen"] or 0]
+        job["program"] = job["program"] + "\n\n" + code if job["program"] else code
+    _serve(job["program"], worker, _make_request_reader(call_fd), send, encode, to_plain, describe_exception,
            type_name, violations)
+
+
+def _parse_answers(codes):
+    """``{"chosen", "uses"}`` (see ``_choose_answer``), or ``{"rejected": why}`` where reading, parsing or
+    describing the answer raised anything (an int literal too long for ``repr``, memory): that answer alone
+    scores 0, with the reason, and none of it runs. Never raises."""
+    try:
+        chosen, uses = _choose_answer(codes)
+        return {"chosen": chosen, "uses": uses}
+    except BaseException as e:  # noqa: BLE001
+        try:
+            return {"rejected": "%s: %s" % (type(e).__name__, str(e)[:300])}
+        except BaseException:  # noqa: BLE001
+            return {"rejected": "the answer could not be described"}
 
 
 MAX_USES = 2048  # values per kind in an answer's uses (see _answer_uses)
@@ -320,8 +343,18 @@ def _plain_json(message):
 
 # The worker thread's code. It starts from C (``_thread.start_new_thread(exec, ...)``), so it is
 # the bottom frame of every program frame; its globals are this small dict, not the harness's,
-# and the harness restores them before every call.
+# and the harness restores them before every call. Its first lines close the channel to the parent
+# in the descriptor table it keeps once the harness has taken a copy of its own (``_start_worker``).
 _WORKER = """
+go.acquire()
+try:
+    close(channel[0])
+    close(channel[1])
+    box[1] = True
+except BaseException:
+    box[1] = False
+del close, channel
+done.release()
 while True:
     go.acquire()
     try:
@@ -337,31 +370,53 @@ while True:
 """
 
 
-def _serve(program, next_request, send, encode, to_plain, describe_exception, type_name, violations,
+def _start_worker(unshare, channel):
+    """Start the thread that will run the program, with the namespace of module ``solution``; returns
+    ``(go, done, box, ns, worker_globals, pristine worker globals)`` for ``_serve``.
+
+    Only the harness answers the parent: threads share one descriptor table, so this thread takes a
+    private copy of it (``unshare(CLONE_FILES)``) and the worker closes ``channel`` (the call and report
+    FIFOs) in the table it keeps, which every thread and process the program starts inherits. The
+    FIFOs' paths are gone already (``_swap_pipes``): no code of the program holds a descriptor of the
+    channel or can open one. Raises OSError where the split fails: then no code runs."""
+    go, done = _thread.allocate_lock(), _thread.allocate_lock()
+    go.acquire()
+    done.acquire()
+    box = [None, None]
+    module = type(sys)("solution")  # not "__main__": demo blocks must not run
+    sys.modules["solution"] = module  # dataclasses and typing look their module up here
+    sys.modules["__main__"] = type(sys)("__main__")  # the harness's module is not the program's to edit
+    ns = module.__dict__
+    ns["__builtins__"] = builtins.__dict__  # as in any imported module (the worker's are empty)
+    worker_globals = {"__builtins__": {}, "go": go, "done": done, "box": box, "run": eval, "ns": ns,
+                      "str": str, "type": type, "BaseException": BaseException}
+    pristine = dict(worker_globals)
+    worker_globals.update(close=os.close, channel=channel)  # the worker's first lines delete them
+    _thread.start_new_thread(exec, (compile(_WORKER, "<worker>", "exec"), worker_globals))
+    if unshare(_CLONE_FILES) != 0:
+        raise OSError("the harness cannot take a descriptor table of its own (unshare CLONE_FILES)")
+    go.release()
+    done.acquire()
+    if box[1] is not True:
+        raise OSError("the program's thread could not close the channel to the parent")
+    return go, done, box, ns, worker_globals, pristine
+
+
+def _serve(program, worker, next_request, send, encode, to_plain, describe_exception, type_name, violations,
            _compile=compile, _str=str, _type=type, _issubclass=issubclass, _dict=dict, _list=list,
            _BaseException=BaseException, _Exception=Exception, _MemoryError=MemoryError,
            _RecursionError=RecursionError, _exit=os._exit, _len=len, _tuple=tuple, _int=int):
     """Answer the parent's requests, one answer each, carrying the request's nonce: the first
     request loads the program as module ``solution``, each later one evaluates a call in its
-    namespace. Program code runs only in the worker thread; this thread only converts exact
+    namespace. Program code runs only in the worker thread (``worker``, from ``_start_worker``); this
+    thread only converts exact
     builtin types, and keeps every object the program handed back so that no finalizer of the
     program runs here. Before each call it restores the worker's globals and gives the call a
     fresh copy of the builtins (a ``__builtins__`` with ``__missing__`` answers nothing), after
     checking that no key of either namespace is a str lookalike whose ``__eq__`` would run here."""
-    go, done = _thread.allocate_lock(), _thread.allocate_lock()
-    go.acquire()
-    done.acquire()
-    box, keep = [None, None], []
-    module = _type(sys)("solution")  # not "__main__": demo blocks must not run
-    sys.modules["solution"] = module  # dataclasses and typing look their module up here
-    sys.modules["__main__"] = _type(sys)("__main__")  # the harness's module is not the program's to edit
-    ns = module.__dict__
-    ns["__builtins__"] = builtins.__dict__  # as in any imported module (the worker's are empty)
+    go, done, box, ns, worker_globals, pristine_worker = worker
+    keep = []
     pristine_builtins = _dict(builtins.__dict__)
-    worker_globals = {"__builtins__": {}, "go": go, "done": done, "box": box, "run": eval, "ns": ns,
-                      "str": str, "type": type, "BaseException": BaseException}
-    pristine_worker = _dict(worker_globals)
-    _thread.start_new_thread(exec, (_compile(_WORKER, "<worker>", "exec"), worker_globals))
 
     def only_str_keys(d):
         for k in d:  # iterating compares and hashes nothing
@@ -400,8 +455,12 @@ def _serve(program, next_request, send, encode, to_plain, describe_exception, ty
         return type_name(_type(out[1])) + (": " + out[2] if out[2] else "")
 
     def answer(nonce, message):
+        """Send the one reply to request ``nonce``, within the caps the parent enforces (see ``MAX_*``)."""
         refused = violations[:MAX_VIOLATION_NAMES]
         del violations[:]
+        for key in ("detail", "load_error"):
+            if _type(message.get(key)) is _str:
+                message[key] = message[key][:MAX_DETAIL_CHARS]
         message["c"] = nonce
         message["violations"] = refused
         try:
@@ -617,7 +676,7 @@ def _make_converter():
         """Type name, args and plain instance attributes; anything not plain becomes None/dropped."""
         args = []
         try:
-            for a in _tuple(exc_args(e))[:64]:
+            for a in _tuple(exc_args(e))[:MAX_EXC_ITEMS]:
                 try:
                     args.append(to_plain(a, MAX_EXC_CHARS))
                 except _BaseException:  # noqa: BLE001
@@ -629,7 +688,7 @@ def _make_converter():
         try:
             d = exc_dict(e)
             if _type(d) is _dict:
-                for k, v in _list(d.items())[:64]:
+                for k, v in _list(d.items())[:MAX_EXC_ITEMS]:
                     if _type(k) is _str and not k.startswith("__"):
                         try:
                             attrs[k] = to_plain(v, MAX_EXC_CHARS)
@@ -638,14 +697,14 @@ def _make_converter():
             to_plain(attrs, MAX_EXC_CHARS)
         except _BaseException:  # noqa: BLE001
             attrs = {}
-        return {"exc_type": type_name(_type(e))[:200], "exc_args": args, "exc_attrs": attrs}
+        return {"exc_type": type_name(_type(e))[:MAX_TYPE_CHARS], "exc_args": args, "exc_attrs": attrs}
 
     return to_plain, describe_exception, type_name, encode
 
 
 def _confine(job, pipes):
-    """OS-level confinement. Returns ``(active layer names, read roots)``, in the sandbox process
-    only (see ``_enter_namespaces``); raises where a required wall cannot be set up.
+    """OS-level confinement. Returns ``(active layer names, read roots, libc's unshare)``, in the sandbox
+    process only (see ``_enter_namespaces``); raises where a required wall cannot be set up.
 
     Required: new mount, network, pid, IPC and UTS namespaces, a fresh ``/proc`` (or none), the
     scratch tmpfs with its size and inode caps, and at least one wall against writes outside it
@@ -705,7 +764,7 @@ def _confine(job, pipes):
     if _posixsubprocess is not None:
         _posixsubprocess.fork_exec = _make_fork_exec_stub(_posixsubprocess.fork_exec)
     os.chdir(work)
-    return layers, read_roots
+    return layers, read_roots, libc.unshare
 
 
 def _enter_namespaces(libc, parent_pid, pipes):
@@ -956,8 +1015,8 @@ def _swap_pipes(work, pipes):
 
     The handshake: make the FIFOs and open them (the call FIFO for reading without waiting, the others
     read-write, which never waits), tell the parent on the old report pipe, which opens them through
-    ``/proc/PID/root`` and closes the old call pipe; at its end of file, move the FIFOs onto the old
-    numbers."""
+    ``/proc/PID/root`` and closes the old call pipe; at its end of file, remove their paths and move the
+    FIFOs onto the old numbers."""
     call_fd, report_fd = pipes
     paths = [os.path.join(work, ".pace-" + name) for name in ("call", "report", "stderr")]
     for path in paths:
@@ -968,6 +1027,8 @@ def _swap_pipes(work, pipes):
         line = line[os.write(report_fd, line):]
     while os.read(call_fd, 1 << 16):  # the parent closes it once it holds the FIFOs
         pass
+    for path in paths:  # no one opens them again: no program code can reach the channel by its path
+        os.unlink(path)
     fcntl.fcntl(fifos[0], fcntl.F_SETFL, fcntl.fcntl(fifos[0], fcntl.F_GETFL) & ~os.O_NONBLOCK)
     for fifo, fd in zip(fifos, (call_fd, report_fd, 2)):
         os.dup2(fifo, fd)
@@ -1040,7 +1101,7 @@ def _install_seccomp(libc, allow_processes):
     namespace flags) unless processes are allowed, and clone3 (whose flags a filter cannot read)
     answers ENOSYS so that glibc falls back to clone; kill/tgkill only to this process (unless
     processes are allowed: then to the run's pid namespace, which holds only its own), prlimit64
-    only on itself, sockets only AF_UNIX stream ones (asyncio's self-pipe), mmap only private
+    only on itself, unshare only CLONE_FILES (a thread's descriptor table of its own), sockets only AF_UNIX stream ones (asyncio's self-pipe), mmap only private
     mappings, ioctl and fcntl only the harmless commands (no locks)."""
     import ctypes
     if sys.platform != "linux" or os.uname().machine != "x86_64":
@@ -1073,6 +1134,7 @@ def _install_seccomp(libc, allow_processes):
         prog += only(_X86_64_KILL, argument_in(ARG0, [me]))
         prog += only(_X86_64_TGKILL, argument_in(ARG0, [me]))
     prog += only(_X86_64_PRLIMIT64, argument_in(ARG0, [0, me]))
+    prog += only(_X86_64_UNSHARE, argument_in(ARG0, [_CLONE_FILES]))
     if allow_processes:  # else no socket: each takes its inode number from the host-wide counter
         prog += only(_X86_64_SOCKET, unix_stream)
         prog += only(_X86_64_SOCKETPAIR, unix_stream)
@@ -1185,7 +1247,7 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
         except _Exception:  # noqa: BLE001 - the counter is spent or gone: stop the run here
             exit_(3)
         if _len(violations) < MAX_VIOLATION_NAMES:  # the counter counts them all
-            violations.append(event[:100])
+            violations.append(event[:MAX_VIOLATION_CHARS])
         raise _PermissionError("sandbox: %s is not allowed" % event[:100])
 
     def harness_frame(frame):

@@ -7,7 +7,7 @@ from decimal import Decimal, InvalidOperation
 import datasets
 import evaluate
 
-from pace_bench.facts import in_pool, numeral
+from pace_bench.facts import CODE_PREFIXES, in_pool, numeral
 from pace_bench.metrics.pace_coding.sandbox import SandboxLimits, decode_value, plain_data_error, run_answer
 from pace_bench.stats import sign_test
 
@@ -58,7 +58,8 @@ Raises:
         that are not str, unequal lengths, a timeout_s outside (0, 3600]).
     pace_bench.metrics.pace_coding.sandbox.CodeExecutionNotAllowed: without the opt-in;
     pace_bench.metrics.pace_coding.sandbox.SandboxUnavailable: where the sandbox cannot wall off the
-        host's files.
+        host's files (checked once, before the first answer runs). No answer raises anything: one that
+        cannot be read, run or reported fails alone, with the reason in its checks' "got".
 Returns:
     checks_passed, checks_total, check_pass_rate: hidden checks over all answers.
     probes_passed, probes_total, probe_pass_rate: answers that passed every check.
@@ -173,12 +174,25 @@ def values_equal(expected, got):
     return type(expected) is type(got) and expected == got
 
 
+# An error code's shape: a prefix of the pool and digits (4 of them from generator 16 on, 3 before).
+_CODE_SHAPE = re.compile(r"(?:%s)-[0-9]+" % "|".join(CODE_PREFIXES))
+
+
+def _is_code(value, code):
+    """Whether ``value``, a str the exception carries, is a candidate for its error code ``code``: the code
+    itself, or any value shaped like an error code."""
+    return value == code or _CODE_SHAPE.fullmatch(value) is not None
+
+
 def _is_raise_spec(expected):
     return isinstance(expected, dict) and "raises" in expected
 
 
 def check_passed(expected, result):
-    """Whether a CallResult meets a check's expected outcome (see pace_bench.sessions)."""
+    """Whether a CallResult meets a check's expected outcome (see pace_bench.sessions). A check passes on
+    one answer, not on a list of candidates: an expected error code must be the only code among the
+    exception's args and attributes (the str values shaped like a code), so an exception that carries
+    several codes passes no code check; every other expected value is compared whole (:func:`values_equal`)."""
     if _is_raise_spec(expected):
         if result.status != "raised":
             return False
@@ -189,7 +203,7 @@ def check_passed(expected, result):
             return False
         if "code" in expected:
             values = args + [decode_value(v) for v in (result.exc_attrs or {}).values()]
-            if not any(type(v) is str and v == expected["code"] for v in values):
+            if {v for v in values if type(v) is str and _is_code(v, expected["code"])} != {expected["code"]}:
                 return False
         return True
     return result.status == "ok" and values_equal(decode_value(expected), decode_value(result.value))
@@ -310,7 +324,8 @@ def score_answer(answer, reference, limits=None):
         run = run_answer(codes, [c["expr"] for c in checks], limits or SandboxLimits(), preamble)
         form, uses = forms[run.chosen or 0][0], run.uses
         for c, r in zip(checks, run.results):
-            failure = check_failure(c["expected"], r) if run.chosen is not None else "does not parse"
+            parsed = run.chosen is not None or run.failed is not None  # failed: the reason is the call's detail
+            failure = check_failure(c["expected"], r) if parsed else "does not parse"
             rows.append({"name": c["name"], "fact": c.get("fact"), "passed": failure is None, "status": r.status,
                          "failure": failure, "got": _short(r)})
     else:  # nothing to run: too long, or no code

@@ -45,8 +45,10 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import resource
 import secrets
 import select
@@ -60,7 +62,9 @@ from dataclasses import asdict, dataclass, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from pace_bench.metrics.pace_coding._sandbox_child import MAX_USE_CHARS, MAX_USES
+from pace_bench.metrics.pace_coding._sandbox_child import (MAX_DETAIL_CHARS, MAX_EXC_CHARS, MAX_EXC_ITEMS,
+                                                         MAX_TYPE_CHARS, MAX_USE_CHARS, MAX_USES, MAX_VALUE_CHARS,
+                                                         MAX_VIOLATION_CHARS, MAX_VIOLATION_NAMES)
 
 __all__ = [
     "CallResult",
@@ -69,6 +73,7 @@ __all__ = [
     "SandboxLimits",
     "SandboxUnavailable",
     "AnswerRun",
+    "check_host",
     "decode_value",
     "isolation_layers",
     "plain_data_error",
@@ -80,10 +85,18 @@ __all__ = [
 OPT_IN_ENV = "PACE_ALLOW_CODE_EVAL"
 OPT_IN_ENVS = (OPT_IN_ENV, "HF_ALLOW_CODE_EVAL")  # ours, and the one HF's code_eval users already set
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
-_MAX_LINE = 4 * 1024 * 1024  # a report line: a 1 MB value plus exception data, with slack
+_MAX_LINE = 4 * 1024 * 1024  # a report line: a 1 MB value plus exception data, or an answer's uses, with slack
 _MAX_DETAIL = 500
 MAX_DEPTH = 100  # nesting of a returned value (the child refuses deeper ones too)
 MAX_NODES = 200_000  # elements of a returned value
+# What the parent reads and parses of one run, whatever its timeout: every line either answers the one
+# outstanding request or ends the run, so at most len(calls) + 4 lines are parsed; of them, at most
+# _MAX_RUN_BYTES in all, and none with more than _MAX_LINE_NODES values or nested deeper than
+# _MAX_LINE_DEPTH (counted on the raw bytes, before json.loads). Of stderr, _MAX_STDERR_BYTES are read.
+_MAX_RUN_BYTES = 16 * 1024 * 1024
+_MAX_LINE_NODES = 2 * MAX_NODES + 2 * MAX_EXC_CHARS  # a value's elements and its empty containers; args, attrs
+_MAX_LINE_DEPTH = MAX_DEPTH + 1  # a value, inside the reply's object
+_MAX_STDERR_BYTES = 64 * 1024 * 1024  # a flood: about 0.1 s of the parent's CPU
 _RLIMIT_LOCKS = 10  # the child's violation counter (see _sandbox_child._install_audit_hook)
 # The layer that keeps reads (of the host's files, the benchmark's own sources among them) and writes
 # inside what the program may touch. The read-only root walls writes too, but not reads: without Landlock,
@@ -98,7 +111,8 @@ class CodeExecutionNotAllowed(RuntimeError):
 class SandboxUnavailable(RuntimeError):
     """Raised when the child could not confine itself on this machine (no new pid, IPC, UTS,
     network and mount namespaces, neither as root nor in a user namespace; or no Landlock, without
-    which native code could read any file of the host), or its setup failed: no code is run then."""
+    which native code could read any file of the host), or its setup failed: no code is run then.
+    Decided before the child reads any answer (:func:`check_host`): no answer can raise it."""
 
 
 def opted_in() -> bool:
@@ -239,11 +253,30 @@ class AnswerRun:
     """What :func:`run_answer` found: ``chosen``, the index of the first code that parses (None if none
     does: the first was run, and its load failed); ``uses``, how that code uses names and values, by kind
     (``classes``, ``raised``, ``fields``, ``names``, ``strings``, ``numbers``: see
-    ``_sandbox_child._answer_uses``); and the calls' ``results``."""
+    ``_sandbox_child._answer_uses``); the calls' ``results``; and ``failed``, why the run stopped without
+    the answer's fault being a call's: its code could not be read or described in the child, its run could
+    not be set up, or its reports could not be read (every call not answered is then an error that says so).
+    """
 
     chosen: int | None
     uses: dict
     results: list
+    failed: str | None = None
+
+
+_HOST_READY: list[bool] = []  # [True] once check_host found that this host builds a sandbox
+
+
+def check_host(limits: SandboxLimits = SandboxLimits()) -> None:
+    """Raise :class:`SandboxUnavailable` where this host cannot build a sandbox, found by one run that holds
+    no answer and no program; once it has been built, not again in this process. An answer's run never
+    decides it: a run of an answer that fails to set up fails that answer alone (:func:`run_answer`)."""
+    if _HOST_READY:
+        return
+    refusal = _run("", [], limits)[2]
+    if refusal:
+        raise SandboxUnavailable(refusal)
+    _HOST_READY.append(True)
 
 
 def run_answer(codes: list[str], calls: list[str], limits: SandboxLimits = SandboxLimits(),
@@ -251,14 +284,19 @@ def run_answer(codes: list[str], calls: list[str], limits: SandboxLimits = Sandb
     """Like :func:`run_calls` for the readings of one answer (``codes``, tried in order): the child parses
     each, confined, runs ``preamble`` and the first that parses (or the first, whose load then fails), and
     reports how that code uses names and values before any of it runs. The parent parses nothing: a hostile
-    answer costs it no parse. Runs even without calls, for the parse alone."""
+    answer costs it no parse. Runs even without calls, for the parse alone.
+
+    The host is checked first (:func:`check_host`, which alone raises :class:`SandboxUnavailable`); whatever
+    the answer does, it fails alone: its calls are errors, and ``failed`` says why where it was not a call's
+    doing."""
     _check_arguments(preamble, calls, limits)
     if type(codes) not in (list, tuple) or not codes or not all(type(c) is str for c in codes):
         raise TypeError("codes must be a non-empty list of str (the readings of one answer)")
-    results, _layers, refusal, (chosen, uses) = _run(preamble, list(calls), limits, answers=list(codes))
+    check_host(limits)
+    results, _layers, refusal, (chosen, uses, failed) = _run(preamble, list(calls), limits, answers=list(codes))
     if refusal:
-        raise SandboxUnavailable(refusal)
-    return AnswerRun(chosen if type(chosen) is int and 0 <= chosen < len(codes) else None, uses, results)
+        return AnswerRun(None, {}, [CallResult("error", detail=refusal[:_MAX_DETAIL])] * len(calls), refusal)
+    return AnswerRun(chosen if type(chosen) is int and 0 <= chosen < len(codes) else None, uses, results, failed)
 
 
 def _check_arguments(program: Any, calls: Any, limits: Any) -> None:
@@ -288,9 +326,10 @@ def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
 
 
 def _run(program: str, calls: list[str], limits: SandboxLimits, answers: list[str] | None = None
-         ) -> tuple[list[CallResult], list[str], str | None, tuple[int | None, dict]]:
-    """Run the child: ``(results, layers, refusal, (chosen, uses))``; ``refusal`` says why no code ran, if
-    so; the last is what the child's parse of ``answers`` found (see :func:`run_answer`)."""
+         ) -> tuple[list[CallResult], list[str], str | None, tuple[int | None, dict, str | None]]:
+    """Run the child: ``(results, layers, refusal, (chosen, uses, failed))``; ``refusal`` says why no code
+    ran, if so (decided before the child reads ``answers``); the last is what the child's parse of
+    ``answers`` found, and why the run stopped, if not by a call's doing (see :func:`run_answer`)."""
     uid = _pick_uid()
     base = tempfile.mkdtemp(prefix="pace-sandbox-")
     work = os.path.join(base, "work")
@@ -324,7 +363,7 @@ def _run(program: str, calls: list[str], limits: SandboxLimits, answers: list[st
                 os.close(fd)
             fds.remove(fd)
         os.set_blocking(call_w, False)
-        run, stderr = _Run(calls, proc.pid, call_w), _Tail(proc.stderr)
+        run, stderr = _Run(calls, proc.pid, call_w, parse=answers is not None), _Tail(proc.stderr)
         try:
             eof = _read_reports(report_r, stderr, run, deadline)
         finally:
@@ -333,7 +372,7 @@ def _run(program: str, calls: list[str], limits: SandboxLimits, answers: list[st
         _kill(proc, uid)
         stderr.drain()
         results = [_scratch_unnamed(r, base) for r in run.results(ended, limits.timeout_s, stderr.last_line())]
-        return results, run.layers, run.refusal, (run.chosen, run.uses)
+        return results, run.layers, run.refusal, (run.chosen, run.uses, run.failed)
     finally:
         if proc is not None:
             if proc.returncode is None:
@@ -384,36 +423,46 @@ def _pick_uid() -> int | None:
 
 
 _BROKEN = "the child broke the protocol: an unasked, duplicate, early or malformed answer"
+# The keys of a reply the child's harness sends: to the load request, and to a call.
+_LOAD_KEYS = frozenset({"c", "violations", "load_error", "ready"})
+_CALL_KEYS = frozenset({"c", "violations", "status", "value", "exc_type", "exc_args", "exc_attrs", "detail"})
 
 
 class _Run:
     """The parent's side of one run. It trusts nothing the child says after the program has
     loaded beyond plain data that answers the question asked:
 
-    * the first line (written before any program code runs) names the isolation layers;
+    * the first line (written before the child reads the answer or runs any code) names the isolation
+      layers: the only line that can make the run a refusal (:class:`SandboxUnavailable`);
+    * with an answer, the next is the child's parse of it: the reading it runs and how it uses names and
+      values, or why the answer could not be read (then the answer fails alone, with that reason);
     * then each request (the load, then call ``i``, sent only after call ``i - 1`` was answered)
       carries a fresh random nonce, and exactly one answer carrying that nonce is accepted for it.
-      Any other line (unasked, a second answer, an answer before its request, a malformed one)
-      fails the current call and every later one; one that repeats an earlier call's nonce fails
-      that earlier call too. The run then stops;
+      Any other line (unasked, a second answer, an answer before its request, a malformed one, or one
+      beyond the caps of the harness's own replies: ``_sandbox_child.MAX_*``) fails the current call and
+      every later one; one that repeats an earlier call's nonce fails that earlier call too. The run
+      then stops;
     * a refusal fails the call during which it happened: named in the answer, or only counted by
       the drop of the sandbox process's hard RLIMIT_LOCKS (which only goes down) between sending
       the request and reading its answer."""
 
-    def __init__(self, calls: list[str], child_pid: int, call_fd: int) -> None:
-        self.calls, self.child_pid, self.call_fd = calls, child_pid, call_fd
-        self.phase: str | int = "setup"  # then "load", then the index of the outstanding call, then "done"
+    def __init__(self, calls: list[str], child_pid: int, call_fd: int, parse: bool = False) -> None:
+        self.calls, self.child_pid, self.call_fd, self.parse = calls, child_pid, call_fd, parse
+        self.phase: str | int = "setup"  # then "parse" (with an answer), "load", the outstanding call, "done"
         self.done: list[CallResult] = []
         self.layers: list[str] = []
         self.refusal: str | None = None
+        self.failed: str | None = None  # why the run stopped, where no call's answer says it (see stop)
         self.sandbox_pid: int | None = None  # the process that runs the program, as the host sees it
         self.counter: int | None = None
         self.nonces: list[str] = []  # of the load request, then of call 0, 1, ...
         self.broken_from: int | None = None  # the first call failed by a protocol break
+        self.broken_why = ""
         self.out = bytearray()  # request bytes not yet taken by the pipe
         self.fifo_fds: list[int] = []  # the report and stderr FIFOs, once taken (see _take_fifos)
         self.chosen: int | None = None  # the child's parse of the answer's readings (see run_answer)
         self.uses: dict[str, list[str]] = {}
+        self.taken = 0  # report bytes read
 
     def finished(self) -> bool:
         return self.phase == "done"
@@ -425,20 +474,39 @@ class _Run:
             self.call_fd = -1
         self.out.clear()
 
+    def stop(self, why: str) -> None:
+        """End the run: before the setup line, a refusal (no answer was read yet); after, every call not yet
+        answered is an error that says ``why``."""
+        if self.phase == "setup":
+            self.refusal = f"sandbox setup failed: {why}"[:_MAX_DETAIL]
+        else:
+            self.failed = why[:_MAX_DETAIL]
+        self.phase = "done"
+
     def feed(self, line: bytes) -> None:
-        try:
-            msg = json.loads(line)
-        except (ValueError, RecursionError):
-            msg = None
+        why = _shape_error(line)
+        msg = None
+        if why is None:
+            try:
+                msg = json.loads(line)
+            except (ValueError, RecursionError):
+                why = "not JSON"
         if self.phase == "setup":
             if type(msg) is dict and "setup" in msg:
                 self._setup(msg)
             else:
                 self.refusal, self.phase = "sandbox setup failed: an unexpected first report line", "done"
             return
+        if self.phase == "parse":
+            self._parsed(msg)
+            return
         asked = self.nonces[-1] if self.nonces and self.phase != "done" else None
         if asked is None or type(msg) is not dict or type(msg.get("c")) is not str or msg["c"] != asked:
-            self._broken(msg)
+            self._broken(msg, why)
+            return
+        why = _over_caps(msg, _LOAD_KEYS if self.phase == "load" else _CALL_KEYS)
+        if why is not None:
+            self._broken(msg, why)
         elif self.phase == "load":
             self._loaded(msg)
         else:
@@ -447,10 +515,6 @@ class _Run:
     def _setup(self, msg: dict) -> None:
         layers = msg["setup"]
         self.layers = [str(x)[:100] for x in layers[:20]] if type(layers) is list else []
-        self.chosen = msg.get("chosen") if type(msg.get("chosen")) is int else None
-        uses = msg.get("uses")
-        self.uses = {str(k)[:20]: [x for x in v[:MAX_USES] if type(x) is str and len(x) <= MAX_USE_CHARS]
-                     for k, v in list(uses.items())[:8] if type(v) is list} if type(uses) is dict else {}
         if msg.get("failed"):
             self.refusal = f"sandbox setup failed: {str(msg['failed'])[:300]}"
         elif not any(layer.startswith(_WALL) for layer in self.layers):
@@ -461,11 +525,32 @@ class _Run:
         self.counter = _violation_counter(self.sandbox_pid) if self.sandbox_pid else None
         if self.counter is not None:
             self.layers.append("violation counter")
-        if self.refusal or not self.calls:
+        if self.refusal:
             self.phase = "done"
+        elif self.parse:
+            self.phase = "parse"
         else:
+            self._start()
+
+    def _parsed(self, msg: Any) -> None:
+        """The child's parse of the answer: the reading it runs and its uses, or why it could not be read."""
+        if type(msg) is dict and type(msg.get("rejected")) is str:
+            self.stop(f"the answer could not be read: {msg['rejected'][:300]}")
+            return
+        if type(msg) is not dict or type(msg.get("uses")) is not dict:
+            self.stop("the child's parse of the answer was malformed")
+            return
+        self.chosen = msg.get("chosen") if type(msg.get("chosen")) is int else None
+        self.uses = {str(k)[:20]: [x for x in v[:MAX_USES] if type(x) is str and len(x) <= MAX_USE_CHARS]
+                     for k, v in list(msg["uses"].items())[:8] if type(v) is list}
+        self._start()
+
+    def _start(self) -> None:
+        if self.calls:
             self.phase = "load"
             self._ask("")
+        else:
+            self.phase = "done"
 
     def _loaded(self, msg: dict) -> None:
         blocked = self._blocked(msg)
@@ -485,14 +570,15 @@ class _Run:
         self.done.append(result)
         self._next(self.phase + 1)
 
-    def _broken(self, msg: Any) -> None:
-        """A line that answers no outstanding request: fail from the current call on (from the
-        load: every call), or from the call whose nonce it repeats, and stop."""
+    def _broken(self, msg: Any, why: str | None = None) -> None:
+        """A line that answers no outstanding request, or not as the harness would (``why``): fail from the
+        current call on (from the load: every call), or from the call whose nonce it repeats, and stop."""
         failed_from = len(self.done)
         nonce = msg.get("c") if type(msg) is dict else None
         if type(nonce) is str and nonce in self.nonces:
             failed_from = min(failed_from, max(self.nonces.index(nonce) - 1, 0))
         self.broken_from = failed_from if self.broken_from is None else min(self.broken_from, failed_from)
+        self.broken_why = f" ({why})" if why else ""
         self.phase = "done"
 
     def _blocked(self, msg: dict) -> str | None:
@@ -547,24 +633,78 @@ class _Run:
             args, attrs = msg.get("exc_args"), msg.get("exc_attrs")
             args = args if type(args) is list and plain_data_error(args) is None else None
             attrs = attrs if type(attrs) is dict and plain_data_error(attrs) is None else {}
-            return CallResult("raised", exc_type=msg["exc_type"][:200], exc_args=args, exc_attrs=attrs)
+            return CallResult("raised", exc_type=msg["exc_type"], exc_args=args, exc_attrs=attrs)
         if status == "error":
             return CallResult("error", detail=str(msg.get("detail", ""))[:_MAX_DETAIL])
         return CallResult("error", detail="malformed report from the child")
 
     def results(self, ended: str | None, timeout_s: float, stderr_tail: str) -> list[CallResult]:
-        """The results so far, then one per missing call: error if the child ended (``ended``
-        says how), timeout otherwise. A protocol break fails every call from the one it hit."""
+        """The results so far, then one per missing call: error if the run stopped (``failed``) or the child
+        ended (``ended`` says how), timeout otherwise. A protocol break fails every call from the one it hit."""
         out = list(self.done[: len(self.calls)])
         if self.broken_from is not None:
             out = out[: self.broken_from]
-            return out + [CallResult("error", detail=_BROKEN)] * (len(self.calls) - len(out))
-        if ended is not None:
+            return out + [CallResult("error", detail=_BROKEN + self.broken_why)] * (len(self.calls) - len(out))
+        if self.failed is not None:
+            missing = CallResult("error", detail=self.failed)
+        elif ended is not None:
             detail = ended + (f"; stderr: {stderr_tail}" if stderr_tail else "")
             missing = CallResult("error", detail=detail[:_MAX_DETAIL])
         else:
             missing = CallResult("timeout", detail=f"no result within the {timeout_s:g} s wall-clock limit")
         return out + [missing] * (len(self.calls) - len(out))
+
+
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_STEP = tuple(1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256))
+_STRING = re.compile(rb'"[^"]*"')
+
+
+def _shape_error(line: bytes) -> str | None:
+    """Why ``line`` is not handed to ``json.loads`` (more than ``_MAX_LINE_NODES`` values, nested deeper than
+    ``_MAX_LINE_DEPTH``, unbalanced brackets), or None. Counted on the bytes outside strings (escaped
+    backslashes and quotes blanked first, then every string dropped) by C-level bytes and regex methods: linear
+    in the line, and no object per value is built."""
+    bare = _STRING.sub(b"", line.replace(b"\\\\", b"__").replace(b'\\"', b"__"))
+    opened = bare.count(b"[") + bare.count(b"{")
+    if opened != bare.count(b"]") + bare.count(b"}"):
+        return "unbalanced brackets"
+    if bare.count(b",") + opened + 1 > _MAX_LINE_NODES:
+        return f"more than {_MAX_LINE_NODES} values in a line"
+    if opened > _MAX_LINE_DEPTH:
+        depth = max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, bare.translate(None, _NOT_BRACKETS))))
+        if depth > _MAX_LINE_DEPTH:
+            return f"a line nested deeper than {_MAX_LINE_DEPTH}"
+    return None
+
+
+def _json_chars(value: Any) -> int:
+    """The length of ``value`` as the child's harness writes it (ASCII JSON, no spaces)."""
+    return len(json.dumps(value, separators=(",", ":")))
+
+
+def _over_caps(msg: dict, keys: frozenset) -> str | None:
+    """Why ``msg`` is no reply the child's harness sends (its keys, and the caps it keeps:
+    ``_sandbox_child.MAX_*``), or None. Such a reply was written by other code: it breaks the protocol."""
+    if not msg.keys() <= keys:
+        return f"a reply with keys the harness never sends: {sorted(msg.keys() - keys)[:3]}"
+    named = msg.get("violations")
+    if not (type(named) is list and len(named) <= MAX_VIOLATION_NAMES
+            and all(type(x) is str and len(x) <= MAX_VIOLATION_CHARS for x in named)):
+        return f"refusals named beyond the harness's caps ({MAX_VIOLATION_NAMES} of {MAX_VIOLATION_CHARS} characters)"
+    for key, cap in (("detail", MAX_DETAIL_CHARS), ("load_error", MAX_DETAIL_CHARS), ("exc_type", MAX_TYPE_CHARS)):
+        if key in msg and not (type(msg[key]) is str and len(msg[key]) <= cap):
+            return f"a {key} that is not a str of at most {cap} characters"
+    if "value" in msg and _json_chars(msg["value"]) > MAX_VALUE_CHARS:
+        return f"a value over {MAX_VALUE_CHARS} characters"
+    args, attrs = msg.get("exc_args"), msg.get("exc_attrs", {})
+    if args is not None and not (type(args) is list and len(args) <= MAX_EXC_ITEMS
+                                 and _json_chars(args) <= MAX_EXC_CHARS):
+        return f"exception args beyond the harness's caps ({MAX_EXC_ITEMS}, {MAX_EXC_CHARS} characters)"
+    if not (type(attrs) is dict and len(attrs) <= MAX_EXC_ITEMS and _json_chars(attrs) <= MAX_EXC_CHARS
+            and not any(k.startswith("__") for k in attrs)):
+        return f"exception attributes beyond the harness's caps ({MAX_EXC_ITEMS}, {MAX_EXC_CHARS} characters)"
+    return None
 
 
 def _sandbox_process(child_pid: int) -> int | None:
@@ -601,16 +741,15 @@ def _violation_counter(pid: int) -> int | None:
 
 
 def _read_reports(fd: int, stderr: "_Tail", run: _Run, deadline: float) -> bool:
-    """Feed complete lines to the run until the pipe closes (returns True) or the deadline passes
-    (returns False); send pending requests when the call pipe takes them, and close it once the
-    run is finished, after which the child exits: any line it sends before that breaks the
-    protocol. An overlong line is not buffered: it breaks the protocol too. The child's stderr is
-    read alongside so that a flood cannot block it; only its tail is kept."""
+    """Feed complete lines to the run until it has ended or the pipe closes (returns True) or the deadline
+    passes (returns False), sending pending requests when the call pipe takes them. Once the run has ended
+    nothing more is read: whatever the child sends then costs the parent nothing. An overlong line is not
+    buffered: it breaks the protocol; past ``_MAX_RUN_BYTES`` in all, or where the pipe cannot be read, the
+    run stops (every call not yet answered fails, with the reason). The child's stderr is read alongside so
+    that a flood cannot block it; only its tail is kept."""
     buf = bytearray()
     skipping = False
-    while True:
-        if run.finished():
-            run.close_calls()
+    while not run.finished():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
@@ -621,11 +760,21 @@ def _read_reports(fd: int, stderr: "_Tail", run: _Run, deadline: float) -> bool:
             stderr.read()
         if fd not in ready:
             continue
-        chunk = os.read(fd, 1 << 16)
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except (BlockingIOError, InterruptedError):
+            continue  # read by someone else between select and read: nothing to read after all
+        except OSError as e:
+            run.stop(f"the parent could not read the run's reports ({e})")
+            return True
         if not chunk:
             return True
+        run.taken += len(chunk)
+        if run.taken > _MAX_RUN_BYTES:
+            run.stop(f"the run sent more than {_MAX_RUN_BYTES >> 20} MiB of reports")
+            return True
         buf += chunk
-        while True:
+        while not run.finished():
             end = buf.find(b"\n")
             if end < 0:
                 if len(buf) > _MAX_LINE:
@@ -641,6 +790,7 @@ def _read_reports(fd: int, stderr: "_Tail", run: _Run, deadline: float) -> bool:
                 fd = _take_fifos(run, stderr, line, fd)
             else:
                 run.feed(line)
+    return True
 
 
 def _take_fifos(run: _Run, stderr: "_Tail", line: bytes, report_fd: int) -> int:
@@ -665,10 +815,11 @@ def _take_fifos(run: _Run, stderr: "_Tail", line: bytes, report_fd: int) -> int:
 
 
 class _Tail:
-    """The last few KB of a pipe, read without ever blocking."""
+    """The last few KB of a pipe, read without ever blocking; at most ``_MAX_STDERR_BYTES`` in all (then
+    it is no longer read, and a child that writes more waits)."""
 
     def __init__(self, file, keep: int = 2000) -> None:
-        self.fd, self.keep, self.data, self.open = file.fileno(), keep, b"", True
+        self.fd, self.keep, self.data, self.open, self.taken = file.fileno(), keep, b"", True, 0
         os.set_blocking(self.fd, False)
 
     def fds(self) -> list[int]:
@@ -682,7 +833,8 @@ class _Tail:
             return 0
         except OSError:
             chunk = b""
-        if not chunk:
+        self.taken += len(chunk)
+        if not chunk or self.taken >= _MAX_STDERR_BYTES:
             self.open = False
         self.data = (self.data + chunk)[-self.keep:]
         return len(chunk)
