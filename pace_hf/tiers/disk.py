@@ -180,7 +180,11 @@ class DiskTier(Tier):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"pace-{self.name}-read")
             pool = self._pool
-        return [x for part in pool.map(super().get_many, [[k] for k in keys]) for x in part]
+        try:
+            parts = pool.map(super().get_many, [[k] for k in keys])
+        except RuntimeError:  # the pool is shut down (the tier closing, or the interpreter exiting under a
+            return super().get_many(keys)  # prefetch still queued): read in this thread, never fail the read
+        return [x for part in parts for x in part]
 
     def delete(self, key: str) -> None:
         try:

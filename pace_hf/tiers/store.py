@@ -39,7 +39,7 @@ from .errors import IntegrityError, TierError
 from .health import TierHealth
 from .keys import KEY_PREFIX, full_key, generation_of, generation_order, split_key
 from .lease import Lease
-from .writer import Writer
+from .writer import Writer, finish_running_writers
 
 log = logging.getLogger("pace_hf.tiers")
 
@@ -50,17 +50,22 @@ _OPEN: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
 
 
 def _close_open_stores() -> None:
-    """At interpreter exit, close every store still open: its queued writes land, and its writer thread
-    stops before the runtime is torn down under it (a daemon thread inside a tensor copy at that moment
-    aborted the process with SIGABRT: 'terminate called without an active exception')."""
+    """At interpreter exit, close every store still open, then finish the writers of stores dropped
+    unclosed (a script that returns from ``main`` drops its cache and store; their writer thread runs on):
+    queued writes land, and every writer thread stops before the runtime is torn down under it (a daemon
+    thread inside a tensor copy at that moment aborts the process with SIGABRT: 'terminate called without
+    an active exception')."""
     for store in list(_OPEN):
         try:
             store.close(timeout_s=30)
         except Exception as e:  # noqa: BLE001 - exiting: report, never raise
             log.warning("pace_hf.tiers: closing a store at exit failed: %s", e)
+    finish_running_writers(timeout_s=30)
 
 
-atexit.register(_close_open_stores)  # runs while daemon threads still run, before the runtime goes
+# atexit, not threading's earlier hook: the program's own non-daemon threads have finished with their
+# stores by then, and daemon threads still run (the writer among them) until the runtime goes.
+atexit.register(_close_open_stores)
 
 
 class TieredStore:
@@ -123,6 +128,9 @@ class TieredStore:
         self._writer = Writer(self.tiers, self._health, timeout_s=self.timeout_s, queue_size=self.queue_size,
                               write_policy=write_policy)
         _OPEN.add(self)
+        # dropped unclosed: the writer lands what is queued, then its thread ends (it would wait forever)
+        self._dropped = weakref.finalize(self, self._writer.stop)
+        self._dropped.atexit = False  # at exit, _close_open_stores flushes and joins it
 
     # -- public API --------------------------------------------------------------------------------
     def put(self, key: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None = None, *,
@@ -252,6 +260,7 @@ class TieredStore:
         """Flush, stop the writer and close the tiers. Idempotent."""
         if self._writer.closed:
             return
+        self._dropped.detach()
         try:
             self.flush(timeout_s)
         except TierError:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Sequence
@@ -57,6 +58,22 @@ from .health import TierHealth
 log = logging.getLogger("pace_hf.tiers")
 
 WRITE_BATCH = 16  # queued puts the writer takes at once
+
+# Every writer not yet closed. Its thread holds it, so it stays here while it runs even when its store is
+# gone: a script that drops its cache without closing drops the store, never the thread (issue 71).
+_RUNNING: "weakref.WeakSet[Writer]" = weakref.WeakSet()
+
+
+def finish_running_writers(timeout_s: float) -> None:
+    """Land what every running writer has queued and stop its thread (at exit: a daemon thread still
+    encoding a tensor when the runtime is torn down aborts the process)."""
+    for writer in list(_RUNNING):
+        try:
+            writer.flush(timeout_s)
+        except TierError as e:
+            log.warning("pace_hf.tiers: a writer still had work at exit: %s", e)
+        finally:
+            writer.close()
 
 
 class _Write:
@@ -95,6 +112,7 @@ class Writer:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="pace-tier-writer", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
 
     def put(self, fk: str, key: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None,
             fingerprint: str, session_id: str, through: bool) -> Future:
@@ -147,12 +165,18 @@ class Writer:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
-        """Stop the thread once it has drained the queue (``flush`` first to wait for that)."""
+    def stop(self) -> None:
+        """Let the thread end once it has drained the queue, without waiting for it (its store is gone)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread once it has drained the queue (``flush`` first to wait for that)."""
+        self.stop()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            _RUNNING.discard(self)
 
     def stats(self) -> dict:
         """``puts`` (queued), ``failures`` (puts and moves that reached no tier) and ``pending``."""
