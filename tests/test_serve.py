@@ -557,6 +557,56 @@ def test_a_model_that_cannot_be_found_or_a_bad_loader_is_a_clear_error(tmp_path,
     assert done.value.code == 0 and "(default: 2048)" in capsys.readouterr().out
 
 
+def test_without_a_network_a_name_nobody_knows_fails_in_seconds(tmp_path):
+    """Without a network, ``from_pretrained`` retried each file for half a minute (86 s for a newcomer's
+    ``--model smollm2``) before the one-line error. An unreachable Hub now means its local cache alone:
+    the same error, at once, saying that only the cache was searched."""
+    with socket.socket() as s:  # a port nothing listens on: the Hub refuses every connection
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    script = ("import time, sys\nfrom pace_hf.serve.__main__ import load\nt = time.perf_counter()\n"
+              "try:\n    load('no-such-org/no-such-model')\nexcept SystemExit as e:\n    print(e)\n"
+              "print(f'seconds {time.perf_counter() - t:.1f}')\n")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE" and not k.lower().endswith("_proxy")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**env, "HF_ENDPOINT": f"http://127.0.0.1:{closed}", "HF_HOME": str(tmp_path / "hf"),
+                               "PYTHONPATH": str(ROOT)})
+    assert "no local model directory, and no Hub model" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "only its local cache was searched" in done.stdout and "--loader MODULE:FUNCTION" in done.stdout
+    seconds = float(re.search(r"^seconds (\S+)$", done.stdout, re.M).group(1))
+    assert seconds < 15, f"{seconds} s: the Hub's retries sleep 23 s in all"
+    assert "Retrying" not in done.stderr
+
+
+def test_the_server_logs_a_line_per_request_and_one_at_shutdown(tiny_dir, tmp_path):
+    """Nothing was logged per request or at shutdown. Each request's line names its tenant, session,
+    prompt and cached tokens, completion tokens, status and time; a refusal gets one too; the shutdown
+    line counts the requests by status once the saves have landed."""
+    keys, _ = key_files(tmp_path)
+    srv = Server(tiny_dir[0], tmp_path / "store", "--api-keys", str(keys))
+    try:
+        ada = as_tenant(srv, "ada")
+        first = [{"role": "user", "content": "The lamp costs 41 euros. " * 6}]
+        reply, one = ask(ada, srv.name, first)
+        _, two = ask(ada, srv.name, first + [{"role": "assistant", "content": reply},
+                                             {"role": "user", "content": "And the lamp?"}])
+        assert http("GET", srv.url + "/v1/models")[0] == 401
+    finally:
+        srv.stop()
+    log = srv.log_path.read_text()
+    turns = re.findall(r"INFO pace-serve: POST /v1/chat/completions 200 tenant=ada session=(\S+) prompt=(\d+) "
+                       r"cached=(\d+) completion=(\d+) ([\d.]+)s$", log, re.M)
+    assert len(turns) == 2, log[-3000:]
+    assert turns[0][0] == turns[1][0]  # one session, continued
+    assert [(int(t[1]), int(t[2]), int(t[3])) for t in turns] == [
+        (one.prompt_tokens, 0, one.completion_tokens),
+        (two.prompt_tokens, two.prompt_tokens_details.cached_tokens, two.completion_tokens)]
+    assert two.prompt_tokens_details.cached_tokens > 0
+    assert re.search(r"INFO pace-serve: GET /v1/models 401 tenant=- [\d.]+s$", log, re.M), log[-3000:]
+    assert re.search(r"INFO pace-serve: shut down after 3 API requests in 0:\d\d:\d\d \(by status: 200: 2, 401: 1\); "
+                     r"every session's last save has landed", log), log[-3000:]
+
+
 def test_a_server_with_retention_keeps_its_store_under_the_cap(tiny_dir, tmp_path):
     """20 one-shot requests left 2.5 GB on disk with no word. With --retain-mb the server deletes whole
     parked sessions, least recently saved first, when idle, with their index entries; the one it

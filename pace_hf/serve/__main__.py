@@ -22,8 +22,9 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
 
 def load(name_or_path: str, dtype: str = "auto", loader=None):
     """``(model, tokenizer)``: from ``loader`` (a callable ``(name_or_path, dtype=...)``, or its
-    ``"module:function"`` spelling, for models known by a name: see the README's server section),
-    else ``from_pretrained`` of a local directory or a Hub id."""
+    ``"module:function"`` spelling, for models known by a name: see the README's server section), else
+    ``from_pretrained`` of a local directory or a Hub id (of the Hub's local cache alone where the Hub
+    cannot be reached, so that a name nobody knows fails in seconds, not after a minute of retries)."""
     import torch
 
     torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
@@ -33,14 +34,40 @@ def load(name_or_path: str, dtype: str = "auto", loader=None):
         return loader(name_or_path, dtype=torch_dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    offline = not os.path.isdir(name_or_path) and not _hub_reachable()
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype or "auto")
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype or "auto", local_files_only=offline)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=offline)
     except OSError as e:
         raise SystemExit(f"pace-serve: --model {name_or_path!r} is no local model directory, and no Hub model "
-                         f"could be loaded under that name ({str(e).splitlines()[0]}); pass a directory, a Hub id, "
-                         "or --loader MODULE:FUNCTION for named models") from None
+                         f"could be loaded under that name ({str(e).splitlines()[0]}"
+                         f"{'; the Hub is unreachable, so only its local cache was searched' if offline else ''}); "
+                         "pass a directory, a Hub id, or --loader MODULE:FUNCTION for named models (the README's "
+                         "Serving section names the loader of this project's packaged models)") from None
     return model.eval(), tokenizer
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hub's host takes a connection (always True behind a proxy, which may be the only way
+    out). Without a network, ``from_pretrained`` retries each file for half a minute or more before it
+    fails, so an unreachable Hub means a search of its local cache alone, which fails at once."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                       "all_proxy")):
+        return True
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)),
+                                 timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def _loopback(host: str) -> bool:
@@ -110,7 +137,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     p.add_argument("--max-batch", type=int, default=8,
                    help="turns decoded together at most (and no more than --max-resident)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="info: a line per request and one at shutdown; debug adds the /health and /metrics requests")
     args = p.parse_args(argv)
     if args.spill_cap_mb < 0:
         p.error(f"--spill-cap-mb must be >= 0, got {args.spill_cap_mb}")
@@ -138,7 +166,11 @@ def main(argv: list[str] | None = None, loader=None) -> None:
         p.error(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_body_mb <= 0 or args.body_timeout <= 0:
         p.error("--max-body-mb and --body-timeout must be > 0")
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    # other libraries' INFO lines (a Hub download's every request) stay out unless debug is asked for
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=logging.WARNING if level == logging.INFO else level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("pace_hf").setLevel(level)
 
     import uvicorn
 
@@ -171,7 +203,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     print(f"pace-serve: serving {names[0]} on http://{args.host}:{args.port}/v1 ({access}; store: {args.store}; "
           f"{retention})",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False)  # the request log's line (pace_hf.serve.requestlog) says more
 
 
 if __name__ == "__main__":

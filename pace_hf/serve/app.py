@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, Turn
 from .protocol import APIError, ChatRequest
+from .requestlog import RequestLog
 from .tenants import Tenants
 
 
@@ -127,6 +128,7 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
     if tenants is not None:
         app.add_middleware(KeyCheck, tenants=tenants, metrics=engine.metrics)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s, metrics=engine.metrics)
+    app.add_middleware(RequestLog)  # outermost: it sees every status, the refusals of the two above included
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -195,6 +197,7 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
                     stops=body.stops(), sampling=sampling, session_name=request.headers.get("x-session-id") or None,
                     tenant=tenant, cache_salt=body.cache_salt,
                     loop=asyncio.get_running_loop())
+        request.state.turn = turn  # for the request log (RequestLog)
         engine.submit(turn)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         try:

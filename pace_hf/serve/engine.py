@@ -91,8 +91,13 @@ class Turn:
     cache_salt: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    outcome: dict = field(default_factory=dict)  # the request log's: session, tokens, an error's status
 
     def send(self, kind: str, payload=None) -> None:
+        if kind in ("started", "done"):
+            self.outcome.update((k, v) for k, v in payload.items() if k != "content")
+        elif kind == "error":
+            self.outcome["error"] = getattr(payload, "status", 500)
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
 
 
