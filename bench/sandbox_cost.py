@@ -1,8 +1,9 @@
-"""Per-run cost of the pace_coding sandbox, the host slab a stat flood leaves, and the jitter of a run's
-start after the previous run's end (what bounds the clock-phase channel), for this tree and an older
+"""Per-run cost of the pace_coding sandbox, the host slab a stat flood leaves, the jitter of a run's
+start after the previous run's end (what bounds the clock-phase channel), and the parent's CPU on an
+answer that floods its report and stderr FIFOs until the timeout (issue 66), for this tree and an older
 revision, interleaved in one process so that both see the same machine (issue 41).
 
-    PACE_ALLOW_CODE_EVAL=1 python bench/sandbox_cost.py --before 540806e --runs 20 --out bench/results/sandbox_cost
+    PACE_ALLOW_CODE_EVAL=1 python bench/sandbox_cost.py --before 2b0924c --runs 20 --out bench/results/sandbox_cost
 
 The older revision's sandbox (its sandbox.py and _sandbox_child.py, read with ``git show``) is loaded
 from a temporary folder. Writes ``results.json`` and ``results.md`` into ``--out``.
@@ -73,6 +74,42 @@ def flood(sandbox, seconds: float) -> dict:
             "slab_growth_after_mb": round(slab_mb() - slab.before, 1)}
 
 
+# Issue 66's flood: every FIFO the answer can write to (the report FIFO where it reaches it, stderr) gets a
+# line that breaks the protocol, then a 4 MB JSON line of lists nested 50 deep, again and again; the call
+# never returns, so the run lasts until its timeout.
+FLOOD_ANSWER = """
+import fcntl, os, stat, threading, time
+LINE = ("[" + ",".join(["[" * 49 + "]" * 49] * 42_000) + "]\\n").encode()
+
+def _flood(fd):
+    try:
+        os.write(fd, b"not an answer\\n")
+        while True:
+            os.write(fd, LINE)
+    except OSError:
+        pass
+
+def flood():
+    for fd in range(64):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode) and fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_WRONLY | os.O_RDWR):
+                threading.Thread(target=_flood, args=(fd,), daemon=True).start()
+        except OSError:
+            pass
+    time.sleep(3600)
+"""
+
+
+def parent_cpu_on_flood(sandbox, timeout_s: float) -> dict:
+    """The parent's CPU time (this process's, not the child's) and wall time for one run of the flood
+    answer at ``timeout_s``."""
+    limits = sandbox.SandboxLimits(timeout_s=timeout_s, cpu_s=int(timeout_s) + 5)
+    cpu, wall = time.process_time(), time.perf_counter()
+    sandbox.run_calls(FLOOD_ANSWER, ["flood()"], limits)
+    return {"timeout_s": timeout_s, "parent_cpu_s": round(time.process_time() - cpu, 2),
+            "wall_s": round(time.perf_counter() - wall, 1)}
+
+
 END = "import time\ndef end():\n    return time.time()\n"
 START = "import time\nSTARTED = time.time()\ndef start():\n    return STARTED\n"
 
@@ -115,16 +152,19 @@ def main(argv=None) -> int:
                 "per_run_s_median": round(statistics.median(times[name]), 3),
                 "per_run_s_min": round(min(times[name]), 3), "per_run_s_max": round(max(times[name]), 3),
                 "layers": sandbox.isolation_layers(), "stat_flood": flood(sandbox, args.flood_seconds),
-                "clock_phase": clock_phase(sandbox, args.runs)}
+                "clock_phase": clock_phase(sandbox, args.runs),
+                "report_flood": [parent_cpu_on_flood(sandbox, t) for t in (10.0, 20.0)]}
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     rows = ["| sandbox | per run (median, s) | min-max (s) | stat-flood lookups | slab growth at peak (MB) | "
-            "slab growth 1 s after (MB) | next run's start after an end: spread (s) | clock-phase bits per run |",
-            "|---|---|---|---|---|---|---|---|"]
+            "slab growth 1 s after (MB) | next run's start after an end: spread (s) | clock-phase bits per run | "
+            "parent CPU on the report flood, 10 s timeout (s) | at 20 s (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in report["arms"].items():
-        f, c = r["stat_flood"], r["clock_phase"]
+        f, c, (ten, twenty) = r["stat_flood"], r["clock_phase"], r["report_flood"]
         rows.append(f"| {name} ({'the --before revision' if name == 'before' else 'this tree'}) | {r['per_run_s_median']} | "
                     f"{r['per_run_s_min']}-{r['per_run_s_max']} | {f['lookups']:,} | {f['slab_peak_growth_mb']} | "
-                    f"{f['slab_growth_after_mb']} | {c['delay_s_p10_p90']} | {c['bits_per_run']} |")
+                    f"{f['slab_growth_after_mb']} | {c['delay_s_p10_p90']} | {c['bits_per_run']} | "
+                    f"{ten['parent_cpu_s']} | {twenty['parent_cpu_s']} |")
     (out / "results.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
     return 0

@@ -42,7 +42,7 @@ if mode == "namespaces":  # only the namespaces, no seccomp: objects made here m
              "mq": libc.mq_open(job["queue"].encode(), os.O_CREAT | os.O_RDWR, 0o600, None),
              "pid": os.getpid()}
 else:
-    layers, _roots = C._confine(job, (out_fd,))
+    layers, _roots, _unshare = C._confine(job, (out_fd,))
     buf = ctypes.create_string_buffer(512)
     work = job["work"]
     facts["layers"] = layers
