@@ -96,8 +96,10 @@ class PACESession:
         room = (self.cache.limit - self.cache.budget) if self.cache.limit is not None else 4096
         self.chunk = chunk if chunk is not None else min(4096, room)
         if self.cache.limit is not None and self.chunk > room:
-            raise ValueError(f"chunk {self.chunk} does not fit under limit {self.cache.limit} above budget "
-                             f"{self.cache.budget}: use chunk <= {room}")
+            raise ValueError(f"chunk={self.chunk} does not fit under limit={self.cache.limit} above "
+                             f"budget={self.cache.budget} (a chunk's forward on a full budget needs limit >= budget + "
+                             f"chunk = {self.cache.budget + self.chunk}): use chunk <= {room}, or "
+                             f"limit >= {self.cache.budget + self.chunk}")
         self.planner, self.rehydrate = planner, rehydrate
         if rehydrate and (planner is None or self.cache.store is None):
             raise ValueError("rehydrate=True needs a planner (to read identifiers) and a store (to restore from)")

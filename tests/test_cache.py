@@ -1,5 +1,7 @@
 """PACECache and the baselines under plain model.generate (tiny random models, fp32, CPU)."""
 
+import re
+
 import pytest
 import torch
 import transformers as tf
@@ -249,6 +251,35 @@ def test_bad_input_raises_clear_errors():
         tf.LlamaConfig(**{**tiny_config("llama").to_dict(), "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}))
     with pytest.raises(ValueError, match="dynamic"):
         PACECache(dynamic, budget=64, limit=160, recent=16)
+
+
+def test_a_refused_budget_or_limit_names_each_number_and_what_would_do():
+    """A newcomer met ``(got 0, 4, 128)`` and could not tell which number was which, and ``limit 1024 must
+    be at least budget 2048 plus the chunk size`` without knowing which chunk size or what limit would do."""
+    from pace_hf.memory.retrieval import PageRetriever
+    from pace_hf.memory.wing import KVMemory
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"\(got budget=0, sinks=4, recent=128\)"):
+        H2OCache(model, budget=0)
+    with pytest.raises(ValueError, match=r"budget=100 cannot hold .* = 4 \+ 128 = 132 tokens.*recent=25, or budget >= 132"):
+        PACECache(model, budget=100, limit=400)
+    with pytest.raises(ValueError) as refused:
+        PACECache(model, budget=2048, limit=1024)
+    said = str(refused.value)
+    assert "limit=1024" in said and "budget=2048" in said and "prefill_chunk_size" in said, said
+    suggested = re.search(r"limit=(\d+) for prefill_chunk_size=(\d+)", said)
+    assert int(suggested[1]) == 2048 + int(suggested[2]), said
+    PACECache(model, budget=2048, limit=int(suggested[1])).unbind()  # what it suggests is taken
+    cache = PACECache(model, budget=32, limit=48, recent=8)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"use limit >= 0 \+ 49 = 49, or prefill_chunk_size <= 48"):
+        model(prompt(49), cache=cache)
+    with pytest.raises(ValueError, match=r"got prefetch_steps=-1, spill_tokens=64\)"):
+        KVMemory(prefetch_steps=-1)
+    with pytest.raises(ValueError, match=r"got page_tokens=0, digest_tokens=16, overlap=0\)"):
+        PageRetriever(None, page_tokens=0, overlap=0)
+    with pytest.raises(ValueError, match=r"got window=0, kernel=7"):
+        ObservationWindow(window=0)
 
 
 def test_a_chunk_that_cannot_fit_under_the_limit_raises_and_loses_nothing():

@@ -537,7 +537,7 @@ def test_a_budget_the_cache_cannot_take_fails_at_startup(tiny_dir, tmp_path):
     try:
         with pytest.raises(ValueError, match="cannot hold the protected sinks"):
             Engine(model, tiny_dir[1], store, "tiny", budget=96)
-        with pytest.raises(ValueError, match="does not fit under limit"):
+        with pytest.raises(ValueError, match=r"chunk=2000 does not fit under limit=1024 above budget=200 .*chunk <= 824, or limit >= 2200"):
             Engine(model, tiny_dir[1], store, "tiny", budget=200, limit=1024, chunk=2000)
     finally:
         store.close()

@@ -85,7 +85,11 @@ class EvictionCache(FixedRows, DynamicCache):
         if limit is not None:
             limit = as_index(limit, "limit")
             if limit <= budget:
-                raise ValueError(f"limit {limit} must be at least budget {budget} plus the chunk size")
+                raise ValueError(
+                    f"limit={limit} leaves no room above budget={budget}: positions run 0..limit-1, and a forward of "
+                    f"C new tokens on {budget} resident ones needs limit >= {budget} + C (C: prefill_chunk_size when "
+                    "generate prefills in chunks, else the whole prompt; 1 for each decoded token); e.g. "
+                    f"limit={budget + 4096} for prefill_chunk_size=4096, or budget <= {limit} - C")
         if memory is not None:  # the session's own (PACESession builds it): the store and its knobs are its
             given = [name for name, value, default in (("store", store, None), ("session_id", session_id, None),
                                                        ("prefetch_steps", prefetch_steps, 1),
@@ -479,7 +483,7 @@ class EvictionCache(FixedRows, DynamicCache):
             if n + q_len > self.limit:
                 raise ValueError(
                     f"a forward of {q_len} tokens on {n} resident tokens cannot stay below limit={self.limit}; "
-                    f"use limit >= {n} + chunk, e.g. prefill_chunk_size <= {self.limit - n}"
+                    f"use limit >= {n} + {q_len} = {n + q_len}, or prefill_chunk_size <= {self.limit - n}"
                 )
             if self.next_physical + q_len > self.limit:
                 self.renumber()

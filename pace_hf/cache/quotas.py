@@ -26,10 +26,12 @@ class Quotas:
         budget, sinks, recent = (as_index(v, n) for v, n in ((self.budget, "budget"), (self.sinks, "sinks"),
                                                               (self.recent, "recent")))
         if budget <= 0 or sinks < 0 or recent < 0:
-            raise ValueError(f"budget must be > 0 and sinks, recent >= 0 (got {budget}, {sinks}, {recent})")
+            raise ValueError(f"budget must be > 0, and sinks and recent >= 0 (got budget={budget}, sinks={sinks}, "
+                             f"recent={recent})")
         if budget < sinks + recent:
-            raise ValueError(f"budget {budget} cannot hold the protected sinks + recent = {sinks} + {recent} tokens: "
-                             f"pass a smaller recent= (the default is {DEFAULT_RECENT}), e.g. recent={max(0, budget // 4)}")
+            raise ValueError(f"budget={budget} cannot hold the protected sinks + recent = {sinks} + {recent} = "
+                             f"{sinks + recent} tokens: pass a smaller recent= (the default is {DEFAULT_RECENT}), e.g. "
+                             f"recent={max(0, budget // 4)}, or budget >= {sinks + recent}")
         object.__setattr__(self, "budget", budget)
         object.__setattr__(self, "sinks", sinks)
         object.__setattr__(self, "recent", recent)

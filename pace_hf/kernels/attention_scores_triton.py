@@ -155,7 +155,8 @@ def attention_with_column_sums_triton(query, key, value, attention_mask, scaling
     hkv, kv_len = key.shape[1], key.shape[2]
     group = hq // hkv
     if value.shape[-1] != d or d > 256:
-        raise NotImplementedError(f"the Triton attention needs equal q/k/v head sizes <= 256 (got {d}, {value.shape[-1]})")
+        raise NotImplementedError(f"the Triton attention needs equal q/k/v head sizes <= 256 (got q/k {d}, "
+                                  f"v {value.shape[-1]})")
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if key.dtype != query.dtype or value.dtype != query.dtype:
         key, value = key.to(query.dtype), value.to(query.dtype)

@@ -46,7 +46,8 @@ def retain(store, *, max_bytes: int | None = None, max_age_s: float | None = Non
     none was last saved more than ``max_age_s`` ago; never those in ``keep`` or under a live writer's
     lease. Returns the deleted session ids, in the order deleted."""
     if max_bytes is not None and max_bytes < 0 or max_age_s is not None and max_age_s < 0:
-        raise ValueError(f"max_bytes and max_age_s must be >= 0 or None, got {max_bytes}, {max_age_s}")
+        raise ValueError(f"max_bytes and max_age_s must be >= 0 or None, got max_bytes={max_bytes}, "
+                         f"max_age_s={max_age_s}")
     if max_bytes is None and max_age_s is None:
         return []
     now = time.time() if now is None else now

@@ -192,8 +192,8 @@ class PageRetriever:
         self.page_tokens, self.overlap = as_index(page_tokens, "page_tokens"), as_index(overlap, "overlap")
         self.digest_tokens = as_index(digest_tokens, "digest_tokens")
         if self.page_tokens < 1 or self.overlap < 0 or self.digest_tokens < 1:
-            raise ValueError(f"page_tokens and digest_tokens must be >= 1 and overlap >= 0 (got {page_tokens}, "
-                             f"{digest_tokens}, {overlap})")
+            raise ValueError(f"page_tokens and digest_tokens must be >= 1 and overlap >= 0 (got page_tokens={page_tokens}, "
+                             f"digest_tokens={digest_tokens}, overlap={overlap})")
         self.share = None if share is None else as_index(share, "share")
         if self.share is not None and self.share < 1:
             raise ValueError(f"share must be >= 1, got {share}")

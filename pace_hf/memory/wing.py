@@ -31,7 +31,8 @@ class KVMemory:
             persist.check_store(store, session_id)
         prefetch_steps, spill_tokens = as_index(prefetch_steps, "prefetch_steps"), as_index(spill_tokens, "spill_tokens")
         if prefetch_steps < 0 or spill_tokens < 1:
-            raise ValueError(f"prefetch_steps must be >= 0 and spill_tokens >= 1 (got {prefetch_steps}, {spill_tokens})")
+            raise ValueError(f"prefetch_steps must be >= 0 and spill_tokens >= 1 (got prefetch_steps={prefetch_steps}, "
+                             f"spill_tokens={spill_tokens})")
         if spill_cap_bytes is not None and as_index(spill_cap_bytes, "spill_cap_bytes") < 0:
             raise ValueError(f"spill_cap_bytes must be >= 0 or None, got {spill_cap_bytes}")
         self.store, self.session_id = store, session_id

@@ -22,7 +22,8 @@ class ObservationWindow(ScoringPolicy):
 
     def __post_init__(self):
         if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"window must be >= 1 and kernel an odd number >= 1, got {self.window}, {self.kernel}")
+            raise ValueError(f"window must be >= 1 and kernel an odd number >= 1, got window={self.window}, "
+                             f"kernel={self.kernel}")
 
     def query_window(self, q_len: int) -> int | None:
         return min(self.window, q_len)
