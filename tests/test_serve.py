@@ -326,6 +326,152 @@ def test_wrong_types_are_refused_not_coerced(server):
                  "max_tokens": 2, "temperature": 1})[0] == 200  # an int where a float goes is still fine
 
 
+# -- the OpenAI parameters: each honoured as OpenAI defines it, or refused by name (issue 67) -----------------
+
+def test_unknown_and_unsupported_parameters_are_refused_by_name(server):
+    """Every field pydantic did not know was dropped with a 200 (``extra="ignore"``): a client that asked
+    for tools, a JSON mode or logprobs got a reply that silently lacked them. Now each is a 400 that names
+    it; what the openai client sends back when a reply's message object is appended is still taken."""
+    c, m, user = server.client(), server.name, [{"role": "user", "content": "hi"}]
+    post = lambda body: http("POST", server.url + "/v1/chat/completions", body)  # noqa: E731
+    status, _, text = post({"model": m, "messages": user, "tools": [{"type": "function"}], "foo": 1})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "tools" and error["code"] == "unsupported_parameter", text
+    assert "'tools' (pace-serve does not call tools)" in error["message"] and "'foo'" in error["message"]
+    for body, param in (({"response_format": {"type": "json_object"}}, "response_format.type"),
+                        ({"n": 2}, "n"), ({"top_logprobs": 2}, "top_logprobs"), ({"top_logprobs": 21}, "top_logprobs"),
+                        ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+                        ({"logit_bias": {"5": 101}}, "logit_bias"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                        ({"stream_options": {"include_usage": True}}, "stream_options"),
+                        ({"stop": ["x" * 129]}, "stop"),
+                        ({"messages": [{"role": "user", "content": "hi", "name": "ada"}]}, "messages.0.name")):
+        status, _, text = post({"model": m, "messages": user, **body})
+        assert status == 400 and json.loads(text)["error"]["param"] == param, (body, text)
+    first = c.chat.completions.create(model=m, messages=user, max_tokens=3, user="u-1", safety_identifier="s",
+                                      response_format={"type": "text"}, n=1, extra_headers={"X-Session-Id": "known"})
+    again = user + [first.choices[0].message, {"role": "user", "content": "more"}]  # refusal: None, annotations: []
+    assert c.chat.completions.create(model=m, messages=again, max_tokens=3).choices[0].message.content is not None
+    assert list(c.chat.completions.create(model=m, messages=user, max_tokens=3, stream=True,
+                                          stream_options={"include_usage": True}))[-1].usage.completion_tokens == 3
+
+
+@pytest.fixture(scope="module")
+def steered(tiny_dir):
+    """``(reply tokens, raw logits of each step)`` of a one-message conversation from the same model in this
+    process, greedy after OpenAI's logit_bias and penalties as OpenAI's docs state them (a processor
+    written here, independent of the server's)."""
+    import torch
+    import transformers as tf
+    from collections import Counter
+
+    path, tokenizer = tiny_dir
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    t = ChatTemplate(tokenizer)
+
+    class OpenAIRule(tf.LogitsProcessor):
+        def __init__(self, start, bias, presence, frequency):
+            self.start, self.bias, self.presence, self.frequency = start, bias, presence, frequency
+
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            for token, b in self.bias.items():
+                scores[0, token] += b
+            for token, count in Counter(input_ids[0, self.start:].tolist()).items():
+                scores[0, token] -= count * self.frequency + self.presence
+            return scores
+
+    def run(user, max_tokens, bias=None, presence=0.0, frequency=0.0):
+        ids = t.system_ids + t.encode(t.block("user", user)) + t.encode(t.gen_header)
+        x, stop = torch.tensor([ids]), t.stop_ids()
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=stop, pad_token_id=stop[0], output_logits=True,
+                                 return_dict_in_generate=True,
+                                 logits_processor=tf.LogitsProcessorList([OpenAIRule(len(ids), bias or {}, presence,
+                                                                                     frequency)]))
+        return out.sequences[0, len(ids):].tolist(), [step[0] for step in out.logits]
+
+    return run
+
+
+def test_logit_bias_and_penalties_steer_the_reply_as_openai_defines_them(server, tiny_dir, steered):
+    """``logit_bias``, ``presence_penalty`` and ``frequency_penalty`` were accepted and dropped: the reply
+    was the plain greedy one. Now a bias of 100 forces its token, and bias and penalties together give
+    the tokens a local greedy decode with OpenAI's formula gives (and not the plain ones)."""
+    c, m, tokenizer = server.client(), server.name, tiny_dir[1]
+    user = "Steer: list the queues, the workers and the queues again."
+    forced = tokenizer.encode(" queue", add_special_tokens=False)[0]
+    r = c.chat.completions.create(model=m, messages=[{"role": "user", "content": user}], max_tokens=6,
+                                  logit_bias={str(forced): 100}, extra_headers={"X-Session-Id": "forced"})
+    assert r.choices[0].message.content == tokenizer.decode([forced] * 6) and r.usage.completion_tokens == 6
+    plain = steered(user, 16)[0]
+    bias = {plain[0]: -100, plain[1]: 5}
+    expected = steered(user, 16, bias, presence=1.5, frequency=2.0)[0]
+    assert expected != plain
+    r = c.chat.completions.create(model=m, messages=[{"role": "user", "content": user}], max_tokens=16,
+                                  logit_bias={str(k): v for k, v in bias.items()}, presence_penalty=1.5,
+                                  frequency_penalty=2.0, extra_headers={"X-Session-Id": "penalised"})
+    stops = ChatTemplate(tokenizer).stop_ids()
+    assert r.choices[0].message.content == tokenizer.decode([x for x in expected if x not in stops],
+                                                            skip_special_tokens=True)
+
+
+def test_logprobs_are_the_models_log_softmax_streamed_or_not(server, tiny_dir, steered):
+    """``logprobs`` / ``top_logprobs`` were dropped (``choices[].logprobs`` absent). Now each token comes with
+    its log-probability and its top alternatives, equal to log_softmax of the model's logits, in OpenAI's
+    shape; a stream carries the same entries over its chunks."""
+    import torch
+
+    c, m, tokenizer = server.client(), server.name, tiny_dir[1]
+    user = "Logprobs: name three queues."
+    tokens, logits = steered(user, 8)
+    r = c.chat.completions.create(model=m, messages=[{"role": "user", "content": user}], max_tokens=8,
+                                  logprobs=True, top_logprobs=3, extra_headers={"X-Session-Id": "logprobs"})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == len(tokens) == 8
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for entry, token, step in zip(content, tokens, logits):
+        lp = torch.log_softmax(step.float(), -1)
+        top = torch.topk(lp, 3)
+        assert entry.token == tokenizer.decode([token]) and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(lp[token].item(), abs=1e-4)
+        assert [e.token for e in entry.top_logprobs] == [tokenizer.decode([i]) for i in top.indices.tolist()]
+        assert [e.logprob for e in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert c.chat.completions.create(model=m, messages=[{"role": "user", "content": user}],
+                                     max_tokens=2).choices[0].logprobs is None
+    chunks = list(c.chat.completions.create(model=m, messages=[{"role": "user", "content": user}], max_tokens=8,
+                                            logprobs=True, top_logprobs=3, stream=True,
+                                            extra_headers={"X-Session-Id": "logprobs-streamed"}))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content) > 1
+
+
+def test_stop_strings_cost_nothing_to_prepare_and_stop_where_transformers_does(tiny_dir):
+    """``StopStringCriteria`` mapped each stop string over the whole vocabulary before the first token, on
+    the worker thread: 0.8 s here for 4 strings of 256 characters (2.0 s over Qwen's vocabulary), every
+    decoding row waiting. ``StopStrings`` checks the reply's text instead: it builds nothing, and over
+    every prefix of a reply it stops at the same token as ``StopStringCriteria``."""
+    import torch
+    from transformers import StopStringCriteria
+
+    from pace_hf.serve.batcher import StopStrings
+
+    tokenizer = tiny_dir[1]
+    started = time.perf_counter()
+    StopStrings(tokenizer, ["x" * 128, "y" * 128, "z" * 128, "w" * 128])
+    assert time.perf_counter() - started < 0.05
+    reply = tokenizer.encode("The queue held 3 jobs; then def settle(record):\n    return record.amount * RATE\n"
+                             "Observation: done. café ≥ 7 — ok ```end```", add_special_tokens=False)
+    stops = ["settle(", "\n    ret", "Observation:", "é ≥", "```e", "k ``"]
+    for stop in stops:
+        ours, theirs = StopStrings(tokenizer, [stop]), StopStringCriteria(tokenizer, [stop])
+        first_ours = next(i for i in range(1, len(reply) + 1) if ours.hit(reply[:i]))
+        first_theirs = next(i for i in range(1, len(reply) + 1) if theirs(torch.tensor([reply[:i]]), None)[0])
+        assert first_ours == first_theirs, stop
+        assert stop in tokenizer.decode(reply[:first_ours]) and stop not in tokenizer.decode(reply[:first_ours - 1])
+
+
 def test_huge_and_slow_bodies_are_cut_off(server):
     """A 50 MB body was read, hashed and tokenized on the one worker (77 s, +500 MB RSS, every other
     client waiting), and a body sent a byte a second held its connection open for good: ``--max-body-mb``

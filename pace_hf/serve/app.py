@@ -16,7 +16,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, Turn
-from .protocol import APIError, ChatRequest
+from .protocol import UNSUPPORTED, APIError, ChatRequest
 from .requestlog import RequestLog
 from .tenants import Tenants
 
@@ -130,6 +130,7 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s, metrics=engine.metrics)
     app.add_middleware(RequestLog)  # outermost: it sees every status, the refusals of the two above included
     created = int(time.time())
+    vocab = _vocab_size(engine.model)  # logit_bias keys are checked against it
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -138,6 +139,14 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
     @app.exception_handler(RequestValidationError)
     async def malformed(request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
+        extra = [".".join(str(p) for p in err["loc"] if p != "body") for err in e.errors()
+                 if err.get("type") == "extra_forbidden"]
+        if extra:  # every one named, with why where it is OpenAI's
+            why = [f"{name!r} ({UNSUPPORTED[name]})" if name in UNSUPPORTED else f"{name!r}" for name in extra]
+            engine.metrics.requests.labels("400").inc()
+            return _error(APIError(400, f"pace-serve does not take the parameter{'s' * (len(extra) > 1)} "
+                                        f"{', '.join(why)}; nothing is ignored silently",
+                                   param=extra[0], code="unsupported_parameter"))
         if first.get("type") == "json_invalid":  # its loc is a character offset, no field
             where = None
             why = first.get("ctx", {}).get("error", "")
@@ -190,12 +199,24 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served_names}",
                            code="model_not_found", param="model")
         system, messages = body.conversation()
-        sampling = {}
+        body.check_stream_options()
+        sampling, top = {}, body.top()
         if body.temperature:  # None or 0: greedy
             sampling.update(do_sample=True, temperature=body.temperature, top_p=body.top_p or 1.0)
+        # what changes the reply (a greedy reply has no use for its seed, a zero penalty does nothing)
+        extra = {"logit_bias": body.bias(vocab) or None, "presence_penalty": body.presence_penalty or None,
+                 "frequency_penalty": body.frequency_penalty or None,
+                 "seed": body.seed if body.temperature else None, "logprobs": top}
+        extra = {k: v for k, v in extra.items() if v is not None}
+        if engine.batcher is None and extra:  # generate's path takes none of them
+            name = next(iter(extra))
+            raise APIError(400, f"{name} is served by the batched worker only; this server runs with "
+                                "--no-batch-decode", param=name, code="unsupported_parameter")
+        extra.pop("logprobs", None)
+        sampling.update(extra)
         turn = Turn(system=system, messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
                     stops=body.stops(), sampling=sampling, session_name=request.headers.get("x-session-id") or None,
-                    tenant=tenant, cache_salt=body.cache_salt,
+                    tenant=tenant, cache_salt=body.cache_salt, logprobs=top,
                     loop=asyncio.get_running_loop())
         request.state.turn = turn  # for the request log (RequestLog)
         engine.submit(turn)
@@ -226,20 +247,21 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
             return JSONResponse({
                 "id": cid, "object": "chat.completion", "created": now, "model": body.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": payload["content"]},
-                             "finish_reason": payload["finish_reason"]}],
+                             "logprobs": _logprobs(payload["logprobs"]), "finish_reason": payload["finish_reason"]}],
                 "usage": _usage(payload)}, headers=headers)
         return EventSourceResponse(_stream(turn, body, cid, now), headers=headers, ping=15)
 
     async def _stream(turn: Turn, body: ChatRequest, cid: str, now: int):
-        def chunk(delta: dict, finish=None, usage=None) -> dict:
+        def chunk(delta: dict, finish=None, usage=None, logprobs=None) -> dict:
             out = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": body.model,
-                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+                   "choices": [{"index": 0, "delta": delta, "logprobs": _logprobs(logprobs), "finish_reason": finish}]}
             if usage is not None:
                 out["usage"] = usage
             return {"data": json.dumps(out)}
 
         hold = max((len(s) for s in turn.stops), default=1) - 1  # text that may begin a stop string
         text, sent = "", 0
+        pending, streamed = [], 0  # logprobs: (where the token's text begins, entry), and how many went out
         try:
             yield chunk({"role": "assistant", "content": ""})
             while True:
@@ -248,10 +270,14 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
                     yield {"data": json.dumps(payload.body())}
                     engine.metrics.requests.labels(str(payload.status)).inc()
                     return
+                if kind == "logprob":
+                    pending.append(payload)
+                    continue
                 if kind == "done":
                     rest = payload["content"][sent:]
-                    if rest:
-                        yield chunk({"content": rest})
+                    left = payload["logprobs"][streamed:] if payload["logprobs"] is not None else None
+                    if rest or left:
+                        yield chunk({"content": rest}, logprobs=left)
                     yield chunk({}, payload["finish_reason"], _usage(payload))
                     yield {"data": "[DONE]"}
                     engine.metrics.requests.labels("200").inc()
@@ -259,12 +285,26 @@ def create_app(engine: Engine, served_names: list[str], *, max_body_bytes: int =
                 text += payload
                 cut = min([text.find(s) for s in turn.stops if s in text], default=len(text) - hold)
                 if cut > sent:
-                    yield chunk({"content": text[sent:cut]})
-                    sent = cut
+                    piece, sent = text[sent:cut], cut
+                    out = [entry for at, entry in pending if at < sent]  # tokens whose text has begun
+                    pending, streamed = pending[len(out):], streamed + len(out)
+                    yield chunk({"content": piece}, logprobs=out if turn.logprobs is not None else None)
         finally:
             turn.cancelled.set()  # a no-op once done; mid-stream it stops the generation
 
     return app
+
+
+def _vocab_size(model) -> int:
+    """How many logits the model gives: its output layer's rows (a config's vocab_size may differ)."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(out, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(model.config.get_text_config().vocab_size)
+
+
+def _logprobs(content: list | None) -> dict | None:
+    """OpenAI's ``choices[].logprobs``: null unless the request asked for logprobs."""
+    return None if content is None else {"content": content, "refusal": None}
 
 
 def _usage(p: dict) -> dict:

@@ -89,6 +89,7 @@ class Turn:
     loop: asyncio.AbstractEventLoop
     tenant: str | None = None  # None: the keyless server's one namespace
     cache_salt: str | None = None
+    logprobs: int | None = None  # None: no logprobs; else how many alternatives each token lists
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     outcome: dict = field(default_factory=dict)  # the request log's: session, tokens, an error's status
@@ -117,6 +118,7 @@ class Opened:
     reused: int  # of them, those the session's cache already held
     before: dict  # the cache's tier_stats before the turn
     t0: float  # when the turn started (perf_counter), for the TTFT
+    sampler: object = None  # the batched worker's (batcher.Sampler): the reply's logprobs
 
 
 @dataclass
@@ -541,13 +543,13 @@ class Engine:
 
     def _generate(self, opened: "Opened") -> str:
         """The reply, one turn alone: ``PACESession.generate`` (prefill, decode, the reply appended)."""
+        from .batcher import StopStrings
+
         turn, session = opened.turn, opened.session
-        kwargs = dict(turn.sampling)
-        if turn.stops:
-            kwargs.update(stop_strings=turn.stops, tokenizer=self.tokenizer)
+        criteria = [_Cancelled(turn.cancelled)] + ([StopStrings(self.tokenizer, turn.stops)] if turn.stops else [])
         try:
             return session.generate(max_new_tokens=opened.max_tokens, streamer=self._deltas(opened),
-                                    stopping_criteria=StoppingCriteriaList([_Cancelled(turn.cancelled)]), **kwargs)
+                                    stopping_criteria=StoppingCriteriaList(criteria), **turn.sampling)
         except Exception:
             self._drop(opened.sid)  # its cache may be half-written; the store still holds its last turn
             raise
@@ -585,9 +587,10 @@ class Engine:
         while len(self.known) > MAX_KNOWN:  # older conversations are found through the store's index
             self.known.popitem(last=False)
         self._index(full, sid)
+        logprobs = opened.sampler.kept(out_tokens, content, stopped) if turn.logprobs is not None else None
         turn.send("done", {"session": unscoped(turn.tenant, sid), "content": content, "finish_reason": finish, "prompt_tokens": prompt,
                            "completion_tokens": out_tokens, "reused_tokens": reused,
-                           "prefilled_tokens": prompt - reused})
+                           "prefilled_tokens": prompt - reused, "logprobs": logprobs})
         held = self.resident[sid]
         held.last_used = time.monotonic()
         held.saving = self.saver.submit(self._save, sid, session, opened.lease)

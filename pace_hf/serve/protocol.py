@@ -31,8 +31,24 @@ def _utf8(s: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_utf8)]
-# strict: "stream": "yes", "max_tokens": "4" or true are refused, not coerced; extra fields are ignored
-STRICT = ConfigDict(extra="ignore", strict=True)
+# strict: "stream": "yes", "max_tokens": "4" or true are refused, not coerced; an unknown field is a 400
+# that names it (app.py), never dropped: a client that sent it expects it to do something
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+MAX_STOP_CHARS = 128  # building a stop string's checker costs time linear in its length (a 4,096-character one
+# took 6.7 s over Qwen's vocabulary); real stop strings ("\n\n", "```", "Observation:") are far shorter
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI caps them
+
+# fields of OpenAI's chat-completions API that pace-serve refuses, and why (app.py's 400 says so)
+UNSUPPORTED = {
+    "tools": "pace-serve does not call tools", "tool_choice": "pace-serve does not call tools",
+    "parallel_tool_calls": "pace-serve does not call tools", "functions": "pace-serve does not call tools",
+    "function_call": "pace-serve does not call tools", "audio": "pace-serve answers in text only",
+    "modalities": "pace-serve answers in text only", "prediction": "pace-serve has no predicted outputs",
+    "web_search_options": "pace-serve does not search the web", "store": "pace-serve stores no completions for you",
+    "metadata": "pace-serve stores no completions for you", "service_tier": "pace-serve has one service tier",
+    "reasoning_effort": "the model has no reasoning setting", "verbosity": "the model has no verbosity setting",
+}
 
 
 class TextPart(BaseModel):
@@ -54,11 +70,29 @@ class MessageIn(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: _str_or_list(TextPart, '{"type": "text", "text": ...} parts') | None = None
+    # what the openai client sends back when a reply's message object is appended to the conversation:
+    # accepted while empty (a tool call or a refusal in them would be dropped, so that is a 400)
+    refusal: None = None
+    annotations: Annotated[list, Field(max_length=0)] | None = None
+    tool_calls: Annotated[list, Field(max_length=0)] | None = None
+    function_call: None = None
+    audio: None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool | None = None  # the last chunk carries usage either way
+    include_obfuscation: Literal[False] | None = None  # the padding against size side channels is not sent
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]  # the default; a JSON mode would not be enforced
 
 
 class ChatRequest(BaseModel):
@@ -72,7 +106,16 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     stop: _str_or_list(Text, "strings") | None = None
     n: int | None = Field(None, ge=1, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # a generator of the row's own (batcher.Sampler)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> -100..100
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: Text | None = Field(None, max_length=512)  # OpenAI's abuse-monitoring id: no effect on the reply
+    safety_identifier: Text | None = Field(None, max_length=512)  # its newer name
     cache_salt: Text | None = Field(None, min_length=1, max_length=256)  # vLLM's: no reuse across salts
 
     def conversation(self) -> tuple[str | None, list[tuple[str, str]]]:
@@ -91,4 +134,31 @@ class ChatRequest(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise APIError(400, "stop takes at most 4 non-empty strings", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"stop strings take at most {MAX_STOP_CHARS} characters each",
+                           param="stop", code="stop_too_long")
         return stops
+
+    def bias(self, vocab_size: int) -> dict[int, float]:
+        """``logit_bias`` as ``{token id: bias}``; a key that is not a token id of this model, or a bias
+        outside -100..100, is a 400 that names it."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+                raise APIError(400, f"logit_bias keys are token ids from 0 to {vocab_size - 1}, got {key!r}",
+                               param="logit_bias")
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias values are from -100 to 100, got {value} for token {key}",
+                               param="logit_bias")
+            out[int(key)] = value
+        return out
+
+    def top(self) -> int | None:
+        """How many alternatives each token's logprobs list: None when no logprobs were asked for."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
