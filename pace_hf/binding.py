@@ -101,6 +101,22 @@ def check_not_compiled(model) -> None:
             raise NotImplementedError(COMPILED)
 
 
+def check_left_padded(attention_mask) -> None:
+    """Refuse a right-padded batch before generate runs it. ``generate`` takes every row's next token from
+    the last column's logits: a row that ends in padding would continue from a pad's, and differ from its
+    prompt run alone (so does each such row under ``DynamicCache``, with only a warning of transformers').
+    Pads elsewhere (on the left, or a gap inside a row) are dropped from their row and change nothing."""
+    if not torch.is_tensor(attention_mask) or attention_mask.dim() != 2 or attention_mask.shape[1] == 0:
+        return
+    ending = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
+    if ending:
+        shown = ", ".join(map(str, ending[:8])) + (", ..." if len(ending) > 8 else "")
+        raise ValueError(
+            f"the batch is right-padded: row(s) {shown} of attention_mask end in padding, and generate would "
+            "continue each from a pad's logits (a row would differ from its prompt run alone, as it does with "
+            "DynamicCache). Pad on the left: tokenizer.padding_side = 'left' before tokenizing the batch")
+
+
 class Binding:
     """The hooks, wrappers and attention switch of one model, shared by the caches bound to it."""
 
@@ -212,6 +228,7 @@ class Binding:
                 prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
                 if torch.is_tensor(prompt) and not prompt.is_floating_point():
                     cache.check_prompt(prompt)
+                check_left_padded(kwargs.get("attention_mask"))
             model = self.model_ref()
             max_positions = getattr(model.config, "max_position_embeddings", None) if model is not None else None
             bounded = (_is_pace_cache(cache) and cache.limit is not None and max_positions is not None

@@ -237,3 +237,27 @@ def test_pads_anywhere_in_a_row_are_dropped_not_only_on_the_left():
         torch.testing.assert_close(logits[r, -1], expected, atol=1e-4, rtol=0)
         assert cache.rows[r].get_seq_length() == len(p)
         assert torch.equal(cache.rows[r].ledger()[0], alone.ledger()[0])
+
+
+def test_a_right_padded_batch_is_refused_by_name_where_dynamic_cache_runs_it_wrong():
+    """Right padding was taken silently and a row differed from its prompt run alone. DynamicCache does the
+    same with it (generate continues a row that ends in pads from a pad's logits; only transformers' warning
+    hints why), so pace_hf refuses it before any forward, naming the fix; pads on the left run as alone."""
+    model = tiny_model("llama")
+    rows = prompts([60, 45])
+    ids = torch.zeros(2, 60, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(rows):
+        ids[r, :len(p)], mask[r, :len(p)] = p, 1
+    with torch.no_grad():
+        dynamic = model.generate(ids, attention_mask=mask, **GREEDY)  # transformers' own DynamicCache
+        alone = [model.generate(p[None], **GREEDY) for p in rows]
+    torch.testing.assert_close(dynamic.scores[0][0], alone[0].scores[0][0], atol=1e-4, rtol=0)  # no pad: as alone
+    assert (dynamic.scores[0][1] - alone[1].scores[0][0]).abs().max() > 0.1  # ends in pads: another continuation
+    for make in CACHES.values():
+        cache = make(model, None)
+        with pytest.raises(ValueError, match=r"right-padded: row\(s\) 1 of attention_mask end in padding.*"
+                                             r"tokenizer.padding_side = 'left'"):
+            model.generate(ids, attention_mask=mask, cache=cache, **GREEDY)
+        assert cache.get_seq_length() == 0  # refused before the first forward
+    assert_rows_equal_alone(model, CACHES["h2o"], rows, None, [None, None])  # the same prompts, padded on the left
