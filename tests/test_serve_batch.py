@@ -14,7 +14,7 @@ import pytest
 
 from test_serve import Server, open_stream, tiny_dir  # noqa: F401 - tiny_dir is a fixture
 
-pytest.importorskip("openai")
+openai = pytest.importorskip("openai")
 
 OPTIONS = ("--max-context", "1024", "--max-resident", "6", "--queue-size", "16")
 PROMPTS = ["Session one: define class Ledger with owner and balance.",
@@ -188,6 +188,28 @@ def test_max_tokens_stop_strings_and_sampling_are_each_turns_own(servers):
     assert cut2[0] == plain[2][:plain[2].index(stops[2])] and cut2[1] == "stop"
     assert seventeen[1:3] == ("length", 17)
     assert sampled[1:3] == ("length", 40) and sampled[0]
+
+
+def test_a_seed_repeats_its_reply_batched_or_alone(servers):
+    """``seed`` was declared and unused: every row sampled from the process-wide generator, so two requests
+    with seed 1234 at temperature 1.5 answered differently. Now each seeded row draws from its own
+    generator: the same reply alone and batched beside other sampled rows. The one-turn server, which
+    has no generator a row, refuses it, and logprobs, by name."""
+    batched, serial = servers
+    msgs = [{"role": "user", "content": "Seeded: tell me about queues."}]
+    hot = dict(temperature=1.5, max_tokens=24)
+    alone = chat(batched, msgs, "seed-alone", seed=1234, **hot)
+    steps, rows = batching(batched)
+    beside = together(lambda: chat(batched, msgs, "seed-beside", seed=1234, **hot),
+                      lambda: chat(batched, msgs, "seed-other", seed=99, **hot),
+                      lambda: chat(batched, [{"role": "user", "content": "Unseeded."}], "seed-none", **hot))
+    steps_after, rows_after = batching(batched)
+    assert (rows_after - rows) / (steps_after - steps) > 1.5, "the rows were not decoded together"
+    assert beside[0][0] == alone[0] and beside[1][0] != alone[0]
+    for body in ({"seed": 1, "temperature": 1.0}, {"logprobs": True}):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(serial, msgs, "seed-serial", **body)
+        assert e.value.body["param"] == next(iter(body)) and "--no-batch-decode" in e.value.body["message"]
 
 
 def test_the_flags_are_checked(tiny_dir, tmp_path, capsys):  # noqa: F811
