@@ -247,8 +247,9 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="limit"):
         PACECache(model, budget=256, limit=256, recent=16)
     torch.manual_seed(0)
-    dynamic = tf.AutoModelForCausalLM.from_config(
-        tf.LlamaConfig(**{**tiny_config("llama").to_dict(), "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}))
+    dynamic = tf.AutoModelForCausalLM.from_config(  # dynamic NTK switches past 128 positions: limit 160 is refused
+        tf.LlamaConfig(**{**tiny_config("llama").to_dict(), "max_position_embeddings": 128,
+                          "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}))
     with pytest.raises(ValueError, match="dynamic"):
         PACECache(dynamic, budget=64, limit=160, recent=16)
 

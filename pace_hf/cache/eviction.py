@@ -196,7 +196,7 @@ class EvictionCache(FixedRows, DynamicCache):
         self._check_attention(model)
         binding = Binding.acquire(model)  # the probe scores through pace_attention
         try:
-            specs, rotary = read_layers(model, specs, self.bounded)
+            specs, rotary = read_layers(model, specs, self.bounded, self.limit)
         except ValueError as e:  # only a RoPE that bounded positions cannot re-rotate exactly
             binding.release()
             raise ValueError(f"{e}. Bounded positions (limit={self.limit}) re-rotate rotary keys exactly; with "

@@ -4,9 +4,12 @@ Config fields name a model's RoPE-free layers only by convention (``no_rope_laye
 ``None``, a theta of 0, or nothing at all when a family's attention code simply skips RoPE on its
 global layers), and families that share a design do not share those names. A cache that guessed would
 re-rotate keys the model never rotated, and the output would change silently. So at bind the cache
-runs the model on ``PROBE_TOKENS`` tokens twice, at positions ``0..n-1`` and ``s..s+n-1`` (``s`` = ``SHIFT``, less
-where the model has fewer positions), with
-a ``DynamicCache`` that records what every layer stores. A uniform shift changes no hidden state (attention
+runs the model on ``PROBE_TOKENS`` tokens twice, at positions ``0..n-1`` and ``s..s+n-1``, with a ``DynamicCache``
+that records what every layer stores. ``s`` is ``SHIFT``, less where the model has fewer positions or its RoPE
+switches frequencies sooner (``dynamic``, ``longrope``: the probe reads the RoPE the cache will see), and, under
+``limit``, less again so that the probe too stays below ``limit`` (whenever ``limit > PROBE_TOKENS``): a user who
+hooks the rotary embedding sees no position at or past ``limit``. Renumbering moves tokens only within
+``0..limit-1``, so a shift inside that range is the one that must leave the output unchanged. A uniform shift changes no hidden state (attention
 reads relative positions only), so per attention layer:
 
 - keys equal under the shift: the layer carries no position (NoPE). It keeps no reference keys and is
@@ -37,7 +40,7 @@ from transformers import DynamicCache
 
 from .. import attention
 from ..binding import cache_from_kwargs, decoder_of
-from ..rope import RotaryParams, rerotate_reference
+from ..rope import RotaryParams, rerotate_reference, switch_length
 from .layout import LayerSpec
 
 PROBE_TOKENS = 8
@@ -46,7 +49,7 @@ SHIFT = 509  # positions of the second probe: far enough that every rotating pai
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
 HALF_TOLERANCE = 0.1  # bf16 and fp16: real models differ by about 0.02 under the shift (Qwen 0.5B, Gemma 3 270M)
 
-_MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> _Reading
+_MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shift: _Reading}
 
 
 class _Recorder(DynamicCache):
@@ -89,12 +92,15 @@ class _Reading:
     tolerance: float
 
 
-def _shift(config) -> int:
-    most = getattr(config, "max_position_embeddings", None)
-    return SHIFT if not most else max(1, min(SHIFT, int(most) - PROBE_TOKENS))
+def _shift(config, limit: int | None = None) -> int:
+    """Where the second probe starts: its last position stays below the model's positions, its RoPE's switch
+    length and ``limit`` (where each leaves room for one shifted probe)."""
+    caps = [getattr(config, "max_position_embeddings", None), switch_length(config), limit]
+    caps = [int(c) for c in caps if c]
+    return SHIFT if not caps else max(1, min(SHIFT, min(caps) - PROBE_TOKENS))
 
 
-def _run(model) -> _Reading:
+def _run(model, shift: int) -> _Reading:
     config = model.config
     text = config.get_text_config(decoder=True)
     vocab = int(getattr(text, "vocab_size", 0) or 0)
@@ -109,7 +115,7 @@ def _run(model) -> _Reading:
     hook = decoder.register_forward_pre_hook(lambda m, a, kwargs: handed.append(cache_from_kwargs(kwargs)),
                                              with_kwargs=True)
     try:
-        for n, start in enumerate((0, _shift(text))):
+        for n, start in enumerate((0, shift)):
             cache = _Recorder(config)
             positions = torch.arange(start, start + PROBE_TOKENS, device=ids.device)[None]
             tokens = attention.enter_forward(sink) if n == 0 else None
@@ -136,7 +142,7 @@ def _run(model) -> _Reading:
         raise NotImplementedError(
             f"this model's decoder ({type(decoder).__name__}, {text.model_type}) is not handed the cache as cache= or "
             "past_key_values=, so pace_hf's hooks cannot renumber before and evict after its forwards")
-    return _Reading(readings, sink.shapes, logits, _shift(text), TOLERANCE.get(model.dtype, HALF_TOLERANCE))
+    return _Reading(readings, sink.shapes, logits, shift, TOLERANCE.get(model.dtype, HALF_TOLERANCE))
 
 
 def _cache_argument(model) -> str:
@@ -173,15 +179,21 @@ def _layer_config(config, i: int):
     return config
 
 
-def read_layers(model, specs: list[LayerSpec], bounded: bool) -> tuple[list[LayerSpec], list[RotaryParams | None]]:
+def read_layers(model, specs: list[LayerSpec], bounded: bool,
+                limit: int | None = None) -> tuple[list[LayerSpec], list[RotaryParams | None]]:
     """``specs`` with ``rope`` set to None on every attention layer whose keys carry no position, and,
     when ``bounded``, the verified ``RotaryParams`` of each layer (None where nothing rotates).
+    ``limit`` (when ``bounded``) keeps the probe's positions below it and admits a RoPE that switches with the
+    length (``dynamic``, ``longrope``) when it is at or below the switch.
     Raises ``NotImplementedError`` naming what no cache can support, ``ValueError`` naming what bounded
     positions cannot re-rotate exactly (only when ``bounded``)."""
-    reading = _MEMO.get(model)
-    if reading is None:
-        reading = _MEMO[model] = _run(model)
     config = model.config.get_text_config(decoder=True)
+    limit = limit if bounded else None
+    shift = _shift(config, limit)
+    readings = _MEMO.setdefault(model, {})
+    reading = readings.get(shift)
+    if reading is None:
+        reading = readings[shift] = _run(model, shift)
     kind = config.model_type
     if bounded and _relative(reading.logits[1], reading.logits[0]) >= reading.tolerance:
         raise ValueError(f"this model's ({kind}) output changes when every position moves by the same amount: it reads "
@@ -219,7 +231,7 @@ def read_layers(model, specs: list[LayerSpec], bounded: bool) -> tuple[list[Laye
         if spec.rope is None:
             raise ValueError(f"layer {i} of this model ({kind}) rotates its keys, but its config declares no "
                                       "RoPE for it: bounded positions cannot re-rotate what they cannot reproduce")
-        params = RotaryParams.from_config(_layer_config(config, i), layer_type=spec.rope or None)
+        params = RotaryParams.from_config(_layer_config(config, i), layer_type=spec.rope or None, limit=limit)
         found = _matching_rotation(params, k0, k1, reading.shift, reading.tolerance)
         if found is None:
             raise ValueError(

@@ -15,8 +15,11 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # RoPE types whose frequencies do not depend on the sequence length: a key rotated at p can be moved
-# exactly to p'. ``dynamic`` and ``longrope`` switch frequencies with the length, so they are refused.
+# exactly to p'.
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
+# RoPE types that transformers switches with the length (``dynamic_rope_update``, on max(position_ids) + 1):
+# static up to their switch length (see ``switch_length``), so exact under a ``limit`` at or below it.
+SWITCHING_ROPE_TYPES = ("dynamic", "longrope")
 
 # The pair layout lives in the model code, not in the config. These models rotate pairs (2i, 2i+1);
 # every other model rotates (i, i + d/2) with ``rotate_half``.
@@ -56,37 +59,40 @@ class RotaryParams:
         return 2 * self.inv_freq.numel()
 
     @classmethod
-    def from_config(cls, config: Any, layer_type: str | None = None) -> "RotaryParams":
+    def from_config(cls, config: Any, layer_type: str | None = None, limit: int | None = None) -> "RotaryParams":
         """Read the RoPE of ``config`` (a model or its config); ``layer_type`` picks one of Gemma3-style
-        per-layer-type RoPEs (e.g. ``"sliding_attention"`` or ``"full_attention"``)."""
+        per-layer-type RoPEs (e.g. ``"sliding_attention"`` or ``"full_attention"``).
+
+        ``dynamic`` and ``longrope`` are read only with a ``limit`` at or below their switch length: every
+        position then stays below it, where transformers uses their base (short-factor) frequencies."""
         config = getattr(config, "config", config)  # accept a model too
         config = getattr(config, "get_text_config", lambda: config)()
         if not hasattr(config, "standardize_rope_params"):
             config = _LegacyConfig(config)
-        rope = _rope_parameters(config)
-        nested = is_nested(rope)
-        if nested:
-            if layer_type is None:
-                raise ValueError(
-                    f"this config has one RoPE per layer type {sorted(rope)}; pass layer_type="
-                )
-            if layer_type not in rope or rope[layer_type] is None:
-                raise ValueError(f"unknown layer_type {layer_type!r}; the config has {sorted(rope)}")
-            params = rope[layer_type]
-        else:
-            params = rope
-            layer_type = None
+        params, layer_type = _layer_rope(config, layer_type)
+        nested = layer_type is not None
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in STATIC_ROPE_TYPES:
+        if rope_type in SWITCHING_ROPE_TYPES:
+            switch, field = _switch(config, params, rope_type)
+            if limit is None or limit > switch:
+                raise ValueError(
+                    f"RoPE type {rope_type!r} switches frequencies once max(position_ids) + 1 exceeds {field}="
+                    f"{switch}: exact key re-rotation keeps every position below limit, so it needs limit <= "
+                    f"{switch}" + ("" if limit is None else f" (got limit={limit})")
+                )
+        elif rope_type not in STATIC_ROPE_TYPES:
             raise ValueError(
                 f"RoPE type {rope_type!r} is not supported: exact key re-rotation needs frequencies that "
-                f"do not change with the sequence length (supported: {', '.join(STATIC_ROPE_TYPES)})"
+                f"do not change with the sequence length (supported: {', '.join(STATIC_ROPE_TYPES)}; "
+                f"{', '.join(SWITCHING_ROPE_TYPES)} with limit at or below their switch length)"
             )
         kwargs = {"layer_type": layer_type} if nested else {}
         if rope_type == "default":
             init_fn = _default_init_fn(config)
         else:
             init_fn = ROPE_INIT_FUNCTIONS[rope_type]
+        # No seq_len: the frequencies the rotary embedding is built with, which transformers keeps below the
+        # switch (dynamic: the base ones; longrope: the short factor, with its attention factor)
         inv_freq, scaling = init_fn(config, device=torch.device("cpu"), **kwargs)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layout = "interleaved" if config.model_type in INTERLEAVED_MODEL_TYPES else "half"
@@ -97,6 +103,49 @@ class RotaryParams:
             layout=layout,
             rope_type=rope_type,
         )
+
+
+def switch_length(config: Any) -> int | None:
+    """The most positions (max(position_ids) + 1) for which the config's RoPE stays static: the smallest switch
+    length over its layer types, None where no layer type switches with the length."""
+    config = getattr(config, "config", config)
+    config = getattr(config, "get_text_config", lambda: config)()
+    if not hasattr(config, "standardize_rope_params"):
+        config = _LegacyConfig(config)
+    try:
+        rope = _rope_parameters(config)
+    except ValueError:  # no RoPE at all
+        return None
+    lengths = []
+    for params in (rope.values() if is_nested(rope) else [rope]):
+        rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+        if rope_type in SWITCHING_ROPE_TYPES:
+            lengths.append(_switch(config, params, rope_type)[0])
+    return min(lengths) if lengths else None
+
+
+def _switch(config: Any, params: dict, rope_type: str) -> tuple[int, str]:
+    """(switch length, the field it comes from): transformers' ``dynamic_rope_update`` grows ``dynamic``'s base
+    once max(position_ids) + 1 > max_position_embeddings, and moves ``longrope`` to its long factor once it is
+    > original_max_position_embeddings."""
+    if rope_type == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None)
+        if original:
+            return int(original), "original_max_position_embeddings"
+    return int(config.max_position_embeddings), "max_position_embeddings"
+
+
+def _layer_rope(config: Any, layer_type: str | None) -> tuple[dict, str | None]:
+    """The RoPE dict of ``layer_type`` (None where the config has one RoPE for every layer) and that type."""
+    rope = _rope_parameters(config)
+    if not is_nested(rope):
+        return rope, None
+    if layer_type is None:
+        raise ValueError(f"this config has one RoPE per layer type {sorted(rope)}; pass layer_type=")
+    if layer_type not in rope or rope[layer_type] is None:
+        raise ValueError(f"unknown layer_type {layer_type!r}; the config has {sorted(rope)}")
+    return rope[layer_type], layer_type
 
 
 def is_nested(rope: dict) -> bool:
