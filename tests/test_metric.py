@@ -505,7 +505,7 @@ def test_random_results_and_references_raise_only_documented_errors(monkeypatch)
     def fake_run_answer(codes, calls, limits, preamble):
         rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
-        run = S._Run(list(calls), os.getpid(), wfd)
+        run = S._Run(list(calls), os.getpid(), wfd, parse=True)
 
         def asked():
             return os.read(rfd, 1 << 16).split(b" ")[0].decode()  # the nonce of the request just sent
@@ -513,13 +513,12 @@ def test_random_results_and_references_raise_only_documented_errors(monkeypatch)
         try:
             uses = rng.choice([{}, {"strings": ["E-417", 3, None]}, {"numbers": ["1.25", "x", "1e5", ""]}, [1],
                                {"names": "ROUND_UP"}, {k: ["Invoice", "0.05"] for k in ("classes", "numbers", "x")}])
-            run.feed(json.dumps({"setup": ["landlock v7"], "chosen": rng.choice([0, None, "0"]), "uses": uses}).encode())
-            if not calls:  # a run for the parse alone: no request is sent
-                return S.AnswerRun(run.chosen, run.uses, [])
-            run.feed(json.dumps({"c": asked(), "ready": True}).encode())
-            for _ in range(len(calls)):
-                run.feed(_random_report(rng, asked()))
-            return S.AnswerRun(run.chosen, run.uses, run.results(None, 1.0, ""))
+            run.feed(json.dumps({"setup": ["landlock v7"]}).encode())
+            run.feed(json.dumps({"chosen": rng.choice([0, None, "0"]), "uses": uses}).encode())
+            while not run.finished():  # the load, then each call (a protocol break ends the run: no more requests)
+                run.feed(json.dumps({"c": asked(), "ready": True}).encode() if run.phase == "load"
+                         else _random_report(rng, asked()))
+            return S.AnswerRun(run.chosen, run.uses, run.results(None, 1.0, ""), run.failed)
         finally:
             os.close(rfd)
             run.close_calls()

@@ -22,7 +22,11 @@ nothing here is trusted after that. The walls that must hold are set up before, 
   flood meets ENOSPC), Landlock, resource limits,
   a fresh uid, and a seccomp allowlist (``_install_seccomp``);
 * the parent holds the calls and the expected values, sends one call at a time with a fresh nonce
-  and accepts exactly one answer for it, and counts refusals through a kernel counter;
+  and accepts exactly one answer for it, within the caps of this harness's replies (``MAX_*``), and
+  counts refusals through a kernel counter;
+* only the harness holds the channel to the parent: before the program loads, the FIFOs' paths are
+  removed (``_swap_pipes``) and the harness's thread takes a descriptor table of its own, while the
+  table that the program's threads and processes share has no FIFO (``_start_worker``);
 * no inode whose number comes from the host-wide counter (``get_next_ino``: pipes, sockets, procfs)
   is left in reach of the program: the pipes to the parent are swapped for FIFOs in the scratch tmpfs
   (``_swap_pipes``), whose inode numbers are the tmpfs's own, and the program can make no pipe,

@@ -7,8 +7,12 @@ from the moment it loads, so is the child's whole interpreter: the program may r
 * **The parent scores.** It holds the calls and the expected values (which never leave it), sends
   one request at a time (the load, then call ``i`` only after call ``i - 1`` was answered), each
   with a fresh random nonce, and accepts exactly one answer carrying that nonce. Any other line on
-  the report pipe (unasked, a duplicate, an answer before its request, malformed) fails that call
-  and every later one. A value is plain data decoded from bytes here (JSON, with
+  the report pipe (unasked, a duplicate, an answer before its request, malformed, or beyond the caps
+  of the harness's own replies) fails that call and every later one; only the harness's thread holds
+  the channel (the program's threads and processes have no descriptor of it and no path to open).
+  The parent stops reading once a run has ended, and reads at most 16 MiB of reports (no line deeper
+  or larger than a reply can be is parsed) and 64 MiB of stderr per run, whatever its timeout. A
+  value is plain data decoded from bytes here (JSON, with
   ``decimal.Decimal`` as ``{"__decimal__": str(x)}``); its types, depth and size are checked here;
   nothing is unpickled or evaluated. Exception types come back as names, compared here.
 * **The kernel confines.** The child (``pace_bench/metrics/pace_coding/_sandbox_child.py``) runs the
@@ -316,7 +320,7 @@ def isolation_layers(limits: SandboxLimits = SandboxLimits()) -> list[str]:
     generated code): e.g. ``["netns", "mountns", "pidns", "ipcns", "utsns", "minimal root",
     "private image 41 MB", "fresh /proc", "read-only root", "tmpfs 16 MB, 4096 inodes", "utsns hostname",
     "rlimits", "uid 1234", "landlock v7", "seccomp allowlist", "memory cgroup 752 MB",
-    "violation counter"]`` (``"userns"`` first where they were made without root).
+    "channel held by the harness alone", "violation counter"]`` (``"userns"`` first where they were made without root).
     :func:`run_calls` refuses unless the namespaces are there and a "landlock" layer is present. The audit hook is not listed: it is always installed."""
     return _run("", [], limits)[1]
 
@@ -688,7 +692,7 @@ def _over_caps(msg: dict, keys: frozenset) -> str | None:
     ``_sandbox_child.MAX_*``), or None. Such a reply was written by other code: it breaks the protocol."""
     if not msg.keys() <= keys:
         return f"a reply with keys the harness never sends: {sorted(msg.keys() - keys)[:3]}"
-    named = msg.get("violations")
+    named = msg.get("violations", [])
     if not (type(named) is list and len(named) <= MAX_VIOLATION_NAMES
             and all(type(x) is str and len(x) <= MAX_VIOLATION_CHARS for x in named)):
         return f"refusals named beyond the harness's caps ({MAX_VIOLATION_NAMES} of {MAX_VIOLATION_CHARS} characters)"
