@@ -439,6 +439,13 @@ def test_logprobs_are_the_models_log_softmax_streamed_or_not(server, tiny_dir, s
         assert [e.logprob for e in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
     assert c.chat.completions.create(model=m, messages=[{"role": "user", "content": user}],
                                      max_tokens=2).choices[0].logprobs is None
+    text = r.choices[0].message.content  # a stop string's cut drops the tokens after it
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = c.chat.completions.create(model=m, messages=[{"role": "user", "content": user}], max_tokens=8, stop=[stop],
+                                    logprobs=True, extra_headers={"X-Session-Id": "logprobs-cut"}).choices[0]
+    kept = [e.token for e in cut.logprobs.content]
+    assert cut.message.content == text[:text.index(stop)] and kept == [e.token for e in content[:len(kept)]]
+    assert len("".join(kept[:-1])) < len(cut.message.content) <= len("".join(kept))
     chunks = list(c.chat.completions.create(model=m, messages=[{"role": "user", "content": user}], max_tokens=8,
                                             logprobs=True, top_logprobs=3, stream=True,
                                             extra_headers={"X-Session-Id": "logprobs-streamed"}))
