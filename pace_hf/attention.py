@@ -85,6 +85,9 @@ def attention_with_column_sums(
                                                     softcap=softcap, sinks=sinks)
     mask = _causal_or_mask(attention_mask, q_len, kv_len)
     if query.is_cuda:
+        if value.shape[-1] != query.shape[-1] or query.shape[-1] > 256:  # MLA's values are narrower than its keys
+            return attention_with_column_sums_reference(query, key, value, attention_mask, scaling, last_queries,
+                                                        sinks=sinks)
         from pace_hf.kernels import attention_with_column_sums_triton
 
         return attention_with_column_sums_triton(query, key, value, mask, scaling, last_queries)

@@ -112,7 +112,8 @@ def renumbered_keys_are_the_models_own(model) -> None:
     the same tokens and scores as the unbounded cache, and a layer whose keys carry no position must hold
     bit-for-bit the unbounded cache's keys. A layer rotated that the model never rotated, or rotated in the
     wrong pair layout, fails both. Layer 0 (its keys depend on the token alone) is also compared with a
-    plain DynamicCache forward of the resident tokens at their new positions: the model's own keys."""
+    plain DynamicCache forward of the resident tokens at their new positions: the model's own keys (an MLA layer:
+    its rotary keys, and its latents unchanged)."""
     prompt, budget, limit = ids(120, seed=1), 24, 48
     unbounded = StreamingLLMCache(model, budget=budget, sinks=0, recent=budget)
     ref = greedy(model, prompt, unbounded, new=4, chunk=12)
@@ -130,7 +131,13 @@ def renumbered_keys_are_the_models_own(model) -> None:
         own = tf.DynamicCache(config=model.config)
         with torch.no_grad():
             model(input_ids=tokens[None], position_ids=physical[0][None], cache=own, use_cache=True)
-        torch.testing.assert_close(first.keys, own.layers[0].keys[:, :, -first.keys.shape[2]:], atol=1e-4, rtol=0,
+        # an MLA layer (pace_hf.cache.latent) holds the rotary keys as its keys and the latents as its values
+        own_keys, own_values = own.layers[0].keys, own.layers[0].values
+        if getattr(first, "latent", False):
+            own_keys, own_values = own_values, own_keys
+            torch.testing.assert_close(first.values, own_values[:, :, -first.values.shape[2]:], atol=1e-4, rtol=0,
+                                       msg=lambda m: f"layer 0 latents (never rotated): {m}")
+        torch.testing.assert_close(first.keys, own_keys[:, :, -first.keys.shape[2]:], atol=1e-4, rtol=0,
                                    msg=lambda m: f"layer 0 keys at their new positions: {m}")
     bounded.unbind()
     unbounded.unbind()

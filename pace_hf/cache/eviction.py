@@ -23,6 +23,7 @@ from ..blueprint import Blueprint, Span, as_index
 from ..rope import RotaryParams
 from ..scoring import CumulativeAttention, ScoringPolicy, rebuild
 from .batch import CacheRows, FixedRows
+from .latent import latent_layer
 from .layer import EvictingLayer
 from .layout import LayerSpec, describe, layer_specs
 from .probe import read_layers
@@ -227,7 +228,8 @@ class EvictionCache(FixedRows, DynamicCache):
     def _new_layer(self, spec: LayerSpec):
         reference = self.bounded and spec.rope is not None
         if spec.kind == "full":
-            return self.layer_class(keep_reference=reference, budget=self.budget)
+            cls = latent_layer(self.layer_class) if spec.latent else self.layer_class  # MLA: see cache.latent
+            return cls(keep_reference=reference, budget=self.budget)
         if spec.kind == "sliding":
             return WindowLayer(spec.window, keep_reference=reference)
         return RecurrentLayer()

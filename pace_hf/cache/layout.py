@@ -44,11 +44,16 @@ REFUSED = {
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: its kind, its window (sliding only) and its rotary embedding (None: NoPE)."""
+    """One decoder layer: its kind, its window (sliding only) and its rotary embedding (None: NoPE).
+
+    ``latent``: a multi-head latent attention layer (MLA: DeepSeek V3, Kimi, MiniCPM3, ...), found by the probe
+    at bind. It stores one compressed latent and one decoupled rotary key per token, shared by every head
+    (``cache.update(latent, k_rot)``); only the rotary key carries a position (``pace_hf.cache.latent``)."""
 
     kind: str
     window: int | None = None
     rope: str | None = ""
+    latent: bool = False
 
     @property
     def evicts(self) -> bool:
@@ -87,10 +92,11 @@ def layer_specs(config) -> list[LayerSpec]:
 
 
 def describe(specs: list[LayerSpec]) -> list[str]:
-    """The layout as the manifest and the docs write it: ``full``, ``sliding:512``, ``full:nope``, ``linear``."""
+    """The layout as the manifest and the docs write it: ``full``, ``sliding:512``, ``full:nope``, ``full:mla``,
+    ``linear``."""
     out = []
     for s in specs:
-        name = s.kind + (f":{s.window}" if s.window else "")
+        name = s.kind + (f":{s.window}" if s.window else "") + (":mla" if s.latent else "")
         out.append(name + (":nope" if s.rope is None and s.kind != "linear" else ""))
     return out
 

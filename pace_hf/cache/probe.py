@@ -22,8 +22,13 @@ A model whose output itself changes under the shift reads absolute positions (le
 embeddings, a query scale that grows with position): renumbering would change what it computes, so
 ``limit`` is refused for it.
 
+A layer that caches what multi-head latent attention caches (``cache.update(latent, k_rot)``: one
+``kv_lora_rank`` latent and one rotary key per token, single-headed, read by every head) is marked ``latent``:
+its latent must not move under the shift, and its rotary key is read as a layer's keys are above
+(``pace_hf.cache.latent``).
+
 The same probe refuses, whatever ``limit``, a layer whose stored tensors are not the keys its attention
-scores (a compressed MLA cache, ``cache.update(compressed_kv, k_rot)``), a model that does not run on
+scores (and are not an MLA latent), a model that does not run on
 transformers' own ``DynamicCache`` (one with its own cache class), and a decoder that is not handed the
 cache (the binding's hooks could not bracket its forwards). Results are kept per model.
 """
@@ -169,6 +174,14 @@ def _matching_rotation(params: RotaryParams, k0: torch.Tensor, k1: torch.Tensor,
     return None
 
 
+def _is_latent(config, k0: torch.Tensor, v0: torch.Tensor, scored: tuple[int, int]) -> bool:
+    """Whether a layer stores what multi-head latent attention caches (``pace_hf.cache.latent``): one latent of
+    ``kv_lora_rank`` dims and one rotary key per token, each a single head, read by more heads than that."""
+    rank = getattr(config, "kv_lora_rank", None)
+    return (rank is not None and k0.dim() == 4 and k0.shape[:-1] == v0.shape[:-1] and k0.shape[1] == 1
+            and k0.shape[-1] == rank and scored[1] == k0.shape[2] and scored[0] >= 1)
+
+
 def _layer_config(config, i: int):
     """``config`` as layer ``i`` rotates: a per-layer ``layer_rope_theta`` (Granite) replaces the shared theta."""
     thetas = getattr(config, "layer_rope_theta", None)
@@ -208,18 +221,26 @@ def read_layers(model, specs: list[LayerSpec], bounded: bool,
         if i not in reading.keys[0] or i not in reading.keys[1]:
             raise NotImplementedError(f"layer {i} of this model ({kind}) is an attention layer that stored nothing "
                                       "in the cache (it reads another layer's KV): pace_hf does not support it")
-        (k0, v0), (k1, _) = reading.keys[0][i], reading.keys[1][i]
+        (k0, v0), (k1, v1) = reading.keys[0][i], reading.keys[1][i]
         scored = reading.scored.get(i)
         if scored is None:
             raise NotImplementedError(
                 f"layer {i} of this model ({kind}) computes attention in its own code, not through transformers' "
                 f"attention interface, so {attention.ATTN_NAME!r} cannot score its keys for eviction")
-        if k0.shape[:-1] != v0.shape[:-1] or scored != (k0.shape[1], k0.shape[2]):
-            compressed = getattr(config, "kv_lora_rank", None) is not None
+        if _is_latent(config, k0, v0, scored):  # MLA: (latent, k_rot), one of each per token for every head
+            if spec.kind != "full":
+                raise NotImplementedError(f"layer {i} of this model ({kind}) is a {spec.kind} layer with a compressed "
+                                          "(MLA) cache: pace_hf keeps MLA only in full-attention layers")
+            if bounded and _relative(k1, k0) >= reading.tolerance:
+                raise ValueError(f"layer {i} of this model ({kind}) caches a compressed latent (MLA) that changes when "
+                                 "every position moves: bounded positions re-rotate only its rotary key")
+            spec = dataclasses.replace(spec, latent=True)
+            k0, k1 = v0, v1  # what carries the position: the decoupled rotary key
+        elif k0.shape[:-1] != v0.shape[:-1] or scored != (k0.shape[1], k0.shape[2]):
             raise NotImplementedError(
                 f"layer {i} of this model ({kind}) stores tensors of shapes {tuple(k0.shape)} and {tuple(v0.shape)} "
-                f"that are not the keys its attention reads ({scored[0]} heads, {scored[1]} keys): " + ("a compressed-KV (MLA) cache, cache.update(compressed_kv, k_rot), whose tokens pace_hf "
-                              "cannot score, evict and re-rotate" if compressed else "pace_hf cannot score it"))
+                f"that are not the keys its attention reads ({scored[0]} heads, {scored[1]} keys): pace_hf cannot "
+                "score it")
         if _relative(k1, k0) < reading.tolerance:  # no position in the keys
             out.append(dataclasses.replace(spec, rope=None))
             rotary.append(None)
@@ -232,6 +253,8 @@ def read_layers(model, specs: list[LayerSpec], bounded: bool,
             raise ValueError(f"layer {i} of this model ({kind}) rotates its keys, but its config declares no "
                                       "RoPE for it: bounded positions cannot re-rotate what they cannot reproduce")
         params = RotaryParams.from_config(_layer_config(config, i), layer_type=spec.rope or None, limit=limit)
+        if spec.latent and params.head_dim != k0.shape[-1] and params.rotary_dim <= k0.shape[-1]:
+            params = dataclasses.replace(params, head_dim=k0.shape[-1])  # the rotary key is its own head size
         found = _matching_rotation(params, k0, k1, reading.shift, reading.tolerance)
         if found is None:
             raise ValueError(
