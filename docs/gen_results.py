@@ -3,7 +3,9 @@
 Every folder under ``bench/results/`` that holds a Markdown report (``table.md`` first, then any other
 ``*.md``: ``report.md``, ``robustness.md``, ...) becomes one page, ``benchmarks/results/<folder>/``, with
 the report included as it is, the figures of the folder beside it, the settings of its ``run.json`` and
-the command that produced it. The command is read, in this order, from:
+the command that produced it. The "Result tables" page lists them all, with each report's first line;
+the sidebar does not (some 50 folder names would crowd every page's navigation). The command is read, in
+this order, from:
 
 1. a ``command`` file in the folder (its text, as run from the repository's root);
 2. a ``"command"`` entry of the folder's ``run.json`` (a string, or a list of arguments);
@@ -22,7 +24,7 @@ import re
 import shlex
 from pathlib import Path
 
-from mkdocs.structure.files import File, Files
+from mkdocs.structure.files import File, Files, InclusionLevel
 
 RESULTS = Path("bench") / "results"
 PAGES = "benchmarks/results"  # where the generated pages live in the site
@@ -223,47 +225,6 @@ protocols and what the numbers show.
 
 # -- MkDocs hooks ---------------------------------------------------------------------------------------
 
-def _nav_entries(folders: list[Path]) -> list:
-    """Nested nav entries: one per folder, a folder with folders inside it a section."""
-    tree: dict = {}
-    for f in folders:
-        node = tree
-        for part in f.parts:
-            node = node.setdefault(part, {})
-        node[None] = f
-    def entries(node: dict) -> list:
-        out = []
-        for name, child in node.items():
-            if name is None:
-                continue
-            page_uri = f"{PAGES}/{child[None].as_posix()}/index.md" if None in child else None
-            below = entries(child)
-            if below:
-                out.append({name: ([{"overview": page_uri}] if page_uri else []) + below})
-            else:
-                out.append({name: page_uri})
-        return out
-    return entries(tree)
-
-
-def _replace(nav, target: str, folders: list[Path]) -> bool:
-    for i, item in enumerate(nav):
-        if isinstance(item, dict):
-            ((name, value),) = item.items()
-            if value == target:
-                nav[i] = {name: [{"Overview": target}] + _nav_entries(folders)}
-                return True
-            if isinstance(value, list) and _replace(value, target, folders):
-                return True
-    return False
-
-
-def on_config(config):
-    if config["nav"]:
-        _replace(config["nav"], f"{PAGES}/index.md", result_folders(_root(config)))
-    return config
-
-
 def on_files(files: Files, config) -> Files:
     root = _root(config)
     folders = result_folders(root)
@@ -271,7 +232,8 @@ def on_files(files: Files, config) -> Files:
     copied = set()
     for rel in folders:
         text, images = page(root, rel)
-        files.append(File.generated(config, f"{PAGES}/{rel.as_posix()}/index.md", content=text))
+        files.append(File.generated(config, f"{PAGES}/{rel.as_posix()}/index.md", content=text,
+                                    inclusion=InclusionLevel.NOT_IN_NAV))  # the Result tables page lists them
         for image in images:
             uri = f"{PAGES}/{rel.as_posix()}/{image.name}"
             files.append(File.generated(config, uri, abs_src_path=str(image)))

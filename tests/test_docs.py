@@ -47,6 +47,9 @@ def site(tmp_path_factory) -> Path:
          "--site-dir", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    # without a formatter the reference's signatures stay on one line, and the build says so (the docs
+    # extra brings ruff)
+    assert "requires either Black or Ruff" not in done.stdout + done.stderr, "ruff is missing (the docs extra has it)"
     return out
 
 
@@ -170,7 +173,14 @@ def test_the_navigation_works(site, base_url, page):
     page.goto(base_url)
     targets = list(dict.fromkeys(page.evaluate(NAV_LINKS_JS)))
     assert len(targets) >= 30 and base_url + "getting-started/" in targets
-    assert set(targets) == set(page_urls(site, base_url)), "a page of the site is missing from the navigation"
+    results = base_url + "benchmarks/results/"
+    folder_pages = {u for u in page_urls(site, base_url) if u.startswith(results) and u != results}
+    assert len(folder_pages) >= 30 and not folder_pages & set(targets), "a result folder's page is in the sidebar"
+    assert set(targets) == set(page_urls(site, base_url)) - folder_pages, "a page of the site is missing from the navigation"
+    page.goto(results)  # the result folders' pages are reached from the Result tables page
+    listed = set(page.evaluate("() => Array.from(document.querySelectorAll('article a[href]')).map(a => a.href)"))
+    assert folder_pages <= listed, f"result pages the Result tables page does not link: {sorted(folder_pages - listed)[:5]}"
+    page.goto(base_url)
     for target in targets:
         links = page.locator("nav.md-nav--primary a.md-nav__link[href]")
         hrefs = page.evaluate(NAV_LINKS_JS)
@@ -182,6 +192,53 @@ def test_the_navigation_works(site, base_url, page):
             links.nth(index).click()
         assert page.url == target
         assert page.locator("article.md-content__inner h1").is_visible(), target
+
+
+def test_home_links_every_concept_and_guide(site, base_url, visits):
+    """Home's "Where to go" left out a guide (Batches): every page of the Concepts and Guides sections is
+    linked from it."""
+    pages = [u for u in page_urls(site, base_url) if u.startswith((base_url + "concepts/", base_url + "guides/"))]
+    assert len(pages) >= 10
+    missing = sorted(set(pages) - set(visits[base_url]["refs"]))
+    assert not missing, f"pages Home does not link to: {missing}"
+
+
+def test_at_1280_px_nothing_is_cut_off_and_the_sidebar_names_no_folder(base_url, site, browser):
+    """At 1,280 px (a laptop), a newcomer found code cut off at the column's right edge, the sidebar of
+    every page listing some 30 raw result-folder names (``48k``, ``bfcl_base``, ...), and an emoji drawn as
+    an empty box where no emoji font is installed. Every page: no code block wider than its column, no
+    sidebar entry that is the name of a folder of ``bench/results``, no emoji in the text."""
+    import re
+
+    folders = {part for md in (REPO / "bench" / "results").rglob("*.md")
+               for part in md.parent.relative_to(REPO / "bench" / "results").parts}
+    assert {"48k", "ruler"} <= folders
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    tab = context.new_page()
+    cut, named, emoji, blocks = [], set(), [], 0
+    try:
+        for url in page_urls(site, base_url):
+            tab.goto(url)
+            tab.wait_for_load_state("load")
+            seen = tab.evaluate("""() => ({
+                code: Array.from(document.querySelectorAll('article pre > code')).map((c) => ({
+                    over: c.scrollWidth - c.clientWidth,
+                    line: c.innerText.split('\\n').reduce((a, l) => (l.length > a.length ? l : a), ''),
+                })),
+                nav: Array.from(document.querySelectorAll('nav.md-nav--primary .md-nav__link'))
+                    .filter((a) => !a.closest('.md-nav--secondary')).map((a) => a.innerText.trim()),
+                text: document.querySelector('article').innerText,
+            })""")
+            blocks += len(seen["code"])
+            cut += [(url, c["over"], c["line"][:100]) for c in seen["code"] if c["over"] > 1]
+            named |= folders & set(seen["nav"])
+            emoji += [(url, ch) for ch in set(re.findall("[\U0001F000-\U0001FAFF]", seen["text"]))]
+    finally:
+        context.close()
+    assert blocks > 50, "no code block was seen: the check saw nothing to check"
+    assert not cut, f"code blocks wider than their column at 1,280 px (page, px hidden, longest line): {cut[:5]}"
+    assert not named, f"sidebar entries that are result folders' names: {sorted(named)[:10]}"
+    assert not emoji, f"emoji in the text (an empty box without an emoji font): {emoji[:5]}"
 
 
 def test_no_internal_link_is_dead(base_url, visits):
