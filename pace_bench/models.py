@@ -387,8 +387,8 @@ def _load_packaged(name: str, dtype: torch.dtype, cache_dir, use_dense_cache: bo
             import shutil
 
             shutil.rmtree(dense, ignore_errors=True)
-    _note(f"the first load of {name} in {ident['dtype']} converts its GGUF to dense tensors (1-2 minutes) and "
-          f"keeps them in {dense.parent}; later loads take seconds")
+    _note(f"the first load of {name} in {ident['dtype']} converts its GGUF to dense tensors (1-2 minutes on an idle "
+          f"2-core CPU, longer under load) and keeps them in {dense.parent}; later loads take seconds")
     model, tokenizer = _load_gguf(directory, filename, dtype, **kwargs)
     try:
         import shutil

@@ -37,7 +37,7 @@ from .arms import ARMS, BOUNDED_ARMS, ArmSettings, check_settings, make_cache
 from .checkpoint import ChunkLog, PairCheckpoint, pair_settings, store_session_id
 from .cli import choice_list, fraction, int_at_least, model_name
 from .figures import gap_text, make_figures, settings_for, summarize, with_distance_table
-from .progress import SessionProgress
+from .progress import SessionProgress, quiet_library_bars
 from .readings import ReadAtFirstQuery, full_cache_bytes, peak_cache_bytes, tier_reading
 from .records import pair_key, process_state, read_jsonl, session_key, shard_paths
 from .suite import play_all
@@ -532,6 +532,7 @@ def run_settings(args, dtype, rows, num_processes: int) -> dict:
 def _run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
+    quiet_library_bars()  # off a terminal: no raw redraws of transformers' and datasets' bars in the log
     import evaluate
 
     from pace_bench import load_sessions

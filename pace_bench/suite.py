@@ -16,9 +16,12 @@ into records; what this module does is the same for every suite, so no suite cop
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .progress import clock, on_terminal, time_left
 from .records import process_state, read_jsonl, shard_paths, write_jsonl
 
 
@@ -51,8 +54,11 @@ def play_all(out_dir: Path, run: dict, kept: list[dict], work: list, play: Calla
     store = new_store() if new_store is not None else TieredStore([HostTier()])
     try:
         with state.split_between_processes(work) as mine, open(shard, "w" if sharded else "a") as log:
-            for item in tqdm(mine, desc=desc + (f" (process {state.process_index})" if sharded else ""),
-                             unit="item", position=state.process_index):
+            label = desc + (f" (process {state.process_index})" if sharded else "")
+            started = time.monotonic()
+            # off a terminal the bar is off (a log keeps its every redraw): a line per item says the same
+            for done, item in enumerate(tqdm(mine, desc=label, unit="item", position=state.process_index,
+                                             disable=not on_terminal()), 1):
                 for r in play(item, store):
                     if sharded:
                         r["process"] = state.process_index
@@ -60,6 +66,10 @@ def play_all(out_dir: Path, run: dict, kept: list[dict], work: list, play: Calla
                     log.flush()
                     records.append(r)
                     tqdm.write((f"[{state.process_index}] " if sharded else "") + describe(r))
+                if not on_terminal():
+                    elapsed = time.monotonic() - started
+                    tqdm.write(f"{label}: {done}/{len(mine)} done in {clock(elapsed)}, "
+                               f"~{time_left(elapsed, done, len(mine))} left", file=sys.stderr)
     finally:
         if store is not None:
             store.close()

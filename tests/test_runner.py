@@ -558,3 +558,42 @@ def test_spill_cap_reaches_every_evicting_arms_cache_with_a_store():
             cache = make_cache(arm, None, Blueprint(), settings, store=store, session_id=f"cap-{arm}")
             assert cache.spill_cap_bytes == 3 << 20, arm
     assert make_cache("pace", None, Blueprint(), settings).spill_cap_bytes is None  # no store: nothing spills
+
+
+def test_off_a_terminal_progress_is_plain_lines_with_the_time_left(tmp_path, capsys):
+    """The demo's log (stderr not a terminal) held tqdm redraws with raw carriage returns and cursor-up
+    codes, and datasets' "Generating train split" bars. Off a terminal (pytest's captured stderr is one)
+    each phase of a session and each finished item is one plain line with an estimate of the time left,
+    and the libraries' own bars are off."""
+    import re
+
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    from pace_bench.progress import SessionProgress, quiet_library_bars
+    from pace_bench.suite import play_all
+
+    bar = SessionProgress("pace s0-0", 1000)
+    bar.phase("prefill probe 1/3", 600)
+    bar.update(600)
+    bar.phase("answer 1/3")
+    bar.close()
+    play_all(tmp_path, {}, [], [1, 2], lambda item, store: [{"item": item}], rank=lambda r: r["item"],
+             describe=lambda r: f"played {r['item']}", desc="sessions x arms", finish=lambda records: None,
+             new_store=lambda: None)
+    out, err = capsys.readouterr()
+    assert "\r" not in err and "\x1b" not in err, err
+    assert out.splitlines() == ["played 1", "played 2"]  # each record's line, as on a terminal
+    lines = err.splitlines()
+    assert lines[0] == "pace s0-0: prefill probe 1/3; 0/1,000 tokens prefilled in 0:00:00, ~? left at this rate"
+    assert re.fullmatch(r"pace s0-0: answer 1/3; 600/1,000 tokens prefilled in \d:\d\d:\d\d, ~\d:\d\d:\d\d left "
+                        r"at this rate", lines[1]), lines[1]
+    assert re.fullmatch(r"pace s0-0: done in \d:\d\d:\d\d", lines[2])
+    assert re.fullmatch(r"sessions x arms: 1/2 done in \d:\d\d:\d\d, ~\d:\d\d:\d\d left", lines[3]), lines
+    assert lines[4].startswith("sessions x arms: 2/2 done") and len(lines) == 5
+    try:
+        quiet_library_bars()
+        assert not transformers_logging.is_progress_bar_enabled() and datasets.are_progress_bars_disabled()
+    finally:
+        transformers_logging.enable_progress_bar()
+        datasets.enable_progress_bars()
