@@ -96,7 +96,7 @@ class SessionProgress:
 
         elapsed = time.monotonic() - self.started
         tqdm.write(f"{self.desc}: {name}; {self.n:,}/{self.total:,} tokens prefilled in {clock(elapsed)}, "
-                   f"~{time_left(elapsed, self.n, self.total)} left at this rate", file=sys.stderr)
+                   f"~{time_left(elapsed, self.n, self.total)} of prefill left at this rate", file=sys.stderr)
 
     def answering(self, name: str, max_new_tokens: int, prompt_len: int) -> StoppingCriteria:
         """A stopping criterion (it never stops) that shows ``name: t/max_new_tokens tok`` as the answer

@@ -585,9 +585,9 @@ def test_off_a_terminal_progress_is_plain_lines_with_the_time_left(tmp_path, cap
     assert "\r" not in err and "\x1b" not in err, err
     assert out.splitlines() == ["played 1", "played 2"]  # each record's line, as on a terminal
     lines = err.splitlines()
-    assert lines[0] == "pace s0-0: prefill probe 1/3; 0/1,000 tokens prefilled in 0:00:00, ~? left at this rate"
-    assert re.fullmatch(r"pace s0-0: answer 1/3; 600/1,000 tokens prefilled in \d:\d\d:\d\d, ~\d:\d\d:\d\d left "
-                        r"at this rate", lines[1]), lines[1]
+    assert lines[0] == "pace s0-0: prefill probe 1/3; 0/1,000 tokens prefilled in 0:00:00, ~? of prefill left at this rate"
+    assert re.fullmatch(r"pace s0-0: answer 1/3; 600/1,000 tokens prefilled in \d:\d\d:\d\d, ~\d:\d\d:\d\d of prefill "
+                        r"left at this rate", lines[1]), lines[1]
     assert re.fullmatch(r"pace s0-0: done in \d:\d\d:\d\d", lines[2])
     assert re.fullmatch(r"sessions x arms: 1/2 done in \d:\d\d:\d\d, ~\d:\d\d:\d\d left", lines[3]), lines
     assert lines[4].startswith("sessions x arms: 2/2 done") and len(lines) == 5
