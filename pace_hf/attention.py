@@ -349,7 +349,8 @@ def pace_attention_attention(module, query, key, value, attention_mask, dropout=
     layer_idx = getattr(module, "layer_idx", None)
     softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
     if cache is not None and layer_idx is not None and hasattr(cache, "attend_rows"):  # a batch: row by row
-        return cache.attend_rows(module, query, layer_idx, scaling, dropout, softcap, sinks, kwargs), None
+        return cache.attend_rows(module, query, layer_idx, scaling, dropout, softcap, sinks, kwargs,
+                                 key=key, value=value), None
     return attend(cache, module, layer_idx, query, key, value, attention_mask, dropout, scaling, softcap, sinks,
                   kwargs), None
 

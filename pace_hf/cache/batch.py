@@ -102,13 +102,20 @@ class CacheRows(FixedRows, Cache):
         self._kv[layer_idx] = stored
         longest = max((k.shape[-2] for k, _ in filter(None, stored)), default=0)
         b, heads = key_states.shape[:2]
+        if getattr(self.rows[0].layers[layer_idx], "latent", False):
+            return _latents_padded(stored, b, longest, key_states, value_states)
         stand_in = lambda t: t.new_zeros(()).expand(b, heads, longest, t.shape[-1])  # noqa: E731
         return stand_in(key_states), stand_in(value_states)
 
     # -- attention, row by row (called by ``pace_attention``) ----------------------------------------
-    def attend_rows(self, module, query, layer_idx: int, scaling, dropout: float, softcap, sinks, kwargs):
+    def attend_rows(self, module, query, layer_idx: int, scaling, dropout: float, softcap, sinks, kwargs,
+                    key=None, value=None):
         """The batch's attention output ``[b, q, q_heads, d_v]``: each row's queries against its own keys,
-        through the path a cache alone takes; a pad query's output is zeros (nothing reads it)."""
+        through the path a cache alone takes; a pad query's output is zeros (nothing reads it).
+
+        An MLA layer's attention reads keys and values the model decompressed from the latents ``update``
+        returned (each row's, left-aligned): ``key`` and ``value``, cut to each row's own tokens."""
+        latent = getattr(self.rows[0].layers[layer_idx], "latent", False)
         stored = self._kv.pop(layer_idx, None)
         if stored is None:
             raise RuntimeError(f"layer {layer_idx} attended without storing its keys in the batch's rows first")
@@ -118,6 +125,9 @@ class CacheRows(FixedRows, Cache):
                 outs.append(None)
                 continue
             keys, values = kv
+            if latent:  # the model's own decompression of this row's latents
+                n = keys.shape[-2]
+                keys, values = key[r:r + 1, :, :n], value[r:r + 1, :, :n]
             q = query[r:r + 1] if columns is ALL else query[r:r + 1, :, columns]
             mask = _window_mask(row.layers[layer_idx], q.shape[2], keys.shape[-2])
             outs.append(attention.attend(row, module, layer_idx, q, keys, values, mask, dropout, scaling, softcap,
@@ -205,6 +215,20 @@ def _columns_kept(attention_mask, batch: int, q_len: int) -> torch.Tensor | None
         raise ValueError(f"the attention_mask covers {attention_mask.shape[1]} columns, fewer than this forward's {q_len}")
     keep = attention_mask[:, -q_len:].to("cpu").bool()
     return None if bool(keep.all()) else keep
+
+
+def _latents_padded(stored, b: int, longest: int, key_states, value_states):
+    """An MLA layer's ``(latent, k_rot)`` for the batch ``[b, 1, longest, dim]``: each row's resident tokens
+    left-aligned, zeros after. The model decompresses them into per-head keys and values, which
+    ``attend_rows`` cuts back to each row's own tokens; a row that sits the forward out stays zeros."""
+    out = []
+    for i, like in enumerate((key_states, value_states)):
+        padded = like.new_zeros(b, like.shape[1], longest, like.shape[-1])
+        for r, kv in enumerate(stored):
+            if kv is not None:
+                padded[r:r + 1, :, :kv[i].shape[-2]] = kv[i]
+        out.append(padded)
+    return tuple(out)
 
 
 def _window_mask(layer, q_len: int, kv_len: int) -> torch.Tensor | None:
