@@ -105,3 +105,30 @@ def test_each_row_of_a_batch_equals_the_row_run_alone(model, name):
 
     cache = assert_rows_equal_alone(model, CACHES[name], prompts(), None, [None] * 4)
     assert all(row.resident_count() == 24 for row in cache.rows) and cache.rows[2].renumbers >= 1
+
+
+def test_spilled_tokens_restore_exactly_and_a_session_resumes(model):
+    """With a store, evicted (latent, k_rot) pairs spill; a restored span comes back re-rotated to its new
+    positions from its reference (the model's own k_rot there, the latent as it was), and a saved session
+    resumes to bit-equal logits."""
+    from pace_hf import Blueprint, HostTier, Span, TieredStore
+
+    store = TieredStore([HostTier(1 << 30)])
+    cache = PACECache(model, Blueprint([Span(10, 20, readers=(2,))]), budget=24, recent=8, limit=64, store=store,
+                      session_id="mla")
+    with torch.no_grad():
+        out = model.generate(ids(100), max_new_tokens=4, do_sample=False, cache=cache, prefill_chunk_size=16,
+                             pad_token_id=0)
+        assert cache.restore(30, 40) == 10
+        logical, physical = cache.ledger(0)
+        assert set(range(30, 40)) <= set(logical[0].tolist())
+        own = tf.DynamicCache(config=model.config)
+        model(input_ids=out[0, logical[0]][None], position_ids=physical, cache=own)
+        torch.testing.assert_close(cache.layers[0].keys, own.layers[0].values, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.layers[0].values, own.layers[0].keys, atol=1e-5, rtol=0)
+        cache.save()
+        resumed = PACECache.resume("mla", store=store, model=model)
+        assert torch.equal(model(out[:, -1:], cache=cache).logits, model(out[:, -1:], cache=resumed).logits)
+    resumed.unbind()
+    cache.unbind()
+    store.close()
