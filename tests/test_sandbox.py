@@ -1174,3 +1174,29 @@ def test_what_the_parent_reads_of_one_run_is_capped():
     ok = [r for r in results if r.status == "ok"]
     assert 12 <= len(ok) <= 16 and results[len(ok)].status == "error", [r.status for r in results]
     assert all("more than 16 MiB" in r.detail for r in results[len(ok):])
+
+
+def test_only_the_host_check_raises_sandbox_unavailable(monkeypatch):
+    """Issue 66: an answer's failed setup made ``compute`` raise SandboxUnavailable for the whole batch and
+    say, wrongly, that the host could not build a sandbox. The host is now checked once per process, by a
+    run that holds no answer; a later answer whose run fails to set up fails alone, with the reason."""
+    from pace_bench.metrics.pace_coding import sandbox as S
+
+    runs = []
+
+    def fake_run(program, calls, limits, answers=None):
+        runs.append(answers)
+        refusal = host_refusal if answers is None else "sandbox setup failed: this answer's run"
+        return [], [], refusal, (None, {}, None)
+
+    monkeypatch.setattr(S, "_run", fake_run)
+    monkeypatch.setattr(S, "_HOST_READY", [])
+    host_refusal = "no OS-level wall"
+    with pytest.raises(S.SandboxUnavailable, match="no OS-level wall"):
+        S.run_answer(["x = 1"], ["x"])
+    host_refusal = None
+    first, second = S.run_answer(["x = 1"], ["x", "x"]), S.run_answer(["x = 1"], ["x"])
+    assert runs == [None, None, ["x = 1"], ["x = 1"]]  # the host is checked until it builds, then not again
+    assert first.failed == "sandbox setup failed: this answer's run" and first.chosen is None
+    assert [r.status for r in first.results + second.results] == ["error"] * 3
+    assert "this answer's run" in first.results[0].detail
