@@ -734,6 +734,7 @@ def test_a_result_nested_700_deep_is_a_failed_call_not_a_crash():
     a child that does not check) and turns anything else into an error; a line nested deeper than any
     reply of the harness is not parsed at all (issue 66): it breaks the protocol."""
     import json
+
     from pace_bench.metrics.pace_coding import sandbox as S
 
     rfd, wfd = os.pipe()
@@ -1008,6 +1009,7 @@ def _fake_child(call_fd, report_fd, reply):
 def _parent_run(calls, reply, deadline_s=5.0):
     """``_read_reports`` against a fake child that answers with ``reply``; returns the run's results."""
     import json
+
     from pace_bench.metrics.pace_coding import sandbox as S
 
     call_r, call_w = os.pipe()
@@ -1084,6 +1086,7 @@ def test_an_error_reading_the_reports_fails_that_answer_alone(monkeypatch):
     reason, and raises nothing."""
     import errno
     import json
+
     from pace_bench.metrics.pace_coding import sandbox as S
 
     failures = []
@@ -1131,6 +1134,7 @@ def test_the_parent_reads_nothing_once_the_run_has_ended(monkeypatch):
     import json
     import subprocess
     import sys
+
     from pace_bench.metrics.pace_coding import sandbox as S
 
     parsed = []

@@ -66,9 +66,17 @@ from dataclasses import asdict, dataclass, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from pace_bench.metrics.pace_coding._sandbox_child import (MAX_DETAIL_CHARS, MAX_EXC_CHARS, MAX_EXC_ITEMS,
-                                                         MAX_TYPE_CHARS, MAX_USE_CHARS, MAX_USES, MAX_VALUE_CHARS,
-                                                         MAX_VIOLATION_CHARS, MAX_VIOLATION_NAMES)
+from pace_bench.metrics.pace_coding._sandbox_child import (
+    MAX_DETAIL_CHARS,
+    MAX_EXC_CHARS,
+    MAX_EXC_ITEMS,
+    MAX_TYPE_CHARS,
+    MAX_USE_CHARS,
+    MAX_USES,
+    MAX_VALUE_CHARS,
+    MAX_VIOLATION_CHARS,
+    MAX_VIOLATION_NAMES,
+)
 
 __all__ = [
     "CallResult",
