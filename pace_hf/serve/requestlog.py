@@ -3,7 +3,8 @@
 A line of a chat turn names its tenant, its session, its prompt and cached (reused) tokens, the tokens it
 generated, its status and how long it took, so an operator sees what each turn cost without ``/metrics``.
 The ``/v1`` requests log at INFO, the others (``/health``, ``/metrics``: probes, often every few seconds)
-at DEBUG. The shutdown line counts the ``/v1`` requests by status and says that the sessions' saves have landed.
+at DEBUG. The shutdown line counts the ``/v1`` requests by status and says that the sessions' saves have
+landed.
 """
 
 from __future__ import annotations
@@ -65,8 +66,7 @@ class RequestLog:
                        f"cached={outcome.get('reused_tokens', '-')}",
                        f"completion={outcome.get('completion_tokens', '-')}"]
         fields.append(f"{seconds:.2f}s")
-        log.log(logging.INFO if api else logging.DEBUG,
-                "pace-serve: %s", " ".join(fields))
+        log.log(logging.INFO if api else logging.DEBUG, "pace-serve: %s", " ".join(fields))
 
     def _lifespan(self, send):
         async def sending(message):
