@@ -28,12 +28,15 @@ RESULTS=${RESULTS:-bench/results/bfcl_chain}
 export NICE=${NICE:-10}
 PY=${PY:-.venv/bin/python}
 
-bank() {  # each length's table and records into RESULTS
+bank() {  # each length's table and records (a sharded run's shards merged) into RESULTS
+    local length
     for length in 32k 64k; do
-        if [ -s "$OUT/$length/probes.jsonl" ]; then
+        if cat "$OUT/$length"/probes*.jsonl 2> /dev/null | grep -q .; then
             "$PY" -m pace_bench --suite bfcl-chain --report --out "$OUT/$length" > /dev/null
             mkdir -p "$RESULTS/$length"
-            cp "$OUT/$length"/table.md "$OUT/$length"/probes.jsonl "$OUT/$length"/run.json "$RESULTS/$length"/
+            cat "$OUT/$length"/probes*.jsonl > "$RESULTS/$length/probes.jsonl.new"
+            mv "$RESULTS/$length/probes.jsonl.new" "$RESULTS/$length/probes.jsonl"
+            cp "$OUT/$length"/table.md "$OUT/$length"/run.json "$RESULTS/$length"/
         fi
     done
 }

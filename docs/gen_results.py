@@ -68,6 +68,7 @@ COMMANDS = {
     "repo32k-more": "bash bench/run_repo.sh   # its stage 3:\n" + _REPO_STAGE + " --out runs/repo32k-more \\\n"
                     "    --tokens 32768 --sessions 3 --arms h2o,pace_oracle,pace_prose,pace_retrieval",
     "ruler": "bash bench/run_ruler.sh   # nine resumable stages (the script's header lists them)",
+    "bfcl_chain": "bash bench/run_bfcl_chain.sh   # three resumable stages (the script's header lists them)",
     "ruler_gemma3": _RULER_GEMMA3,
     "ppl_gemma3": "python bench/perplexity.py --model gemma3-270m --tokens 32768 --chunk 2048 --budget 1024 --limit 4096 \\\n"
                   "    --arms full,h2o,snapkv,pace --out runs/ppl-gemma3",
