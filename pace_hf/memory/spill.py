@@ -36,20 +36,23 @@ readable at once. Ledger fields are stored as int32 (positions fit; 12 bytes a t
 Cap. ``cap_bytes`` bounds the spilled bytes a session holds (payload bytes; the store adds a header per
 entry): past it, the least recently used logical page (written to or restored last) is dropped from every
 layer. A restore that asks for a dropped page brings back what is left, counts the page in
-``stats["capped_requests"]`` and warns once; it never fails. A dropped version that the session's current
+``stats["capped_requests"]`` and warns once; it never fails. The dropped pages are kept as runs of
+consecutive pages (``PageRuns``), not one entry a page: a save writes them whole, and by page they grew
+with the session. A dropped version that the session's current
 save indexes stays in the store until the next save replaces that one (``pace_hf.memory.persist`` deletes it
 then): the save stays whole. So between saves the store can hold up to twice the cap (what the last save
 indexes, plus what was written since), and more by the entries' headers: the 1M run's spill folder
 reached 1.8 GB against a 1 GiB cap, with a save every 32K tokens.
 
 Saves. ``state()`` is the index a save's manifest holds: per layer, each version's key, page, sequence
-number, tokens, bytes and digest. Keys are never reused (``writer`` is new for every log: every cache,
+number, tokens, bytes and digest, and the runs of pages the cap dropped. Keys are never reused (``writer`` is new for every log: every cache,
 every resume). Each written version's confirmation (``TieredStore.put``) is kept in ``unconfirmed``
 until a save has checked that it reached every durable tier: the manifest indexes only durable versions.
 """
 
 from __future__ import annotations
 
+import bisect
 import secrets
 import warnings
 from collections import OrderedDict
@@ -93,6 +96,60 @@ def versions_of(state: dict) -> list[tuple[str, int, int, str]]:
     return [(v[KEY], layer_idx, v[PAGE], v[DIGEST]) for layer_idx, layer in enumerate(state["index"]) for v in layer]
 
 
+class PageRuns:
+    """A set of logical pages kept as sorted runs of consecutive pages, ``[[start, end), ...]``.
+
+    Why runs: the pages the spill cap dropped were a dict with an entry per page, so it grew with the
+    session (15,628 entries at 1M tokens), and every save wrote it whole into the manifest and read it
+    back (issue 68). The cap drops the least recently used pages, which in a long session are nearly
+    every page behind the ones the spill still holds: as runs, the set costs one run per gap, and a gap is
+    a page held, never spilled, or still resident, so its size is bounded by the cap and the cache, not
+    by the session's length."""
+
+    def __init__(self, runs=()):
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        for start, end in sorted((int(start), int(end)) for start, end in runs):
+            if end <= start:
+                raise ValueError(f"a run of pages is [start, end) with start < end, got [{start}, {end})")
+            if self.ends and start <= self.ends[-1]:  # overlapping or adjacent: one run
+                self.ends[-1] = max(self.ends[-1], end)
+            else:
+                self.starts.append(start)
+                self.ends.append(end)
+
+    def __contains__(self, page: int) -> bool:
+        i = bisect.bisect_right(self.starts, page) - 1
+        return i >= 0 and page < self.ends[i]
+
+    def add(self, page: int) -> None:
+        i = bisect.bisect_right(self.starts, page) - 1  # the run starting at or before page
+        if i >= 0 and page < self.ends[i]:
+            return
+        joins_left = i >= 0 and self.ends[i] == page
+        joins_right = i + 1 < len(self.starts) and self.starts[i + 1] == page + 1
+        if joins_left and joins_right:
+            self.ends[i] = self.ends[i + 1]
+            del self.starts[i + 1], self.ends[i + 1]
+        elif joins_left:
+            self.ends[i] = page + 1
+        elif joins_right:
+            self.starts[i + 1] = page
+        else:
+            self.starts.insert(i + 1, page)
+            self.ends.insert(i + 1, page + 1)
+
+    def __len__(self) -> int:
+        """Runs, not pages: the size a save writes."""
+        return len(self.starts)
+
+    def pages(self) -> int:
+        return sum(e - s for s, e in zip(self.starts, self.ends))
+
+    def runs(self) -> list[list[int]]:
+        return [[s, e] for s, e in zip(self.starts, self.ends)]
+
+
 class SpillLog:
     """Per-layer, per-page buffers of evicted tokens, their versions in the store, and the index to find them."""
 
@@ -109,7 +166,7 @@ class SpillLog:
         self.spilled_tokens = 0
         self.held_bytes = 0  # payload bytes of the versions in the index
         self.recent: OrderedDict[int, None] = OrderedDict()  # logical pages, least recently used first
-        self.capped: dict[int, int] = {}  # page -> tokens the cap dropped from it
+        self.capped = PageRuns()  # pages the cap dropped tokens from (runs: bounded, see PageRuns)
         self.unconfirmed: dict[str, Future] = {}  # key -> its write's confirmation, until a save checks it
         self.saved_keys: set[str] = set()  # versions the session's current save indexes (deleted only after the next)
         self.generation: str | None = None  # the save this log continues (set by save and resume)
@@ -196,7 +253,7 @@ class SpillLog:
                     dropped += part["logical"].numel()
                     self.buffered[layer_idx] -= part["logical"].numel()
             if dropped:
-                self.capped[page] = self.capped.get(page, 0) + dropped
+                self.capped.add(page)
                 self.stats["capped_pages"] += 1
 
     def _retire(self, versions: list[list]) -> None:
@@ -317,7 +374,7 @@ class SpillLog:
     def state(self) -> dict:
         """The index and counters a save records (the writer is not: a resumed log writes under a new one)."""
         return {"index": self.index, "spilled_tokens": self.spilled_tokens, "page_tokens": self.page_tokens,
-                "cap_bytes": self.cap_bytes, "capped": {str(p): n for p, n in self.capped.items()}, "heads": self.heads}
+                "cap_bytes": self.cap_bytes, "capped": self.capped.runs(), "heads": self.heads}
 
     def load(self, state: dict, generation: str) -> None:
         self.pages = [{} for _ in state["index"]]
@@ -331,5 +388,6 @@ class SpillLog:
             self._touch(v[PAGE])
         self.spilled_tokens, self.page_tokens = state["spilled_tokens"], state["page_tokens"]
         self.cap_bytes, self.heads = state["cap_bytes"], list(state["heads"])
-        self.capped = {int(p): n for p, n in state["capped"].items()}
+        capped = state["capped"]  # runs; a save before issue 68 wrote {page: tokens dropped}
+        self.capped = PageRuns((int(p), int(p) + 1) for p in capped) if isinstance(capped, dict) else PageRuns(capped)
         self.saved(generation)

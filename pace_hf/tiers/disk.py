@@ -60,10 +60,17 @@ def _fsync_dir(d: str) -> None:
         pass
 
 
+# ASCII: one character is one UTF-8 byte, so one str.translate escapes the key (issue 68: a generator step
+# and a chr() a byte were ~90 Python calls a spill file, for every write and delete)
+_ASCII_ESCAPES = str.maketrans({chr(b): f"%{b:02X}" for b in range(128) if b not in _SAFE})
+
+
 def escape_key(key: str) -> str:
     """The file-name-safe form of ``key`` (prefix preserving: escape(a + b) == escape(a) + escape(b))."""
     if not isinstance(key, str):
         raise TypeError("keys are str")
+    if key.isascii():
+        return key.translate(_ASCII_ESCAPES)
     return "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in key.encode("utf-8"))
 
 
