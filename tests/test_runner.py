@@ -9,7 +9,7 @@ import transformers as tf
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, EvictionCache, ObservationWindow, Span
-from pace_bench import readings, runner
+from pace_bench import progress, readings, runner
 from pace_bench.arms import ARMS, ArmSettings, make_cache
 from pace_bench.figures import summarize
 from pace_bench.readings import ledger_at_probe
@@ -156,7 +156,7 @@ def test_help_shows_defaults_choices_h_and_the_opt_in(capsys):
     (["--arms", "h2o,nonsense"], "unknown arm(s) nonsense"),
     (["--arms", "pace", "--budget", "4096", "--chunk", "4096"], "need --limit > --budget + --chunk"),
     # the cache's own refusal, named with the arm and the settings
-    (["--arms", "h2o", "--budget", "64"], "--arms h2o with --budget 64 --limit 8192: budget 64 cannot hold"),
+    (["--arms", "h2o", "--budget", "64"], "--arms h2o with --budget 64 --limit 8192: budget=64 cannot hold"),
     (["--drop-edges", "1.5"], "--drop-edges: must be in [0, 1]"),
     (["--drop-edges", "0.5", "--planner", "symbols"], "needs --planner oracle"),
     (["--rehydrate"], "give --store host, disk or valkey"),
@@ -320,6 +320,7 @@ def test_play_session_with_a_store_records_tier_counters_and_shows_prefill_progr
             return super().refresh(*args, **kwargs)
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    monkeypatch.setattr(progress, "on_terminal", lambda: True)  # the bar, as on a terminal (off one: plain lines)
     row = session.row
     settings = ArmSettings(budget=640, limit=1024)  # room for the 3 planned definitions, below the 1,480 tokens
     host = HostTier()
@@ -366,6 +367,7 @@ def test_the_full_arm_counts_its_prefill_when_the_answer_starts(monkeypatch, ses
             return super().update(n)
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    monkeypatch.setattr(progress, "on_terminal", lambda: True)  # the bar, as on a terminal
     _play(session, "full", ArmSettings(), metric, progress=True)
     (bar,) = bars
     assert bar.n == bar.total >= session.row["context_len"]
