@@ -100,7 +100,7 @@ class PageRuns:
     """A set of logical pages kept as sorted runs of consecutive pages, ``[[start, end), ...]``.
 
     Why runs: the pages the spill cap dropped were a dict with an entry per page, so it grew with the
-    session (15,564 entries after 1M tokens in ``bench/growth.py``), and every save wrote it whole into
+    session (15,564 entries after a 1M-token session), and every save wrote it whole into
     the manifest and read it back (the manifest grew from 181 KB to 439 KB a save). The cap drops the
     least recently used pages, which in a long session are nearly every page behind the ones the spill
     still holds: as runs, the set costs one run per gap, and a gap is a page held, never spilled, or
