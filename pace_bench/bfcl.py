@@ -796,12 +796,11 @@ def main(argv=None) -> int:
     check_args(ap, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pace_bench.models import load_model, preferred_dtype
-    from pace_bench.records import process_state, read_jsonl, shard_paths
+    from pace_bench.records import process_state, resumed_records
     from pace_bench.suite import play_all
 
     state = process_state()
     out_dir = Path(args.out)
-    log_path = out_dir / "probes.jsonl"
     by_category = [load_entries(c)[:args.entries] for c in args.categories]
     # the categories interleaved (the first entry of each, then the second...): a partial run covers each
     entries = [e for row in itertools.zip_longest(*by_category) for e in row if e is not None]
@@ -810,13 +809,7 @@ def main(argv=None) -> int:
            "dtype": str(dtype).removeprefix("torch."), "num_processes": state.num_processes}
     records = []
     if args.resume:
-        if (out_dir / "run.json").exists():
-            before = json.loads((out_dir / "run.json").read_text())
-            differ = [k for k in RUN_KEYS if before.get(k) != run.get(k)]
-            if differ:
-                raise SystemExit(f"pace-bench --suite bfcl: --resume: {out_dir} was played with other {', '.join(differ)}; "
-                                 "resume with the same settings (--dtype too), or use another --out")
-        records = read_jsonl([log_path, *shard_paths(out_dir)])
+        records = resumed_records(out_dir, run, RUN_KEYS, "bfcl")
     done = {(r["session_id"], r["arm"]) for r in records}
     model, tokenizer = load_model(args.model, dtype=dtype)
     model.to(state.device)

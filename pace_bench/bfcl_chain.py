@@ -47,10 +47,8 @@ tool docs resident, the entry-by-entry sign tests of PACE against H2O and SnapKV
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
-import math
 import os
 import random
 import sys
@@ -60,7 +58,6 @@ from pathlib import Path
 
 import torch
 
-from pace_bench import arms as registry
 from pace_bench import bfcl
 from pace_bench.stats import sign_test
 
@@ -662,7 +659,7 @@ def main(argv=None) -> int:
     check_args(ap, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pace_bench.models import load_model, preferred_dtype
-    from pace_bench.records import process_state, read_jsonl, shard_paths
+    from pace_bench.records import process_state, resumed_records
     from pace_bench.suite import play_all
 
     state = process_state()
@@ -672,13 +669,7 @@ def main(argv=None) -> int:
            "dtype": str(dtype).removeprefix("torch."), "num_processes": state.num_processes}
     records = []
     if args.resume:
-        if (out_dir / "run.json").exists():
-            before = json.loads((out_dir / "run.json").read_text())
-            differ = [k for k in RUN_KEYS if before.get(k) != run.get(k)]
-            if differ:
-                raise SystemExit(f"pace-bench --suite bfcl-chain: --resume: {out_dir} was played with other "
-                                 f"{', '.join(differ)}; resume with the same settings (--dtype too), or use another --out")
-        records = read_jsonl([out_dir / "probes.jsonl", *shard_paths(out_dir)])
+        records = resumed_records(out_dir, run, RUN_KEYS, "bfcl-chain")
     done = {(r["session_id"], r["arm"], r["budget"]) for r in records}
     model, tokenizer = load_model(args.model, dtype=dtype)
     model.to(state.device)

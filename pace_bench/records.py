@@ -72,3 +72,16 @@ def run_records(run_dir: Path) -> list[dict]:
     if not records:
         raise SystemExit(f"no probe records in {run_dir} (looked for probes.jsonl and probes.rank*.jsonl)")
     return records
+
+
+def resumed_records(out_dir: Path, run: dict, keys, suite: str) -> list[dict]:
+    """``--resume``: the records ``out_dir`` holds (its log and any shards), after refusing a run that was
+    played with other values of ``keys`` in its ``run.json`` (a run must not mix settings, dtype included)."""
+    out_dir = Path(out_dir)
+    if (out_dir / "run.json").exists():
+        before = json.loads((out_dir / "run.json").read_text())
+        differ = [k for k in keys if before.get(k) != run.get(k)]
+        if differ:
+            raise SystemExit(f"pace-bench --suite {suite}: --resume: {out_dir} was played with other {', '.join(differ)}; "
+                             "resume with the same settings (--dtype too), or use another --out")
+    return read_jsonl([out_dir / "probes.jsonl", *shard_paths(out_dir)])
