@@ -392,18 +392,22 @@ class TurnPlanner:
        ``tool_share * budget`` tokens;
     2. the earlier messages that name what the turn names (:func:`named_things`): a window of
        ``window`` tokens either side of each mention, the most recent message first, within
-       ``mention_share * budget`` tokens.
+       ``mention_share * budget`` tokens;
+    3. the thread the turn continues: the turn itself and the messages before it, whole, the most recent
+       first, within ``thread_share * budget`` tokens. A long session holds many tasks behind the current
+       one, and its heavy hitters are not the current task's turns.
 
     A span already prefilled and partly evicted is restored from the cache's store (``restore``); one not
     prefilled yet (the tool docs, before the first turn's forward) is planned, so prefill keeps it."""
 
     def __init__(self, tools: list[dict], spans, budget: int, *, tool_share: float = 0.5,
-                 mention_share: float = 0.25, window: int = 24):
+                 mention_share: float = 0.25, thread_share: float = 0.0, window: int = 24):
         import bm25s
 
         self.names = [t["name"] for t in tools]
         self.spans = list(spans)
         self.tool_room, self.mention_room = int(tool_share * budget), int(mention_share * budget)
+        self.thread_room = int(thread_share * budget)
         self.window = window
         docs = [_words(t["name"]) * 3 + _words(t.get("description", "")) +
                 [w for p in t.get("parameters", {}).get("properties", {}) for w in _words(p)] for t in tools]
@@ -448,8 +452,21 @@ class TurnPlanner:
             if used - tools + e - s <= self.mention_room:
                 chosen.append((s, e))
                 used += e - s
+        mentions, thread = used - tools, self.thread(conversation, message)
+        chosen += thread
         restored = sum(_keep(cache, s, e) for s, e in _merge(chosen))
-        return {"planned_tool_tokens": tools, "planned_mention_tokens": used - tools, "restored_tokens": restored}
+        return {"planned_tool_tokens": tools, "planned_mention_tokens": mentions,
+                "planned_thread_tokens": sum(e - s for s, e in thread), "restored_tokens": restored}
+
+    def thread(self, conversation: Conversation, message) -> list[tuple[int, int]]:
+        """The turn and the whole messages before it, most recent first, while they fit ``thread_room``."""
+        out, used = [], 0
+        for m in reversed(conversation.messages[:message.index + 1]):
+            if used + m.end - m.start > self.thread_room:
+                break
+            out.append((m.start, m.end))
+            used += m.end - m.start
+        return out
 
 
 def _merge(spans):

@@ -65,7 +65,12 @@ CATEGORIES = ("base", "long_context")  # miss_param and composite stay held out;
 NEW_TASK = "New task."
 PACE = bfcl.PACE
 ARMS = bfcl.ARMS
-RUN_KEYS = ("model", "dtype", "tokens", "sessions", "chain_seed", "limit", "chunk", "probe_tokens", "system")
+RUN_KEYS = ("model", "dtype", "tokens", "sessions", "chain_seed", "limit", "chunk", "probe_tokens", "system", "probes")
+# PACE's plan in a chained session: the shares of B for the tool docs, the mentions and the thread
+# (TurnPlanner's tool_share, mention_share, thread_share). The free-running suite's (0.5, 0.25, 0) was the
+# first plan played here (a PACE record without "plan" played it).
+PLAN = (0.5, 0.25, 0.0)
+FIRST_PLAN = (0.5, 0.25, 0.0)
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class ChainSettings:
     limit: int = 8192
     chunk: int = 2048
     probe_tokens: int = 64
+    plan: tuple[float, float, float] = PLAN
 
 
 # -- the ground truth in the model's own format ----------------------------------------------------------------
@@ -400,7 +406,11 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
     use_store = store if arm in PACE else None
     cache = bfcl.make_cache(arm, model, settings, use_store, sid)
     spans = dict(zip([t["name"] for t in session.tools], bfcl.tool_spans(template, session.tools)))
-    planner = bfcl.TurnPlanner(session.tools, list(spans.values()), budget) if arm == "pace" else None
+    planner = None
+    if arm == "pace":
+        tool_share, mention_share, thread_share = s.plan
+        planner = bfcl.TurnPlanner(session.tools, list(spans.values()), budget, tool_share=tool_share,
+                                   mention_share=mention_share, thread_share=thread_share)
     retriever = PageRetriever(tokenizer) if arm == "pace_retrieval" else None
     conversation = bfcl.Conversation(template)
     prefill = Prefill(model, cache, s.chunk)
@@ -465,6 +475,8 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
               "prefill_seconds": round(prefill.seconds, 2), "probe_seconds": round(probe_seconds, 2),
               "seconds": round(time.perf_counter() - started, 2),
               "cpu_seconds": round(time.process_time() - cpu_started, 2)}
+    if planner is not None:
+        record["plan"] = list(s.plan)
     if planned:
         record["planned"] = {k: sum(p.get(k, 0) for p in planned) for k in planned[0]}
     if isinstance(cache, EvictionCache) and use_store is not None:
@@ -585,8 +597,10 @@ def table(records: list[dict]) -> str:
 def header(run: dict) -> str:
     return (f"model {run['model']} (torch.{run['dtype']}); sessions of at most {run['tokens']:,} tokens, chains drawn "
             f"with --chain-seed {run['chain_seed']}; L={run['limit']:,}, H={run['chunk']:,}; teacher-forced along the "
-            f"ground truth; each turn's first call also decoded greedily (at most {run['probe_tokens']} tokens) on a "
-            "branch of the cache. The unit of the intervals and sign tests is the entry")
+            "ground truth; " + (f"each turn's first call also decoded greedily (at most {run['probe_tokens']} tokens) on a "
+                                "branch of the cache" if run.get("probes", True) else "no free-running probes")
+            + (f"; pace's plan (shares of B for tool docs, mentions, thread): {tuple(run['plan'])}" if "plan" in run else "")
+            + ". The unit of the intervals and sign tests is the entry")
 
 
 # -- the command -----------------------------------------------------------------------------------------------
@@ -609,6 +623,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int_at_least(1), default=8192, help="L: the bounded arms' rotary limit (L > B + H)")
     ap.add_argument("--chunk", type=int_at_least(1), default=2048, help="H: prefill chunk size")
     ap.add_argument("--probe-tokens", type=int_at_least(1), default=64, help="the most tokens a free-running probe decodes")
+    ap.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode each turn's first call on a branch (--no-probes: teacher-forced measures only)")
+    ap.add_argument("--plan", default=",".join(f"{x:g}" for x in PLAN), metavar="TOOLS,MENTIONS,THREAD",
+                    help="pace's plan: the shares of B for the matched tool docs, the earlier mentions and the thread")
     ap.add_argument("--system", default=None, help="the system prompt before the tools (default: pace_hf's)")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     ap.add_argument("--out", default="runs/bfcl_chain", help="folder for probes.jsonl, table.md and run.json")
@@ -628,6 +646,12 @@ def check_args(ap, args) -> None:
         ap.error(f"--budgets: integers separated by commas, got {args.budgets!r}")
     if not args.budgets:
         ap.error("--budgets: none given")
+    try:
+        args.plan = tuple(float(x) for x in args.plan.split(","))
+    except ValueError:
+        ap.error(f"--plan: three shares of B separated by commas, got {args.plan!r}")
+    if len(args.plan) != 3 or any(x < 0 for x in args.plan) or sum(args.plan) > 1:
+        ap.error(f"--plan: three shares of B (tools, mentions, thread), none negative, at most 1 together; got {args.plan}")
     small = [b for b in args.budgets if b < 4 + 128]
     if small:
         ap.error(f"--budgets {small[0]} cannot hold the 4 sink and 128 recent tokens the arms protect")
@@ -670,11 +694,16 @@ def main(argv=None) -> int:
     records = []
     if args.resume:
         records = resumed_records(out_dir, run, RUN_KEYS, "bfcl-chain")
+        other = [r for r in records if r["arm"] == "pace" and tuple(r.get("plan", FIRST_PLAN)) != args.plan]
+        if other and state.is_main_process:
+            print(f"pace-bench --suite bfcl-chain: --resume: {len(other)} pace record(s) played another --plan "
+                  f"({tuple(other[0].get('plan', FIRST_PLAN))}): played again with {args.plan}", file=sys.stderr)
+        records = [r for r in records if not any(r is o for o in other)]
     done = {(r["session_id"], r["arm"], r["budget"]) for r in records}
     model, tokenizer = load_model(args.model, dtype=dtype)
     model.to(state.device)
     sessions = draw_chains(tokenizer, tokens=args.tokens, sessions=args.sessions, seed=args.chain_seed, system=args.system)
-    s = ChainSettings(limit=args.limit, chunk=args.chunk, probe_tokens=args.probe_tokens)
+    s = ChainSettings(limit=args.limit, chunk=args.chunk, probe_tokens=args.probe_tokens, plan=args.plan)
     # every session at the first budget before any at the next: a partial run is complete for the first
     order = [(session, arm, None if arm == "full" else budget) for k, budget in enumerate(args.budgets)
              for session in sessions for arm in args.arms if arm != "full" or k == 0]
@@ -693,7 +722,7 @@ def main(argv=None) -> int:
                 f"NLL/token {nll / max(tok, 1):.3f} first calls right {right}/{len(r['probes'])} {r['seconds']:.0f}s")
 
     play_all(out_dir, run, records, [item for item in order if (item[0].session_id, *item[1:]) not in done],
-             lambda item, store: [play_chain(model, tokenizer, item[0], item[1], item[2], s, store)],
+             lambda item, store: [play_chain(model, tokenizer, item[0], item[1], item[2], s, store, args.probes)],
              rank=lambda r: rank.get((r["session_id"], r["arm"], r["budget"]), len(rank)),
              describe=describe, desc="bfcl-chain sessions x arms x budgets", finish=finish)
     return 0

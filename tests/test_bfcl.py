@@ -119,6 +119,13 @@ def test_the_planner_reads_only_the_conversation():
     (start, end), = planner.mentions(conversation, turn)  # the tool output that names the file
     assert conversation.messages[1].start <= start < end <= conversation.messages[1].end
     assert "final_report" in tok.decode(conversation.ids[start:end])
+    assert planner.thread(conversation, turn) == []  # thread_share 0: the free-running suite plans none
+    sizes = [m.end - m.start for m in conversation.messages]
+    room = sizes[2] + sizes[1] + sizes[0] - 1  # the turn and the tool output fit, the first turn does not
+    threaded = bfcl.TurnPlanner(tools, spans, budget=room, tool_share=0, mention_share=0, thread_share=1.0)
+    assert threaded.thread(conversation, turn) == [(m.start, m.end) for m in conversation.messages[:0:-1]]
+    conversation.add("user", "And now?")
+    assert threaded.thread(conversation, conversation.messages[2]) == [(m.start, m.end) for m in conversation.messages[2:0:-1]]
 
 
 @pytest.fixture(scope="module")

@@ -159,6 +159,19 @@ def test_nll_is_taken_over_the_call_tokens_only(model_and_tokenizer):
     assert len(record["probes"]) == sum(1 for e in chain.entries for t in e["ground_truth"] if t)
 
 
+def test_pace_plans_its_thread_and_says_which_plan(model_and_tokenizer):
+    """The chained suite's plan (tool docs, mentions, thread) is the record's, and each turn's thread is
+    planned within its share of B."""
+    model, tok = model_and_tokenizer
+    chain, = bfcl_chain.draw_chains(tok, tokens=8000, sessions=1, seed=0, pool=bfcl.load_entries("base")[:1])
+    s = bfcl_chain.ChainSettings(limit=4096, chunk=512, probe_tokens=4, plan=(0.25, 0.0, 0.5))
+    record = bfcl_chain.play_chain(model, tok, chain, "pace", 512, s, probes=False)
+    turns = sum(1 for e in chain.entries for _ in e["question"]) + len(chain.entries)  # each entry's "New task." too
+    assert record["plan"] == [0.25, 0.0, 0.5] and record["probes"] == []
+    assert 0 < record["planned"]["planned_thread_tokens"] <= turns * 256
+    assert record["planned"]["planned_mention_tokens"] == 0
+
+
 def test_the_table_pairs_entries_and_tests_them():
     """NLL ratio to the full cache over paired entries with its bootstrap interval; sign tests by entry."""
     def rec(arm, budget, nlls, rights):
@@ -178,7 +191,9 @@ def test_the_table_pairs_entries_and_tests_them():
 
 def test_bad_settings_are_refused_before_anything_loads(nothing_loads, capsys):
     for argv, said in ((["--budgets", "64"], "cannot hold"), (["--budgets", "2048,x"], "integers"),
-                       (["--budgets", "4096", "--limit", "6000"], "--limit > budget + --chunk")):
+                       (["--budgets", "4096", "--limit", "6000"], "--limit > budget + --chunk"),
+                       (["--plan", "0.5,0.25"], "three shares"), (["--plan", "0.5,0.5,0.5"], "at most 1"),
+                       (["--plan", "a,b,c"], "three shares")):
         with pytest.raises(SystemExit):
             main(["--suite", "bfcl-chain", *argv])
         assert said in capsys.readouterr().err
