@@ -865,6 +865,19 @@ def test_metrics_need_the_operators_key_and_a_server_with_tenants_refuses_them_w
     assert "also a tenant's" in capsys.readouterr().err
 
 
+def test_health_tells_only_the_operator_how_busy_the_server_is(tenant_server, server):
+    """/health answers anyone that the server is alive; its queue depth and resident sessions (how busy the
+    other tenants keep it) only with the operator's key, as /metrics. A server without keys shows them."""
+    url = tenant_server.url + "/health"
+    for auth in ({}, {"Authorization": f"Bearer {KEYS['ada']}"}):
+        status, _, text = http("GET", url, headers=auth)
+        assert status == 200 and json.loads(text) == {"status": "ok"}, auth
+    status, _, text = http("GET", url, headers={"Authorization": f"Bearer {OPERATOR_KEY}"})
+    assert status == 200 and set(json.loads(text)) == {"status", "queue", "resident"}
+    status, _, text = http("GET", server.url + "/health")
+    assert status == 200 and set(json.loads(text)) == {"status", "queue", "resident"}
+
+
 def test_a_tenant_never_continues_rewinds_or_wipes_anothers_session(tenant_server):
     ada, bob, name = as_tenant(tenant_server, "ada"), as_tenant(tenant_server, "bob"), tenant_server.name
     first = [{"role": "user", "content": "Ada's ledger: owner ada, balance 41. " * 8}]

@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                         spill_cap_bytes=int(args.spill_cap_mb * 2**20), retrieval=args.retrieval,
                         retain_bytes=int(args.retain_mb * 2**20) or None, retain_age_s=args.retain_hours * 3600 or None,
                         batch_decode=args.batch_decode, max_batch=args.max_batch)
-    except ValueError as e:
-        raise SystemExit(f"pace-serve: --budget/--limit/--chunk: {e}") from None
+    except ValueError as e:  # a budget, limit or chunk the cache cannot take; a generation config not applied
+        raise SystemExit(f"pace-serve: {e}") from None
     app = create_app(engine, names, max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout,
                      tenants=tenants, metrics_key=metrics_key)
     retention = (f"retention: {args.retain_mb:g} MB, {args.retain_hours:g} h" if args.retain_mb or args.retain_hours

@@ -15,8 +15,8 @@ hold every active row's next token for its whole prefill either way. A newly adm
 token comes from its prefill's last logits.
 
 What each turn keeps as its own: its sampling (``Sampler``: greedy, or temperature / top-k / top-p as
-``generate`` applies them, after OpenAI's ``logit_bias`` and presence / frequency penalties, from its
-own seeded generator when it has a ``seed``), its logprobs, its ``max_tokens``, its stop strings
+``generate`` applies them, after the model's ``repetition_penalty`` and OpenAI's ``logit_bias`` and
+presence / frequency penalties, from its own seeded generator when it has a ``seed``), its logprobs, its ``max_tokens``, its stop strings
 (``StopStrings``), its stop tokens, and its cancellation. Before and after the generation a turn does exactly what
 a turn alone does (``Engine._locate``, ``_lease``, ``_open``; ``_close``), so leases, saves, parking and
 the index behave the same. A session is never in two active turns: its next turn waits, taken from the
@@ -34,8 +34,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import (LogitsProcessorList, StoppingCriteria, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, LogitsProcessorList, MinPLogitsWarper,
+                          RepetitionPenaltyLogitsProcessor, StoppingCriteria, TemperatureLogitsWarper, TopHLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper)
 
 from ..cache import CacheRows
 from ..memory.retention import RETAIN_BUSY_S, RETAIN_IDLE_S
@@ -126,9 +127,43 @@ class StopStrings(StoppingCriteria):
                             device=input_ids.device)
 
 
+# The model's generation_config fields whose logits processors ``generate`` would apply and the batched
+# worker does not, each with when it is set (a neutral value is not): a model that sets one is refused at
+# startup (``unapplied``), never served with it silently dropped. The batched worker applies
+# ``repetition_penalty`` and the sampling warpers (``warpers``); beams, guidance, forced and suppressed
+# tokens, n-gram bans and the rest are ``generate``'s alone (``--no-batch-decode``).
+UNAPPLIED = {
+    "num_beams": lambda v: v is not None and v > 1,
+    "guidance_scale": lambda v: v is not None and v != 1,
+    "sequence_bias": bool,
+    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+    "no_repeat_ngram_size": lambda v: v is not None and v > 0,
+    "encoder_no_repeat_ngram_size": lambda v: v is not None and v > 0,
+    "bad_words_ids": bool,
+    "min_length": lambda v: v is not None and v > 0,
+    "min_new_tokens": lambda v: v is not None and v > 0,
+    "forced_bos_token_id": lambda v: v is not None,
+    "forced_eos_token_id": lambda v: v is not None,
+    "remove_invalid_values": lambda v: v is True,
+    "exponential_decay_length_penalty": lambda v: v is not None,
+    "suppress_tokens": bool,
+    "begin_suppress_tokens": bool,
+    "watermarking_config": lambda v: v is not None,
+    "renormalize_logits": lambda v: v is True,
+}
+
+
+def unapplied(generation_config) -> list[str]:
+    """The fields of ``generation_config`` (the model's) whose processors the batched worker would not apply."""
+    if generation_config is None:
+        return []
+    return [name for name, active in UNAPPLIED.items() if active(getattr(generation_config, name, None))]
+
+
 class Sampler:
     """A row's way from its logits to its next token, with OpenAI's parameters as OpenAI defines them:
-    ``logit_bias`` (token id -> bias) added to the logits, then ``frequency_penalty`` times each token's
+    the model's own ``repetition_penalty`` first (its ``generation_config``'s, over the prompt and the reply
+    so far, as ``generate`` applies it), then ``logit_bias`` (token id -> bias) added to the logits, then ``frequency_penalty`` times each token's
     count in the reply so far and ``presence_penalty`` once for each token in it subtracted, then
     greedy or ``generate``'s warpers and a draw, from the row's own ``torch.Generator`` when it has a
     ``seed`` (the process-wide one otherwise), so a seeded reply repeats whatever rows it is batched
@@ -136,8 +171,16 @@ class Sampler:
     likely alternatives', under the model's own distribution (log_softmax of its logits, before bias,
     penalties and temperature: vLLM's default)."""
 
-    def __init__(self, sampling: dict, generation_config, tokenizer, device, top: int | None = None):
+    def __init__(self, sampling: dict, generation_config, tokenizer, device, top: int | None = None,
+                 prompt: list[int] = ()):
         self.warpers = warpers(sampling, generation_config)
+        penalty = getattr(generation_config, "repetition_penalty", None)
+        self.repetition = None  # (generate's processor, which tokens the prompt and the reply hold so far)
+        if penalty is not None and penalty != 1.0:
+            # the processor reads which tokens occur, not how often: a mask stands for the whole ids
+            seen = torch.zeros(max(len(tokenizer), max(prompt, default=0) + 1), dtype=torch.bool, device=device)
+            seen[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
+            self.repetition = (RepetitionPenaltyLogitsProcessor(float(penalty)), seen)
         bias = sampling.get("logit_bias") or {}
         self.bias = (torch.tensor(list(bias), dtype=torch.long, device=device),
                      torch.tensor(list(bias.values()), dtype=torch.float32, device=device)) if bias else None
@@ -157,7 +200,8 @@ class Sampler:
     @property
     def plain(self) -> bool:
         """Greedy on the model's logits: the batch's one argmax is this row's token."""
-        return self.warpers is None and self.bias is None and not (self.presence or self.frequency)
+        return (self.warpers is None and self.bias is None and not (self.presence or self.frequency)
+                and self.repetition is None)
 
     def __call__(self, logits: torch.Tensor, generated: list[int], last: int, greedy: int | None = None) -> int:
         """The next token after ``generated`` (``last``: the token fed to get ``logits``)."""
@@ -165,6 +209,12 @@ class Sampler:
             token = greedy if greedy is not None else int(logits.argmax(-1))
         else:
             scores = logits.to(dtype=torch.float32)
+            if self.repetition is not None:
+                processor, seen = self.repetition
+                if seen.shape[0] < scores.shape[0]:  # an output layer wider than the tokenizer's vocabulary
+                    seen = torch.cat([seen, seen.new_zeros(scores.shape[0] - seen.shape[0])])
+                    self.repetition = processor, seen
+                scores = processor(seen.nonzero().T, scores[None])[0]
             if self.bias is not None:
                 scores = scores.index_add(0, self.bias[0], self.bias[1])
             if (self.presence or self.frequency) and generated:
@@ -181,6 +231,8 @@ class Sampler:
                                               generator=self.generator))
         if self.counts is not None:
             self.counts[token] += 1
+        if self.repetition is not None:
+            self.repetition[1][token] = True
         if self.top is not None:
             self._log(logits, generated, token)
         return token
@@ -216,19 +268,33 @@ class Sampler:
 
 def warpers(sampling: dict, generation_config) -> LogitsProcessorList | None:
     """The logits warpers ``generate`` applies for ``sampling`` (``do_sample``, ``temperature``, ``top_p``) over
-    the model's own generation config (its ``top_k``), in ``generate``'s order; None: greedy."""
+    the model's own generation config (its ``top_k``, ``top_h``, ``min_p``, ``typical_p``, ``epsilon_cutoff``,
+    ``eta_cutoff``), in ``generate``'s order; None: greedy."""
     if not sampling.get("do_sample"):
         return None
     out = LogitsProcessorList()
     temperature = sampling.get("temperature", getattr(generation_config, "temperature", None))
     if temperature is not None and temperature != 1.0:
         out.append(TemperatureLogitsWarper(float(temperature)))
+    top_h = getattr(generation_config, "top_h", None)
+    if top_h is not None:
+        out.append(TopHLogitsWarper(top_h=float(top_h)))
     top_k = sampling.get("top_k", getattr(generation_config, "top_k", None))
     if top_k is not None and top_k != 0:
         out.append(TopKLogitsWarper(top_k=int(top_k), min_tokens_to_keep=1))
     top_p = sampling.get("top_p", getattr(generation_config, "top_p", None))
     if top_p is not None and top_p < 1.0:
         out.append(TopPLogitsWarper(top_p=float(top_p), min_tokens_to_keep=1))
+    config = {name: getattr(generation_config, name, None) for name in ("min_p", "typical_p", "epsilon_cutoff",
+                                                                        "eta_cutoff")}
+    if config["min_p"] is not None:
+        out.append(MinPLogitsWarper(min_p=float(config["min_p"]), min_tokens_to_keep=1))
+    if config["typical_p"] is not None and config["typical_p"] < 1.0:
+        out.append(TypicalLogitsWarper(mass=float(config["typical_p"]), min_tokens_to_keep=1))
+    if config["epsilon_cutoff"] is not None and 0.0 < config["epsilon_cutoff"] < 1.0:
+        out.append(EpsilonLogitsWarper(epsilon=float(config["epsilon_cutoff"]), min_tokens_to_keep=1))
+    if config["eta_cutoff"] is not None and 0.0 < config["eta_cutoff"] < 1.0:
+        out.append(EtaLogitsWarper(epsilon=float(config["eta_cutoff"]), min_tokens_to_keep=1))
     return out
 
 
@@ -252,11 +318,13 @@ class Batcher:
         while not engine._stop.is_set():
             took = self._fill()
             if self.rows:
+                engine.worked = True
                 self._step()
                 engine._retain(every_s=RETAIN_BUSY_S)
             elif not took and not self.waiting:
                 engine._park_idle()
                 engine._retain(every_s=RETAIN_IDLE_S)
+                engine._trim()
         for row in list(self.rows):  # stopping: the clients of the turns in flight hear so
             self._drop(row, APIError(503, "the server is shutting down", type="server_error"))
         for turn in self.waiting:
@@ -311,6 +379,7 @@ class Batcher:
     def _start(self, turn, located) -> None:
         """The turn's pre-work (``_lease``, ``_open``), its prefill and its first token; then it is a row."""
         engine = self.engine
+        engine.worked = True
         if located[0] == "failed":
             engine._fail(turn, located[1])
             return
@@ -333,7 +402,7 @@ class Batcher:
             session = opened.session
             stops = StopStrings(engine.tokenizer, turn.stops) if turn.stops else None
             sampler = Sampler(turn.sampling, getattr(engine.model, "generation_config", None), engine.tokenizer,
-                              logits.device, turn.logprobs)
+                              logits.device, turn.logprobs, prompt=session.ids + header)
             opened.sampler = sampler  # _close reads its logprobs
             row = Row(opened, session.ids + header, header, engine._deltas(opened), sampler, stops,
                       set(session.template.stop_ids()), started)

@@ -30,6 +30,7 @@ everything above happens inside the tenant's namespace (``tenants``).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import logging
 import math
@@ -63,6 +64,19 @@ TURN_LEASE_S = 30.0  # a turn's writer lease: renewed every sixth of it while th
 INDEX_WAIT_S = 30.0  # at most this long for the conversation's index entry before the reply ends
 MAX_KNOWN = 1 << 16  # conversation hashes kept in memory; the store's index holds them all
 MAX_SESSION_NAME = 128
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library). After a burst, the memory glibc's arenas freed
+    stays mapped to the process (the worker, the event loop and the saver each allocate in an arena of
+    their own): trimming hands it back to the system."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+MALLOC_TRIM = _malloc_trim()
 
 
 def chain(model_name: str, system: str, messages, seed: str = "") -> list[str]:
@@ -234,9 +248,16 @@ class Engine:
             raise ValueError(f"max_batch (turns decoded together) must be an int >= 1, got {max_batch!r}")
         self.batcher = None
         if batch_decode:
-            from .batcher import Batcher
+            from .batcher import Batcher, unapplied
 
+            dropped = unapplied(getattr(model, "generation_config", None))
+            if dropped:  # a model served without what its generation config asks for would answer otherwise
+                raise ValueError(f"the model's generation_config sets {', '.join(dropped)}, whose logits "
+                                 f"processor{'s' * (len(dropped) > 1)} the batched decode does not apply; serve it "
+                                 "with --no-batch-decode (generate applies them), or unset "
+                                 f"{'them' if len(dropped) > 1 else 'it'} in its generation_config.json")
             self.batcher = Batcher(self, max_batch)
+        self.worked = False  # whether a turn ran or a session was dropped since freed memory was given back (_trim)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="pace-serve-worker", daemon=True)
 
@@ -289,10 +310,12 @@ class Engine:
             except queue.Empty:
                 self._park_idle()
                 self._retain(every_s=RETAIN_IDLE_S)
+                self._trim()
                 continue
             if turn.cancelled.is_set():  # the client left while it waited
                 continue
             started = time.perf_counter()
+            self.worked = True
             try:
                 self._run(turn)
             except Exception as e:  # noqa: BLE001 - one bad turn never kills the server
@@ -400,6 +423,17 @@ class Engine:
         except TierError:
             return True
 
+    def _trim(self) -> None:
+        """Once the worker is idle after turns ran: the saves landed, then the memory freed since goes back to
+        the system (``malloc_trim``), so a burst does not leave the server at its peak."""
+        if not self.worked or MALLOC_TRIM is None:
+            return
+        for held in list(self.resident.values()):
+            if held.saving is not None and not held.saving.done():
+                return  # a save still allocates; the next idle pass trims
+        self.worked = False
+        MALLOC_TRIM(0)
+
     def _admit(self, session_id: str, session: PACESession) -> PACESession:
         """Make ``session`` resident, parking the least recently used first: the cap holds at every moment."""
         while len(self.resident) >= self.max_resident:
@@ -415,6 +449,7 @@ class Engine:
         held = self.resident.pop(session_id, None)
         if held is not None:
             held.session.cache.unbind()
+            self.worked = True  # its layers were freed: the next idle pass trims
 
     def _park(self, session_id: str) -> None:
         """Free a resident session's layers; its last completed turn is (being) saved."""
