@@ -10,6 +10,7 @@
 """
 
 import copy
+import shutil
 import time
 
 import pytest
@@ -64,8 +65,6 @@ def test_a_processor_the_batched_decode_does_not_apply_stops_the_server_by_name(
         engine_with(tiny_dir, tmp_path, True, no_repeat_ngram_size=3)
     engine_with(tiny_dir, tmp_path, False, no_repeat_ngram_size=3).store.close()  # generate applies it
     model_dir = tmp_path / "model"
-    import shutil
-
     shutil.copytree(tiny_dir[0], model_dir)
     import transformers as tf
 
