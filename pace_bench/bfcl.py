@@ -387,6 +387,8 @@ class TurnPlanner:
     """PACE's plan for a BFCL session, from the conversation alone (never the ground truth or the backends'
     state). When user turn ``k`` arrives it plans for step ``k``:
 
+    0. ``frame``, the spans planned at every turn (the chained suite's: the system message around the tool
+       docs, which says how to write a call), within the tool docs' share;
     1. the tool docs the turn's words match: BM25 (``bm25s``) over each tool's name, description and
        parameter names, the turn as the query; a tool the turn names literally first; within
        ``tool_share * budget`` tokens;
@@ -401,13 +403,14 @@ class TurnPlanner:
     prefilled yet (the tool docs, before the first turn's forward) is planned, so prefill keeps it."""
 
     def __init__(self, tools: list[dict], spans, budget: int, *, tool_share: float = 0.5,
-                 mention_share: float = 0.25, thread_share: float = 0.0, window: int = 24):
+                 mention_share: float = 0.25, thread_share: float = 0.0, window: int = 24, frame=()):
         import bm25s
 
         self.names = [t["name"] for t in tools]
         self.spans = list(spans)
         self.tool_room, self.mention_room = int(tool_share * budget), int(mention_share * budget)
         self.thread_room = int(thread_share * budget)
+        self.frame = list(frame)
         self.window = window
         docs = [_words(t["name"]) * 3 + _words(t.get("description", "")) +
                 [w for p in t.get("parameters", {}).get("properties", {}) for w in _words(p)] for t in tools]
@@ -442,6 +445,10 @@ class TurnPlanner:
     def plan(self, conversation: Conversation, cache, message) -> dict:
         """Plan (and restore) for the turn ``message``; returns what it planned, in tokens."""
         chosen, used = [], 0
+        for s, e in self.frame:
+            if used + e - s <= self.tool_room:
+                chosen.append((s, e))
+                used += e - s
         for i in self.tools_for(message.content):
             span = self.spans[i]
             if span is not None and used + span[1] - span[0] <= self.tool_room:
