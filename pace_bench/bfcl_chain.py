@@ -605,7 +605,6 @@ def header(run: dict) -> str:
             f"with --chain-seed {run['chain_seed']}; L={run['limit']:,}, H={run['chunk']:,}; teacher-forced along the "
             "ground truth; " + (f"each turn's first call also decoded greedily (at most {run['probe_tokens']} tokens) on a "
                                 "branch of the cache" if run.get("probes", True) else "no free-running probes")
-            + (f"; pace's plan (shares of B for tool docs, mentions, thread): {tuple(run['plan'])}" if "plan" in run else "")
             + ". The unit of the intervals and sign tests is the entry")
 
 
