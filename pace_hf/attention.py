@@ -155,7 +155,7 @@ def _column_sums_causal(query, key, lse, scaling, score_from):
 
 def _decode_one_pass(query, key, value, scaling):
     """Decode: one query sees every key, so its probabilities are the column sums themselves. One
-    matmul for the logits (in the cache's dtype), the softmax in place in fp32, one matmul with the
+    matmul for the logits (in the cache's dtype), the softmax in fp32, one matmul with the
     values: the keys and values are read once each, where the flash kernel and then a score pass read
     the keys twice (and torch's CPU flash kernel is slower than two matmuls for one query). A bf16 or
     fp16 cache is never copied to fp32: only the ``[kv_heads, group, kv]`` logits are. Output
@@ -163,9 +163,8 @@ def _decode_one_pass(query, key, value, scaling):
     b, hq, _, d = query.shape
     hkv = key.shape[1]
     group = hq // hkv
-    probs = torch.matmul((query * scaling).reshape(b, hkv, group, d), key.transpose(-1, -2)).float()
-    probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
-    probs.div_(probs.sum(dim=-1, keepdim=True))
+    logits = torch.matmul((query * scaling).reshape(b, hkv, group, d), key.transpose(-1, -2))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # one fused op: 5 in place took 2x its time on CPU
     output = torch.matmul(probs.to(value.dtype), value)  # [b, kv_heads, group, dv]: the query heads in order
     return output.view(b, 1, hq, value.shape[-1]), probs.sum(dim=-2).div_(group)
 

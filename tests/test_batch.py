@@ -261,3 +261,35 @@ def test_a_right_padded_batch_is_refused_by_name_where_dynamic_cache_runs_it_wro
             model.generate(ids, attention_mask=mask, cache=cache, **GREEDY)
         assert cache.get_seq_length() == 0  # refused before the first forward
     assert_rows_equal_alone(model, CACHES["h2o"], rows, None, [None, None])  # the same prompts, padded on the left
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_packed_rows_equal_each_row_alone(kind):
+    """``CacheRows(..., packed=...)``: one row's prefill chunk and the other rows' decode tokens as one
+    sequence (pace-serve's step) give each row the logits and the cache it gets alone, step after step,
+    through evictions and a renumber."""
+    model = tiny_model(kind)
+    rows = prompts()
+    make = CACHES["pace"]
+    batched = [make(model, BLUEPRINTS[0]) for _ in rows]
+    alone = [make(model, BLUEPRINTS[0]) for _ in rows]
+    with torch.no_grad():
+        for caches in (batched, alone):  # rows 1-3 prefilled; row 0 prefills in chunks of 16 in the packed steps
+            for cache, p in zip(caches[1:], rows[1:]):
+                model(p[None], cache=cache)
+        nexts = [p[-1:] for p in rows]
+        for step in range(12):  # four chunks of row 0's prompt beside three decoding rows, then all four decode
+            parts = ([rows[0][16 * step:16 * step + 16]] if step < 4 else nexts[:1]) + nexts[1:]
+            out = model(torch.cat(parts)[None], cache=CacheRows(batched, packed=[len(p) for p in parts])).logits[0]
+            ends = torch.tensor([len(p) for p in parts]).cumsum(0) - 1
+            for r, (cache, part) in enumerate(zip(alone, parts)):
+                solo = model(part[None], cache=cache).logits[0, -1]
+                torch.testing.assert_close(out[ends[r]], solo, atol=1e-5, rtol=0)
+                nexts[r] = solo.argmax()[None]
+    for a, b in zip(batched, alone):
+        assert a.get_seq_length() == b.get_seq_length() and a.renumbers == b.renumbers
+        for i, _ in a.evicting_layers:
+            assert all(torch.equal(x, y) for x, y in zip(a.ledger(i), b.ledger(i))), i
+    assert batched[2].renumbers >= 1 and all(c.resident_count() == 24 for c in batched)
+    with pytest.raises(ValueError, match="packed rows hold"):
+        model(torch.ones(1, 5, dtype=torch.long), cache=CacheRows(batched, packed=[1, 1, 1, 1]))

@@ -11,12 +11,16 @@ is a list of such caches, one per row, that one forward of the model serves toge
   scored, counted as sinks, spilled or planned, and the row's logical positions count its own tokens.
 
 ``model.generate(ids, attention_mask=mask, cache=cache)`` with a batch of ``b`` builds ``b`` rows inside
-the cache (``cache.rows``); pace-serve builds ``CacheRows([...])`` over its sessions' caches for a
-decode step. Linear-attention layers (a recurrent state per sequence, written by the model itself) and
+the cache (``cache.rows``). pace-serve builds ``CacheRows([...], packed=[...])`` over its sessions' caches
+for a step: the rows' tokens one after another as one sequence (``input_ids [1, sum(packed)]``), so one
+row's prefill chunk and the other rows' single decode tokens share a forward without padding (a padded
+batch of 8 rows would run 8 times the chunk through every projection). Linear-attention layers (a recurrent state per sequence, written by the model itself) and
 beam search are refused by name.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from transformers.cache_utils import Cache
@@ -48,7 +52,7 @@ class CacheRows(FixedRows, Cache):
     which is what ``generate`` slices its input by; each row's own count is ``rows[r].get_seq_length()``.
     """
 
-    def __init__(self, rows):
+    def __init__(self, rows, packed=None):
         rows = list(rows)
         if not rows:
             raise ValueError("CacheRows needs at least one row")
@@ -69,13 +73,16 @@ class CacheRows(FixedRows, Cache):
                     "supported for it yet. Run one sequence at a time")
         if len({id(row) for row in rows}) != len(rows):
             raise ValueError("a cache appears twice in the batch: every row needs its own cache")
+        if packed is not None and (len(packed) != len(rows) or min(packed) < 1):
+            raise ValueError(f"packed gives each of the {len(rows)} rows its count of tokens (>= 1), got {packed}")
         Cache.__init__(self, layers=[])
         self.rows = rows
+        self.packed = None if packed is None else list(packed)  # per row: its tokens of the one packed sequence
         self.binding = binding
         limits = [row.limit for row in rows]
         self.limit = None if None in limits else min(limits)
         self.columns = max(row.get_seq_length() for row in rows)
-        self._active: list | None = None  # per row: its tokens' columns in the chunk (ALL, or None: none)
+        self._active: list | None = None  # per row: (batch row, its columns in it, how many), or None: none
         self._kv: dict[int, list] = {}  # per layer, per row: the keys and values its attention reads
 
     # -- what transformers calls -------------------------------------------------------------------
@@ -93,11 +100,12 @@ class CacheRows(FixedRows, Cache):
         if self._active is None:
             raise RuntimeError("CacheRows.update outside a forward: pass the batch to a model bound to its rows")
         stored = []
-        for r, (row, columns) in enumerate(zip(self.rows, self._active)):
-            if columns is None:
+        for row, active in zip(self.rows, self._active):
+            if active is None:
                 stored.append(None)
                 continue
-            keys, values = (t[r:r + 1] if columns is ALL else t[r:r + 1, :, columns] for t in (key_states, value_states))
+            b, columns, _ = active
+            keys, values = (t[b:b + 1] if columns is ALL else t[b:b + 1, :, columns] for t in (key_states, value_states))
             stored.append(row.update(keys, values, layer_idx))
         self._kv[layer_idx] = stored
         longest = max((k.shape[-2] for k, _ in filter(None, stored)), default=0)
@@ -120,25 +128,29 @@ class CacheRows(FixedRows, Cache):
         if stored is None:
             raise RuntimeError(f"layer {layer_idx} attended without storing its keys in the batch's rows first")
         outs = []
-        for r, (row, columns, kv) in enumerate(zip(self.rows, self._active, stored)):
-            if columns is None:
+        for row, active, kv in zip(self.rows, self._active, stored):
+            if active is None:
                 outs.append(None)
                 continue
+            b, columns, _ = active
             keys, values = kv
             if latent:  # the model's own decompression of this row's latents
                 n = keys.shape[-2]
-                keys, values = key[r:r + 1, :, :n], value[r:r + 1, :, :n]
-            q = query[r:r + 1] if columns is ALL else query[r:r + 1, :, columns]
+                keys, values = key[b:b + 1, :, :n], value[b:b + 1, :, :n]
+            q = query[b:b + 1] if columns is ALL else query[b:b + 1, :, columns]
             mask = _window_mask(row.layers[layer_idx], q.shape[2], keys.shape[-2])
             outs.append(attention.attend(row, module, layer_idx, q, keys, values, mask, dropout, scaling, softcap,
                                          sinks, kwargs))
-        if all(columns is ALL for columns in self._active):  # every row has every column (decode)
+        if self.packed is not None:  # the rows' tokens one after another
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if all(entry is not None and entry[1] is ALL for entry in self._active):  # every row has every column (decode)
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         first = next(o for o in outs if o is not None)
         out = first.new_zeros(query.shape[0], query.shape[2], *first.shape[2:])
-        for r, (columns, rows_out) in enumerate(zip(self._active, outs)):
+        for active, rows_out in zip(self._active, outs):
             if rows_out is not None:
-                out[r, slice(None) if columns is ALL else columns] = rows_out[0]
+                b, columns, _ = active
+                out[b, columns] = rows_out[0]
         return out
 
     # -- the forward bracket (called by the binding's hooks) --------------------------------------------
@@ -146,57 +158,83 @@ class CacheRows(FixedRows, Cache):
     def in_forward(self) -> bool:
         return self._active is not None
 
+    @property
+    def batch(self) -> int:
+        """The input's batch size: one sequence when the rows are packed, else one row each."""
+        return 1 if self.packed is not None else len(self.rows)
+
     def bracket_for(self, batch: int) -> "CacheRows":
-        if batch != len(self.rows):
-            raise ValueError(f"this batch has {len(self.rows)} rows, but the input has {batch}")
+        if batch != self.batch:
+            raise ValueError(f"this batch takes an input of {self.batch} rows, but the input has {batch}")
         return self
 
     def check_prompt(self, input_ids) -> None:
         """A batch's rows were filled one by one: only the batch size can be checked against them."""
-        if input_ids.shape[0] != len(self.rows):
-            raise ValueError(f"this batch has {len(self.rows)} rows, but the input has {input_ids.shape[0]}")
+        if input_ids.shape[0] != self.batch:
+            raise ValueError(f"this batch takes an input of {self.batch} rows, but the input has {input_ids.shape[0]}")
 
     def begin_forward(self, q_len: int, ids=None, attention_mask=None) -> torch.Tensor:
-        """Give each row its tokens of the chunk (those ``attention_mask`` keeps); returns the batch's
-        ``position_ids`` ``[b, q_len]``, each row's from its own cache (a pad's is its row's first)."""
-        b = len(self.rows)
-        keep = _columns_kept(attention_mask, b, q_len)
-        positions = torch.zeros(b, q_len, dtype=torch.long)
-        active: list = []
+        """Give each row its tokens of the chunk (those ``attention_mask`` keeps; packed: its own run of
+        columns); returns the batch's ``position_ids``, each row's from its own cache (a pad's is its row's
+        first)."""
+        active = self._packed_columns(q_len, attention_mask) if self.packed is not None else \
+            self._columns(q_len, attention_mask)
+        positions = torch.zeros(self.batch, q_len, dtype=torch.long)
+        begun = []
         try:
-            for r, row in enumerate(self.rows):
-                columns = ALL if keep is None or bool(keep[r].all()) else keep[r].nonzero().flatten()
-                n = q_len if columns is ALL else columns.numel()
-                if n == 0:  # all pads in this chunk: the row sits the forward out
-                    active.append(None)
+            for row, entry in zip(self.rows, active):
+                if entry is None:  # all pads in this chunk: the row sits the forward out
                     continue
-                row_ids = None if ids is None else ids[r:r + 1] if columns is ALL else ids[r:r + 1, columns.to(ids.device)]
+                b, columns, n = entry
+                row_ids = None if ids is None else ids[b:b + 1] if columns is ALL else \
+                    ids[b:b + 1, columns if isinstance(columns, slice) else columns.to(ids.device)]
                 start = row.begin_forward(n, row_ids)
-                active.append(columns)
-                positions[r] = start
-                positions[r, slice(None) if columns is ALL else columns] = torch.arange(start, start + n)
+                begun.append(row)
+                if columns is not ALL and not isinstance(columns, slice):
+                    positions[b] = start
+                positions[b, columns] = torch.arange(start, start + n)
         except BaseException:
-            for row, columns in zip(self.rows, active):
-                if columns is not None:
-                    row.abort_forward()
+            for row in begun:
+                row.abort_forward()
             raise
-        if all(columns is None for columns in active):
-            raise ValueError("every token of this forward is padding (attention_mask is 0 for all of them)")
         device = ids.device if ids is not None else (attention_mask.device if attention_mask is not None else None)
-        self._active = [c if c is None or c is ALL else c.to(device) for c in active] if device is not None else active
+        if device is not None:
+            active = [e if e is None or isinstance(e[1], slice) else (e[0], e[1].to(device), e[2]) for e in active]
+        self._active = active
         return positions.to(device) if device is not None else positions
+
+    def _columns(self, q_len: int, attention_mask) -> list:
+        """A padded batch: row ``r`` is input row ``r``, its columns those its mask keeps."""
+        keep = _columns_kept(attention_mask, len(self.rows), q_len)
+        active = []
+        for r in range(len(self.rows)):
+            columns = ALL if keep is None or bool(keep[r].all()) else keep[r].nonzero().flatten()
+            n = q_len if columns is ALL else columns.numel()
+            active.append(None if n == 0 else (r, columns, n))
+        if all(entry is None for entry in active):
+            raise ValueError("every token of this forward is padding (attention_mask is 0 for all of them)")
+        return active
+
+    def _packed_columns(self, q_len: int, attention_mask) -> list:
+        """A packed batch: row ``r`` is the ``packed[r]`` columns after the rows before it."""
+        if q_len != sum(self.packed):
+            raise ValueError(f"the packed rows hold {sum(self.packed)} tokens, but the input has {q_len}")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise NotImplementedError("a packed batch has no padding: pass no attention_mask")
+        ends = list(itertools.accumulate(self.packed))
+        return [(0, slice(end - n, end), n) for n, end in zip(self.packed, ends)]
 
     def end_forward(self, q_len: int) -> None:
         active, self._active, self._kv = self._active, None, {}
-        for row, columns in zip(self.rows, active):
-            if columns is not None:
-                row.end_forward(q_len if columns is ALL else columns.numel())
+        for row, entry in zip(self.rows, active):
+            if entry is not None:
+                row.end_forward(entry[2])
         self.columns += q_len
 
     def abort_forward(self) -> None:
         active, self._active, self._kv = self._active, None, {}
-        for row, columns in zip(self.rows or [], active or []):
-            if columns is not None:
+        for row, entry in zip(self.rows or [], active or []):
+            if entry is not None:
                 row.abort_forward()
 
 

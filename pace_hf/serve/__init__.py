@@ -8,7 +8,7 @@ in this process or after a restart.
 
 Modules: ``protocol`` (the request schema and OpenAI-style errors), ``engine`` (the one generation
 worker, its bounded queue, the session table, parking and saves), ``batcher`` (the worker's batched
-decode: concurrent sessions decoded together, one token each per forward), ``metrics`` (Prometheus counters),
+step: concurrent sessions decoded together, one token each per forward, beside one chunk of a prompt), ``metrics`` (Prometheus counters),
 ``app`` (the FastAPI routes), ``__main__`` (the ``pace-serve`` command).
 
 FastAPI + uvicorn because the OpenAI schema is a pydantic model away and validation errors become

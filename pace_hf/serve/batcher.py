@@ -8,11 +8,16 @@ set of active turns, up to ``max_batch``, and every loop runs one forward over a
 (``pace_hf.cache.CacheRows`` over their sessions' caches: each row keeps exactly its own eviction,
 positions and memory, as alone), and between steps admits the turns that wait.
 
-Prefill stays one session at a time: a prefill chunk is already hundreds of tokens, so its matmuls
-saturate the CPU (or GPU) on their own and batching them would gain nothing, while a long prompt would
-hold every active row's next token for its whole prefill either way. A newly admitted turn is prefilled
-(its chunks of ``session.chunk`` tokens, as ``generate`` would) between two decode steps, and its first
-token comes from its prefill's last logits.
+Prefill and decode share the step (chunked prefill, as vLLM and SGLang schedule it): a newly admitted
+turn is a row whose prompt is still to be prefilled, and each step's one forward carries every decoding
+row's next token and one chunk of ``prefill_chunk`` tokens of the first such row's prompt, packed one
+after another as one sequence (``CacheRows(..., packed=...)``: no padding). So a long prompt delays the
+decoding rows by one chunk a step, not by its whole prefill, and the chunk's weight read serves the
+decoding rows too. When a row's last chunk is in, its first token comes from that chunk's last logits,
+and it decodes from the next step on. A prompt's chunks are ``generate``'s (``min(session.chunk,
+prefill_chunk)`` tokens counted from what the cache holds, each a forward of its own, eviction at its
+end), so its cache and reply are those of the same chunks prefilled alone. ``prefill_chunk=0``: each
+admitted turn is prefilled whole (in ``session.chunk`` chunks) between two steps, as before.
 
 What each turn keeps as its own: its sampling (``Sampler``: greedy, or temperature / top-k / top-p as
 ``generate`` applies them, after the model's ``repetition_penalty`` and OpenAI's ``logit_bias`` and
@@ -28,6 +33,7 @@ the error; the other rows go on.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import queue
 import time
@@ -44,6 +50,7 @@ from .protocol import APIError
 
 log = logging.getLogger("pace_hf.serve")
 
+PREFILL_CHUNK = 256  # prompt tokens a step carries (docs/guides/pace-serve.md: chosen from measurements)
 IDLE_WAIT_S = 0.5  # how long the worker waits for a turn when it has nothing to do
 BLOCKED_WAIT_S = 0.05  # ... when its only turns wait for their session (a turn or save in flight)
 
@@ -60,37 +67,57 @@ class Row:
     stop_strings: "StopStrings | None"
     stop_ids: set[int]
     started: float
+    fed: int  # tokens of ``ids`` the cache holds: the row prefills until it holds them all
+    chunk: int  # tokens of its prompt a step prefills
     generated: list[int] = field(default_factory=list)
 
     @property
     def cache(self):
         return self.opened.session.cache
 
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.ids)
 
-def prefill(session) -> tuple[list[int], torch.Tensor]:
-    """``(generation header ids, logits of the prompt's last token)``: what ``PACESession.generate`` does
-    before its first token, the planner run and the new tokens prefilled in chunks of ``session.chunk``
-    counted from what the cache holds (``generate``'s chunks, so the cache ends the same)."""
+    def next_chunk(self) -> list[int]:
+        return self.ids[self.fed:self.fed + self.chunk]
+
+
+def prompt(session) -> tuple[list[int], list[int]]:
+    """``(generation header ids, prompt ids)``: what ``PACESession.generate`` does before its prefill, the
+    planner run, the cache's step set and the prompt checked against what the cache holds."""
     if not session.messages:
         raise ValueError("generate answers the conversation, and it has no message yet")
     if session.planner is not None:
         session.planner.plan(session)
-    cache, model = session.cache, session.model
+    cache = session.cache
     cache.step = session.step
     header = session.template.encode(session.template.gen_header)
     ids = session.ids + header
     cache.check_prompt(torch.tensor([ids], dtype=torch.long))
-    extra = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
-    logits = None
-    with torch.no_grad():
-        for start in range(cache.get_seq_length(), len(ids), session.chunk):
-            x = torch.tensor([ids[start:start + session.chunk]], dtype=torch.long, device=model.device)
-            logits = model(input_ids=x, attention_mask=torch.ones(1, start + x.shape[1], dtype=torch.long,
-                                                                  device=model.device),
-                           cache=cache, **extra).logits[0, -1]
-    if logits is None:
+    if cache.get_seq_length() >= len(ids):
         raise RuntimeError("the session's cache already holds the whole prompt, the generation header included")
+    return header, ids
+
+
+def prefill(session) -> tuple[list[int], torch.Tensor]:
+    """``(generation header ids, logits of the prompt's last token)``: the prompt prefilled in chunks of
+    ``session.chunk`` counted from what the cache holds (``generate``'s chunks, so the cache ends the same)."""
+    header, ids = prompt(session)
+    for start in range(session.cache.get_seq_length(), len(ids), session.chunk):
+        logits = chunk_forward(session.model, session.cache, ids[start:start + session.chunk], start)
     return header, logits
+
+
+def chunk_forward(model, cache, tokens: list[int], start: int) -> torch.Tensor:
+    """One prefill chunk of a session alone (``tokens``, after the ``start`` it has seen): its last token's
+    logits."""
+    extra = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+    x = torch.tensor([tokens], dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        return model(input_ids=x, attention_mask=torch.ones(1, start + len(tokens), dtype=torch.long,
+                                                            device=model.device),
+                     cache=cache, **extra).logits[0, -1]
 
 
 def _takes_logits_to_keep(model) -> bool:
@@ -301,8 +328,8 @@ def warpers(sampling: dict, generation_config) -> LogitsProcessorList | None:
 class Batcher:
     """The batched worker loop of an ``Engine`` (see the module docstring); ``run()`` on its worker thread."""
 
-    def __init__(self, engine, max_batch: int = 8):
-        self.engine, self.max_batch = engine, max_batch
+    def __init__(self, engine, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK):
+        self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.rows: list[Row] = []
         self.waiting: list = []  # turns taken from the queue whose session is busy (a turn or save in flight)
 
@@ -398,14 +425,20 @@ class Batcher:
             return
         engine.active.add(sid)
         try:
-            header, logits = prefill(opened.session)
             session = opened.session
+            if self.prefill_chunk:
+                header, ids = prompt(session)
+                logits = None
+            else:
+                header, logits = prefill(session)
+                ids = session.ids + header
             stops = StopStrings(engine.tokenizer, turn.stops) if turn.stops else None
             sampler = Sampler(turn.sampling, getattr(engine.model, "generation_config", None), engine.tokenizer,
-                              logits.device, turn.logprobs, prompt=session.ids + header)
+                              engine.model.device, turn.logprobs, prompt=ids)
             opened.sampler = sampler  # _close reads its logprobs
-            row = Row(opened, session.ids + header, header, engine._deltas(opened), sampler, stops,
-                      set(session.template.stop_ids()), started)
+            row = Row(opened, ids, header, engine._deltas(opened), sampler, stops, set(session.template.stop_ids()),
+                      started, fed=len(ids) if logits is not None else session.cache.get_seq_length(),
+                      chunk=min(session.chunk, self.prefill_chunk or session.chunk))
             row.streamer.put(torch.tensor([row.ids[-1:]]))  # the prompt, which the streamer skips, as generate's
         except Exception as e:  # noqa: BLE001
             engine.active.discard(sid)
@@ -414,34 +447,57 @@ class Batcher:
             engine._fail(turn, e)
             return
         self.rows.append(row)
-        self._advance(row, logits)
+        if logits is not None:
+            self._advance(row, logits)
 
     def _step(self) -> None:
-        """One decode forward over every active row; each row then takes its token."""
-        rows = list(self.rows)
-        tokens = torch.tensor([[row.generated[-1]] for row in rows], dtype=torch.long, device=self.engine.model.device)
+        """One forward over every decoding row's next token and one chunk of the first prefilling row's
+        prompt (packed: the chunk first); each decoding row then takes its token, and so does the prefilling
+        row when that chunk was its last."""
+        model = self.engine.model
+        decoding = [row for row in self.rows if not row.prefilling]
+        filling = next((row for row in self.rows if row.prefilling), None)
+        rows = ([filling] if filling is not None else []) + decoding
+        parts = [filling.next_chunk()] if filling is not None else []
+        parts += [row.generated[-1:] for row in decoding]
         logits: list[torch.Tensor | None]
         try:
             with torch.no_grad():
-                if len(rows) == 1:  # the path a turn alone takes
-                    out = self.engine.model(input_ids=tokens, cache=rows[0].cache).logits
+                if len(rows) == 1 and filling is not None:  # the path a prompt alone takes
+                    out = chunk_forward(model, filling.cache, parts[0], filling.fed)[None]
+                elif len(rows) == 1:  # the path a turn alone takes
+                    out = model(input_ids=torch.tensor([parts[0]], device=model.device), cache=rows[0].cache).logits[0]
                 else:
-                    out = self.engine.model(input_ids=tokens, cache=CacheRows([row.cache for row in rows])).logits
-            logits = list(out[:, -1])
-            greedy = out[:, -1].argmax(-1).tolist()  # one device sync for every greedy row
-            self.engine.metrics.decode_steps.inc()
-            self.engine.metrics.decode_rows.inc(len(rows))
+                    x = torch.tensor([sum(parts, [])], dtype=torch.long, device=model.device)
+                    extra = {"logits_to_keep": len(rows)} if _takes_logits_to_keep(model) else {}
+                    out = model(input_ids=x, cache=CacheRows([row.cache for row in rows],
+                                                             packed=[len(p) for p in parts]), **extra).logits[0]
+                    ends = torch.tensor(list(itertools.accumulate(map(len, parts)))) - 1  # each row's last token
+                    out = out[ends - (x.shape[1] - out.shape[0])]  # logits_to_keep kept only the last len(rows)
+            logits = list(out)
+            greedy = out.argmax(-1).tolist()  # one device sync for every greedy row
         except Exception:  # noqa: BLE001 - which row? each runs alone (the batch's writes were undone)
-            log.warning("pace-serve: a batched decode step of %d rows failed; running them one by one", len(rows),
+            log.warning("pace-serve: a batched step of %d rows failed; running them one by one", len(rows),
                         exc_info=True)
             logits, greedy = [], [None] * len(rows)
-            for r, row in enumerate(rows):
+            for row, part in zip(rows, parts):
                 try:
-                    with torch.no_grad():
-                        logits.append(self.engine.model(input_ids=tokens[r:r + 1], cache=row.cache).logits[0, -1])
+                    if row is filling:
+                        logits.append(chunk_forward(model, row.cache, part, row.fed))
+                    else:
+                        with torch.no_grad():
+                            logits.append(model(input_ids=torch.tensor([part], device=model.device),
+                                                cache=row.cache).logits[0, -1])
                 except Exception as e:  # noqa: BLE001
                     logits.append(None)
                     self._drop(row, e)
+        if decoding:
+            self.engine.metrics.decode_steps.inc()
+            self.engine.metrics.decode_rows.inc(len(decoding))
+        if filling is not None and logits[0] is not None:
+            filling.fed += len(parts[0])
+            if filling.prefilling:  # not its last chunk: no token yet
+                logits[0] = None
         for row, row_logits, token in zip(rows, logits, greedy):
             if row_logits is not None:
                 self._advance(row, row_logits, token)

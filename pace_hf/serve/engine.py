@@ -2,8 +2,9 @@
 
 Why one worker: one model, and every model call on one thread, so sessions need no locks. By default
 that worker decodes the turns of several sessions together (``batcher``: one batched forward per token
-over up to ``max_batch`` active turns, each session's cache a row of ``pace_hf.cache.CacheRows``;
-prefill stays one session at a time); ``batch_decode=False`` runs one turn at a time (``_run``). Both
+over up to ``max_batch`` active turns, each session's cache a row of ``pace_hf.cache.CacheRows``,
+and one chunk of ``prefill_chunk`` tokens of an admitted prompt in the same forward);
+``batch_decode=False`` runs one turn at a time (``_run``). Both
 do the same work before and after the generation (``_locate``, ``_lease``, ``_open``; ``_close``).
 Requests wait in a bounded queue; a full queue is a 429 with ``Retry-After``, never a hang. Saves run
 on a second thread, behind the reply, and a session's next turn waits for its save.
@@ -216,7 +217,7 @@ class Engine:
                  chunk: int | None = None, max_context: int = 32768, max_tokens: int = 512, max_resident: int = 8,
                  idle_ttl_s: float = 600.0, queue_size: int = 16, spill_cap_bytes: int | None = 512 << 20,
                  retrieval: bool = True, retain_bytes: int | None = None, retain_age_s: float | None = None,
-                 batch_decode: bool = True, max_batch: int = 8):
+                 batch_decode: bool = True, max_batch: int = 8, prefill_chunk: int | None = None):
         if store is None:
             raise ValueError("pace-serve needs a store: sessions are saved and parked there")
         self.model, self.tokenizer, self.store, self.model_name = model, tokenizer, store, model_name
@@ -256,7 +257,12 @@ class Engine:
                                  f"processor{'s' * (len(dropped) > 1)} the batched decode does not apply; serve it "
                                  "with --no-batch-decode (generate applies them), or unset "
                                  f"{'them' if len(dropped) > 1 else 'it'} in its generation_config.json")
-            self.batcher = Batcher(self, max_batch)
+            if prefill_chunk is None:
+                from .batcher import PREFILL_CHUNK as prefill_chunk
+            if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 0:
+                raise ValueError(f"prefill_chunk (prompt tokens a step carries; 0: prompts prefilled whole) must be an "
+                                 f"int >= 0, got {prefill_chunk!r}")
+            self.batcher = Batcher(self, max_batch, prefill_chunk)
         self.worked = False  # whether a turn ran or a session was dropped since freed memory was given back (_trim)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="pace-serve-worker", daemon=True)
