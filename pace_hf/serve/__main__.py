@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..tiers.spelling import SPELLINGS, parse_store  # the spelling the cleanup command reads too
-from .batcher import PREFILL_CHUNK
+from .engine import CHUNK
 from .tenants import Tenants, read_key
 
 
@@ -115,7 +115,10 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     p.add_argument("--served-name", action="append", help="a name requests may use for the model (default: --model)")
     p.add_argument("--budget", type=int, default=2048, help="resident tokens per session cache")
     p.add_argument("--limit", type=int, default=8192, help="rotary position limit (0: unbounded)")
-    p.add_argument("--chunk", type=int, default=None, help="prefill chunk size")
+    p.add_argument("--chunk", type=int, default=None,
+                   help=f"prompt tokens a prefill forward takes (eviction runs at each chunk's end); with chunked "
+                        f"prefill, what a batched step carries beside the decoding rows (default: {CHUNK}, or the "
+                        "room --limit leaves above --budget if less)")
     p.add_argument("--max-context", type=int, default=32768, help="prompt + max_tokens, per request")
     p.add_argument("--max-tokens", type=int, default=512, help="default reply length")
     p.add_argument("--max-resident", type=int, default=8, help="sessions kept in memory (LRU); the others are parked (and no more are decoded together)")
@@ -134,14 +137,14 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                    help="each user turn restores the evicted pages its text matches (pace_hf.memory.retrieval)")
     p.add_argument("--batch-decode", action=argparse.BooleanOptionalAction, default=True,
                    help="decode the turns of several sessions together, one batched forward per token, which also "
-                        "carries a chunk of an admitted prompt (--prefill-chunk); --no-batch-decode runs one turn at "
+                        "carries a chunk of an admitted prompt (--chunked-prefill); --no-batch-decode runs one turn at "
                         "a time")
     p.add_argument("--max-batch", type=int, default=8,
                    help="turns decoded together at most (and no more than --max-resident)")
-    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
-                   help="prompt tokens a batched step carries beside the decoding rows, so a long prompt delays them "
-                        "by one chunk a step (at most --chunk; eviction runs at each chunk's end, as with --chunk of "
-                        "that size); 0: each prompt is prefilled whole between two steps while the other rows wait")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="a batched step carries one --chunk of an admitted prompt beside the decoding rows, so a long "
+                        "prompt delays them by one chunk a step; --no-chunked-prefill prefills each prompt whole "
+                        "between two steps (the same chunks and replies) while the other rows wait")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info: a line per request and one at shutdown; debug adds the /health and /metrics requests")
@@ -168,8 +171,6 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                     "token counts")
     if args.retain_mb < 0 or args.retain_hours < 0:
         p.error("--retain-mb and --retain-hours must be >= 0 (0: off)")
-    if args.prefill_chunk < 0:
-        p.error(f"--prefill-chunk must be >= 0 (0: prompts prefilled whole), got {args.prefill_chunk}")
     if args.max_batch < 1:
         p.error(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_body_mb <= 0 or args.body_timeout <= 0:
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None, loader=None) -> None:
                         max_resident=args.max_resident, idle_ttl_s=args.idle_ttl, queue_size=args.queue_size,
                         spill_cap_bytes=int(args.spill_cap_mb * 2**20), retrieval=args.retrieval,
                         retain_bytes=int(args.retain_mb * 2**20) or None, retain_age_s=args.retain_hours * 3600 or None,
-                        batch_decode=args.batch_decode, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk)
+                        batch_decode=args.batch_decode, max_batch=args.max_batch, chunked_prefill=args.chunked_prefill)
     except ValueError as e:  # a budget, limit or chunk the cache cannot take; a generation config not applied
         raise SystemExit(f"pace-serve: {e}") from None
     app = create_app(engine, names, max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout,

@@ -10,14 +10,14 @@ positions and memory, as alone), and between steps admits the turns that wait.
 
 Prefill and decode share the step (chunked prefill, as vLLM and SGLang schedule it): a newly admitted
 turn is a row whose prompt is still to be prefilled, and each step's one forward carries every decoding
-row's next token and one chunk of ``prefill_chunk`` tokens of the first such row's prompt, packed one
-after another as one sequence (``CacheRows(..., packed=...)``: no padding). So a long prompt delays the
-decoding rows by one chunk a step, not by its whole prefill, and the chunk's weight read serves the
-decoding rows too. When a row's last chunk is in, its first token comes from that chunk's last logits,
-and it decodes from the next step on. A prompt's chunks are ``generate``'s (``min(session.chunk,
-prefill_chunk)`` tokens counted from what the cache holds, each a forward of its own, eviction at its
-end), so its cache and reply are those of the same chunks prefilled alone. ``prefill_chunk=0``: each
-admitted turn is prefilled whole (in ``session.chunk`` chunks) between two steps, as before.
+row's next token and one chunk of the first such row's prompt, packed one after another as one sequence
+(``CacheRows(..., packed=...)``: no padding). So a long prompt delays the decoding rows by one chunk a
+step, not by its whole prefill, and the chunk's weight read serves the decoding rows too. When a row's
+last chunk is in, its first token comes from that chunk's last logits, and it decodes from the next
+step on. The chunks are ``generate``'s (``session.chunk`` tokens counted from what the cache holds, each
+a forward of its own, eviction at its end), so a prompt's cache and reply are those of the same prompt
+prefilled alone. ``chunked_prefill=False``: each admitted turn is prefilled whole (the same chunks, back
+to back) between two steps, while the decoding rows wait.
 
 What each turn keeps as its own: its sampling (``Sampler``: greedy, or temperature / top-k / top-p as
 ``generate`` applies them, after the model's ``repetition_penalty`` and OpenAI's ``logit_bias`` and
@@ -50,7 +50,6 @@ from .protocol import APIError
 
 log = logging.getLogger("pace_hf.serve")
 
-PREFILL_CHUNK = 256  # prompt tokens a step carries (docs/guides/pace-serve.md: chosen from measurements)
 IDLE_WAIT_S = 0.5  # how long the worker waits for a turn when it has nothing to do
 BLOCKED_WAIT_S = 0.05  # ... when its only turns wait for their session (a turn or save in flight)
 
@@ -68,7 +67,6 @@ class Row:
     stop_ids: set[int]
     started: float
     fed: int  # tokens of ``ids`` the cache holds: the row prefills until it holds them all
-    chunk: int  # tokens of its prompt a step prefills
     generated: list[int] = field(default_factory=list)
 
     @property
@@ -80,7 +78,7 @@ class Row:
         return self.fed < len(self.ids)
 
     def next_chunk(self) -> list[int]:
-        return self.ids[self.fed:self.fed + self.chunk]
+        return self.ids[self.fed:self.fed + self.opened.session.chunk]
 
 
 def prompt(session) -> tuple[list[int], list[int]]:
@@ -328,8 +326,8 @@ def warpers(sampling: dict, generation_config) -> LogitsProcessorList | None:
 class Batcher:
     """The batched worker loop of an ``Engine`` (see the module docstring); ``run()`` on its worker thread."""
 
-    def __init__(self, engine, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK):
-        self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+    def __init__(self, engine, max_batch: int = 8, chunked_prefill: bool = True):
+        self.engine, self.max_batch, self.chunked_prefill = engine, max_batch, chunked_prefill
         self.rows: list[Row] = []
         self.waiting: list = []  # turns taken from the queue whose session is busy (a turn or save in flight)
 
@@ -426,7 +424,7 @@ class Batcher:
         engine.active.add(sid)
         try:
             session = opened.session
-            if self.prefill_chunk:
+            if self.chunked_prefill:
                 header, ids = prompt(session)
                 logits = None
             else:
@@ -437,8 +435,7 @@ class Batcher:
                               engine.model.device, turn.logprobs, prompt=ids)
             opened.sampler = sampler  # _close reads its logprobs
             row = Row(opened, ids, header, engine._deltas(opened), sampler, stops, set(session.template.stop_ids()),
-                      started, fed=len(ids) if logits is not None else session.cache.get_seq_length(),
-                      chunk=min(session.chunk, self.prefill_chunk or session.chunk))
+                      started, fed=len(ids) if logits is not None else session.cache.get_seq_length())
             row.streamer.put(torch.tensor([row.ids[-1:]]))  # the prompt, which the streamer skips, as generate's
         except Exception as e:  # noqa: BLE001
             engine.active.discard(sid)

@@ -3,7 +3,7 @@
 Why one worker: one model, and every model call on one thread, so sessions need no locks. By default
 that worker decodes the turns of several sessions together (``batcher``: one batched forward per token
 over up to ``max_batch`` active turns, each session's cache a row of ``pace_hf.cache.CacheRows``,
-and one chunk of ``prefill_chunk`` tokens of an admitted prompt in the same forward);
+and one ``chunk`` of an admitted prompt in the same forward);
 ``batch_decode=False`` runs one turn at a time (``_run``). Both
 do the same work before and after the generation (``_locate``, ``_lease``, ``_open``; ``_close``).
 Requests wait in a bounded queue; a full queue is a 429 with ``Retry-After``, never a hang. Saves run
@@ -57,6 +57,11 @@ from .prometheus import Metrics
 from .protocol import APIError
 from ..memory.namespace import SERVE_INDEX, scoped, unscoped
 from .tenants import chain_seed
+
+# A session's prefill chunk by default (or the room its limit leaves, if less): the prompt tokens a batched
+# step carries beside the decoding rows, and where eviction runs during a prefill. Chosen from measurements
+# (docs/guides/pace-serve.md, "One step for prefill and decode").
+CHUNK = 256
 
 log = logging.getLogger("pace_hf.serve")
 
@@ -217,14 +222,17 @@ class Engine:
                  chunk: int | None = None, max_context: int = 32768, max_tokens: int = 512, max_resident: int = 8,
                  idle_ttl_s: float = 600.0, queue_size: int = 16, spill_cap_bytes: int | None = 512 << 20,
                  retrieval: bool = True, retain_bytes: int | None = None, retain_age_s: float | None = None,
-                 batch_decode: bool = True, max_batch: int = 8, prefill_chunk: int | None = None):
+                 batch_decode: bool = True, max_batch: int = 8, chunked_prefill: bool = True):
         if store is None:
             raise ValueError("pace-serve needs a store: sessions are saved and parked there")
         self.model, self.tokenizer, self.store, self.model_name = model, tokenizer, store, model_name
         # the spill cap: without one, a long conversation keeps every evicted token (GBs per session)
         self.session_kwargs = dict(budget=budget, limit=limit, chunk=chunk, spill_cap_bytes=spill_cap_bytes)
         # a budget, limit or chunk the cache cannot take fails here, at startup, not as a 500 on every turn
-        PACESession(model, tokenizer, planner=SymbolPlanner(), **self.session_kwargs).cache.unbind()
+        probe = PACESession(model, tokenizer, planner=SymbolPlanner(), **self.session_kwargs)
+        probe.cache.unbind()
+        if chunk is None:  # the session's own default is the room the limit leaves (up to 4,096): at most CHUNK
+            self.session_kwargs["chunk"] = min(CHUNK, probe.chunk)
         self.max_context, self.max_tokens = max_context, max_tokens
         self.retrieval = retrieval  # each user turn restores the evicted pages its text matches (pace_hf.memory.retrieval)
         self.max_resident, self.idle_ttl_s = max_resident, idle_ttl_s
@@ -257,12 +265,7 @@ class Engine:
                                  f"processor{'s' * (len(dropped) > 1)} the batched decode does not apply; serve it "
                                  "with --no-batch-decode (generate applies them), or unset "
                                  f"{'them' if len(dropped) > 1 else 'it'} in its generation_config.json")
-            if prefill_chunk is None:
-                from .batcher import PREFILL_CHUNK as prefill_chunk
-            if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 0:
-                raise ValueError(f"prefill_chunk (prompt tokens a step carries; 0: prompts prefilled whole) must be an "
-                                 f"int >= 0, got {prefill_chunk!r}")
-            self.batcher = Batcher(self, max_batch, prefill_chunk)
+            self.batcher = Batcher(self, max_batch, chunked_prefill)
         self.worked = False  # whether a turn ran or a session was dropped since freed memory was given back (_trim)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="pace-serve-worker", daemon=True)
