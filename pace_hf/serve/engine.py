@@ -61,7 +61,7 @@ from .tenants import chain_seed
 # A session's prefill chunk by default (or the room its limit leaves, if less): the prompt tokens a batched
 # step carries beside the decoding rows, and where eviction runs during a prefill. Chosen from measurements
 # (docs/guides/pace-serve.md, "One step for prefill and decode").
-CHUNK = 256
+CHUNK = 128
 
 log = logging.getLogger("pace_hf.serve")
 
