@@ -4,7 +4,9 @@ H2O and SnapKV records.
     python bench/bfcl_chain_plans.py [DIR]      # DIR: bench/results/bfcl_chain/dev-seed1 (the default)
 
 DIR holds one folder per run of ``pace-bench --suite bfcl-chain`` on the same chains (``ref``: the full
-cache, H2O, SnapKV and the first plan; each other folder one ``--plan`` at one ``--limit``). Writes DIR/table.md: per
+cache, H2O, SnapKV and the first plan; each other folder one ``--plan`` at one ``--limit``; a folder's run.json
+may add ``"layout"``, the renumbering layout it played, "compact" when absent: the runs from before
+renumbering kept eviction's gaps, capped). Writes DIR/table.md: per
 arm and variant, the call NLL as a ratio to the full cache's (bootstrap 95% interval over entries) and
 the entry-by-entry sign test against H2O, the table of ``docs/benchmarks/bfcl.md``'s "Choosing the plan".
 """
@@ -25,7 +27,9 @@ def variants(root: Path):
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         run = json.loads((folder / "run.json").read_text())
         for r in read_jsonl(folder / "probes.jsonl"):
-            label = r["arm"] if r["arm"] != "pace" else f"pace, plan {tuple(r.get('plan', FIRST_PLAN))}, L = {run['limit']:,}"
+            layout = "never renumbers" if run["limit"] > run["tokens"] else run.get("layout", "compact")
+            label = r["arm"] if r["arm"] != "pace" else (f"pace, plan {tuple(r.get('plan', FIRST_PLAN))}, "
+                                                         f"L = {run['limit']:,}, {layout}")
             yield label, r
 
 

@@ -43,6 +43,19 @@ def prefill(model, cache, ids, chunk):
             model(piece, cache=cache)
 
 
+def assert_capped_gaps(logical: torch.Tensor, physical: torch.Tensor, limit: int) -> None:
+    """The bounded layout, head by head: logical order below ``limit``, and each physical gap is the
+    logical gap capped at one cap per head (neighbours stay neighbours; a gap under the cap keeps its width)."""
+    assert int(physical.max()) < limit
+    for log_head, phys_head in zip(logical, physical):
+        wide, step = log_head.diff(), phys_head.diff()
+        assert (step >= 1).all() and (step <= wide).all()
+        squeezed = step < wide
+        if squeezed.any():
+            cap = int(step[squeezed].max())
+            assert (step[squeezed] == cap).all() and (step[wide <= cap] == wide[wide <= cap]).all()
+
+
 def pytest_terminal_summary(terminalreporter):
     """The documentation's browser checks skipped for want of Chromium are said last, in red: a run
     without the browser must not pass for one that opened every page."""

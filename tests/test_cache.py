@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 import transformers as tf
+from conftest import assert_capped_gaps
 from tiny_models import tiny_config, tiny_model
 
 from pace_hf import (Blueprint, CumulativeAttention, Foresight, ForesightBonus, H2OCache, ObservationWindow, PACECache,
@@ -72,6 +73,32 @@ def test_renumbering_is_exact_after_100_renumbers(kind):
         expected = rerotate(own_resident, logical, physical, params)
         tol = (1e-5 + 6e-8 * logical.max().item()) * own.abs().max()
         assert (keys - expected).abs().max() <= tol
+
+
+def test_renumbering_keeps_the_gaps_eviction_left_as_the_limit_allows():
+    """H2O's kept set is spread over the whole context: renumbered, its gaps are capped, not collapsed to
+    1. A roomy limit keeps more of each gap than a tight one; every full layer's newest resident sits
+    just below the next position; decoding renumbers at most once in a quarter of the limit."""
+    model = tiny_model("qwen2")
+    ids = prompt(600, seed=3)
+    caches = {limit: H2OCache(model, budget=48, recent=8, limit=limit) for limit in (96, 160, 400)}
+    for limit, cache in caches.items():
+        with torch.no_grad():
+            for chunk in ids.split(40, dim=1):
+                model(chunk, cache=cache)
+            before = cache.renumbers
+            token = ids[:, -1:]
+            for _ in range(limit):
+                model(token, cache=cache)
+        assert cache.renumbers - before <= 5
+        for i in range(len(cache.layers)):
+            logical, physical = cache.ledger(i)
+            assert_capped_gaps(logical, physical, limit)
+            assert int(physical[:, -1].max()) == cache.next_position - 1
+    spans = {limit: int((cache.ledger(0)[1][:, -1] - cache.ledger(0)[1][:, 0]).min()) for limit, cache in caches.items()}
+    assert spans[96] < spans[160] < spans[400]
+    logical = caches[400].ledger(0)[0]
+    assert spans[400] > 47 and int((logical[:, -1] - logical[:, 0]).min()) > spans[400]  # gaps kept, and capped
 
 
 def test_positions_stay_bounded_during_a_long_generate():
@@ -512,7 +539,8 @@ def test_public_readings():
     assert cache.residency(range(100, 150)) < 0.2
     logical, physical = cache.ledger(0)
     assert cache.rotary_gap(range(10, 20)) == cache.next_position - int(physical[logical == 10].min())
-    assert cache.rotary_gap([]) is None and cache.next_position < 96 and cache.renumbers > 0
+    assert cache.rotary_gap([]) is None and int(physical.max()) < 96 and cache.next_position <= 96
+    assert cache.renumbers > 0
     for reading in (cache.residency, cache.rotary_gap):  # 10.5 would be read as position 10
         with pytest.raises(TypeError, match="positions are ints"):
             reading([10.5, 11.5])
@@ -669,9 +697,10 @@ def test_a_held_prompt_is_compressed_once_by_its_question(limit):
         for s in range(0, 240, 40):
             model(ids[:, s:s + 40], cache=chunked)
     assert not torch.equal(chunked.ledger(0)[0], whole.ledger(0)[0])
-    if limit is not None:  # renumbered right after compressing: physical 0..47, and the gap within budget
-        assert torch.equal(held.ledger(0)[1], torch.arange(48).expand_as(held.ledger(0)[1]))
-        assert held.next_position == 48 and held.rotary_gap(range(240)) == 48
+    if limit is not None:  # laid out again right after compressing: the answer's queries are in bounds
+        logical, physical = held.ledger(0)
+        assert_capped_gaps(logical, physical, limit)
+        assert held.rotary_gap(range(240)) <= held.next_position <= limit - limit // 4
     turn = torch.cat([ids, prompt(8, seed=5)], dim=1)  # and a next turn decodes on
     out = model.generate(turn, max_new_tokens=4, min_new_tokens=4, do_sample=False, cache=held)
     assert out.shape[1] == 252 and held.resident_count() == 48 and held.get_seq_length() == 251

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import prefill, random_ids
+from conftest import assert_capped_gaps, prefill, random_ids
 from tiny_models import tiny_model
 
 from pace_hf import Blueprint, H2OCache, PACECache, Span
@@ -55,7 +55,7 @@ def test_spill_and_restore_are_exact(tiers, tmp_path):
                 assert torch.equal(layer.values[0, h, j], value)  # bit-equal to write time
                 assert torch.equal(layer.ref_keys[0, h, j], ref_key)
     logical, physical = cache.ledger(0)
-    assert torch.equal(physical, torch.arange(32).expand(2, 32))  # renumbered in logical order
+    assert_capped_gaps(logical, physical, 96)  # laid out again in logical order
     resident_own = own.gather(1, logical[:, :, None].expand(-1, -1, own.shape[-1]))
     expected = rerotate(resident_own, logical, physical, params)
     assert (cache.layers[0].keys[0] - expected).abs().max() <= 1e-5 * own.abs().max()

@@ -488,7 +488,7 @@ class EvictionCache(FixedRows, DynamicCache):
                     f"use limit >= {n} + {q_len} = {n + q_len}, or prefill_chunk_size <= {self.limit - n}"
                 )
             if self.next_physical + q_len > self.limit:
-                self.renumber()
+                self.renumber(q_len)
         elif not self.bounded:
             self.next_physical = seen
         for layer in self.layers:
@@ -498,15 +498,19 @@ class EvictionCache(FixedRows, DynamicCache):
         self._chunk = (seen, self.next_physical)
         return self.next_physical
 
-    def renumber(self) -> None:
-        """Physical positions become ``0..n-1`` in logical order, with ``n`` the most tokens a layer holds,
-        and every key is re-rotated from its reference, in every layer kind: a full layer renumbers its
-        residents (gaps collapse), a sliding window shifts whole (its distances stay exactly as they were),
-        a layer with fewer tokens ends at ``n - 1`` too, and NoPE and linear layers move no key."""
-        top = self.positions_held()
-        for layer, params in zip(self.layers, self.rotary):
-            if layer.is_initialized:
-                layer.renumber(params, top)
+    def renumber(self, q_len: int = 1) -> None:
+        """Lay the residents' physical positions out again below ``limit``, in logical order, ready for a
+        forward of ``q_len`` tokens, and re-rotate every key from its reference, in every layer kind. A
+        full layer keeps the gaps between its residents, each capped so that they fit in ``limit`` less
+        the forward and less a quarter of ``limit`` (so decoding renumbers once in ``limit / 4`` tokens);
+        a sliding window shifts whole (its distances stay exactly as they were); NoPE and linear layers
+        move no key. Every layer's newest token ends at the same ``top - 1``, and the next token is
+        ``top``. With no room to spare, this is the compact layout ``0..n-1``."""
+        room = max(self.positions_held(), self.limit - max(q_len, self.limit // 4))
+        live = [(layer, params) for layer, params in zip(self.layers, self.rotary) if layer.is_initialized]
+        top = max((layer.span(room) for layer, _ in live), default=0)
+        for layer, params in live:
+            layer.renumber(params, top, room)
         self.next_physical = top
         self.renumbers += 1
 

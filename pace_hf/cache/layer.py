@@ -375,12 +375,32 @@ class EvictingLayer(DynamicLayer):
             self.ref_pos.copy_(self.physical)
         return {k: torch.cat([p[k] for p in pushed]) for k in pushed[0]}
 
-    def renumber(self, params: RotaryParams | None, top: int) -> None:
-        """Physical positions become ``top - n .. top - 1`` in logical order (``0..n-1`` when this layer
-        holds the most tokens); keys are re-rotated from the reference. A NoPE layer (``params`` None)
-        moves only its positions: its keys carry none."""
-        n = self.resident_count
-        self.physical.copy_(torch.arange(top - n, top, device=self.device).expand_as(self.physical))
+    def offsets(self, room: int) -> torch.Tensor:
+        """Each resident's distance back to the newest one, per KV head, laid out in at most ``room``
+        positions: the logical gaps between neighbours, each capped at the largest cap (per head) that
+        fits. Neighbours stay neighbours, and the gaps eviction left keep as much of their width as the
+        room allows, instead of all collapsing to 1 (which cost H2O's kept set 26% of call NLL on long
+        agent sessions). ``room`` below the resident count gives the compact layout."""
+        if self.logical.shape[-1] < 2:
+            return torch.zeros_like(self.logical)
+        gaps = self.logical.diff(dim=-1)
+        low, high = torch.ones_like(gaps[:, 0]), gaps.amax(-1)
+        while bool((low < high).any()):  # the largest cap whose layout fits, by bisection per head
+            mid = (low + high + 1) // 2
+            fits = gaps.minimum(mid[:, None]).sum(-1) < room
+            low, high = torch.where(fits, mid, low), torch.where(fits, high, mid - 1)
+        back = gaps.minimum(low[:, None]).flip(-1).cumsum(-1).flip(-1)
+        return torch.cat([back, torch.zeros_like(back[:, :1])], -1)
+
+    def span(self, room: int) -> int:
+        """The positions :meth:`renumber` lays this layer's residents out in, given ``room``."""
+        return int(self.offsets(room).amax()) + 1 if self.resident_count else 0
+
+    def renumber(self, params: RotaryParams | None, top: int, room: int) -> None:
+        """Physical positions become ``top - 1 - offsets(room)``: the newest resident of every head sits at
+        ``top - 1``, and the others keep their capped gaps before it. Keys are re-rotated from the
+        reference. A NoPE layer (``params`` None) moves only its positions: its keys carry none."""
+        self.physical.copy_(top - 1 - self.offsets(room))
         if params is not None and self.keep_reference:
             self.keys.copy_(rerotate(self.ref_keys, self.ref_pos[None], self.physical[None], params,
                                      out_dtype=self.keys.dtype))

@@ -60,19 +60,23 @@ class WindowLayer(DynamicSlidingWindowLayer):
             self.lazy_initialization(key_states, value_states)
         keep = self.sliding_window - 1
         full_keys, full_values = torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
-        positions = torch.cat([self.physical, torch.arange(key_states.shape[-2], device=self.device) + physical_start])
+        fresh = torch.arange(key_states.shape[-2], device=self.device) + physical_start
         self.cumulative_length += key_states.shape[-2]
         # a slice keeps its whole storage alive: after a prefill chunk, copy the window out, so the layer
         # holds the window and not the chunk (a decode step's slice wastes one token: no copy)
         hold = (lambda t: t.clone()) if key_states.shape[-2] > 1 else (lambda t: t)  # noqa: E731
         self.keys, self.values = hold(full_keys[:, :, -keep:]), hold(full_values[:, :, -keep:])
-        self.physical = positions[-keep:]
+        self.physical = torch.cat([self.physical, fresh])[-keep:]
         if self.keep_reference:  # keys arrive rotated at their physical position: that is the reference
             self.ref_keys = hold(torch.cat([self.ref_keys, key_states], -2)[:, :, -keep:])
-            self.ref_pos = self.physical
+            self.ref_pos = torch.cat([self.ref_pos, fresh])[-keep:]
         return full_keys, full_values
 
-    def renumber(self, params: RotaryParams | None, top: int) -> None:
+    def span(self, room: int) -> int:
+        """A window keeps its distances exactly: it needs as many positions as it holds tokens."""
+        return self.resident_count
+
+    def renumber(self, params: RotaryParams | None, top: int, room: int) -> None:
         """Shift the window so that its newest token sits at ``top - 1``; keys re-rotated from the reference."""
         n = self.resident_count
         self.physical = torch.arange(top - n, top, device=self.device)
@@ -173,7 +177,11 @@ class RecurrentLayer(LinearAttentionLayer):
                 tensor.zero_()
         self.has_previous_state.update(previous)
 
-    def renumber(self, params, top: int) -> None:
+    def span(self, room: int) -> int:
+        """No positions."""
+        return 0
+
+    def renumber(self, params, top: int, room: int) -> None:
         """No positions to move."""
 
     def can_drop_last(self, count: int) -> bool:
