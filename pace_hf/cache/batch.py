@@ -14,8 +14,8 @@ is a list of such caches, one per row, that one forward of the model serves toge
 the cache (``cache.rows``). pace-serve builds ``CacheRows([...], packed=[...])`` over its sessions' caches
 for a step: the rows' tokens one after another as one sequence (``input_ids [1, sum(packed)]``), so one
 row's prefill chunk and the other rows' single decode tokens share a forward without padding (a padded
-batch of 8 rows would run 8 times the chunk through every projection). Linear-attention layers (a recurrent state per sequence, written by the model itself) and
-beam search are refused by name.
+batch of 8 rows would run 8 times the chunk through every projection). Linear-attention layers (a
+recurrent state per sequence, written by the model itself) and beam search are refused by name.
 """
 
 from __future__ import annotations
