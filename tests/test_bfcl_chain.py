@@ -167,9 +167,18 @@ def test_pace_plans_its_thread_and_says_which_plan(model_and_tokenizer):
     s = bfcl_chain.ChainSettings(limit=4096, chunk=512, probe_tokens=4, plan=(0.25, 0.0, 0.5))
     record = bfcl_chain.play_chain(model, tok, chain, "pace", 512, s, probes=False)
     turns = sum(1 for e in chain.entries for _ in e["question"]) + len(chain.entries)  # each entry's "New task." too
-    assert record["plan"] == [0.25, 0.0, 0.5] and record["probes"] == []
+    assert record["plan"] == [0.25, 0.0, 0.5] and record["probes"] == [] and record["layout"] == bfcl_chain.LAYOUT
     assert 0 < record["planned"]["planned_thread_tokens"] <= turns * 256
     assert record["planned"]["planned_mention_tokens"] == 0
+
+
+def test_resume_plays_again_what_another_plan_or_layout_played():
+    plan, layout = (0.0, 0.0, 0.25), bfcl_chain.LAYOUT
+    records = [{"arm": "pace", "plan": list(plan), "layout": layout}, {"arm": "pace", "plan": [0.5, 0.25, 0.0], "layout": layout},
+               {"arm": "pace", "plan": list(plan)}, {"arm": "pace_retrieval", "layout": layout}, {"arm": "pace_retrieval"},
+               {"arm": "h2o"}, {"arm": "full"}]
+    assert bfcl_chain.stale(records, ["pace", "pace_retrieval", "h2o"], plan) == [records[1], records[2], records[4]]
+    assert bfcl_chain.stale(records, ["h2o", "full"], plan) == []  # an arm not played keeps its records
 
 
 def test_the_table_pairs_entries_and_tests_them():
