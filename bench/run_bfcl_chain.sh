@@ -31,7 +31,7 @@ PY=${PY:-.venv/bin/python}
 bank() {  # each length's table and records (a sharded run's shards merged) into RESULTS
     local length
     for length in 32k 64k; do
-        if cat "$OUT/$length"/probes*.jsonl 2> /dev/null | grep -q .; then
+        if grep -qs . "$OUT/$length"/probes*.jsonl; then  # (cat | grep -q fails under pipefail once cat is cut off)
             "$PY" -m pace_bench --suite bfcl-chain --report --out "$OUT/$length" > /dev/null
             mkdir -p "$RESULTS/$length"
             cat "$OUT/$length"/probes*.jsonl > "$RESULTS/$length/probes.jsonl.new"
