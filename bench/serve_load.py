@@ -6,7 +6,9 @@
 
 The replicas decode their concurrent sessions together (pace-serve's batched decode, ``--max-batch``
 turns at most, and no more than ``--max-resident``); ``--no-batch-decode`` runs them one turn at a
-time, as before it. The table's "batched decode" column says which. The replicas table's two rows
+time, as before it. The table's "batched decode" column says which, and whether an admitted prompt was
+prefilled a chunk a step beside the decoding rows (``--chunked-prefill``, pace-serve's default) or whole
+(``--no-chunked-prefill``). The replicas table's two rows
 without a kill, batched and not (the same settings; the default ``--max-resident 4`` caps a batch at 4,
 ``--max-resident 8`` lets it reach the default ``--max-batch 8``):
 
@@ -109,7 +111,8 @@ class Replica:
                     "--max-resident", str(args.max_resident),
                     "--queue-size", str(args.queue_size), "--max-context", "131072",
                     "--budget", str(args.budget), "--limit", str(args.limit),
-                    "--batch-decode" if args.batch_decode else "--no-batch-decode", "--max-batch", str(args.max_batch)]
+                    "--batch-decode" if args.batch_decode else "--no-batch-decode", "--max-batch", str(args.max_batch),
+                    "--chunked-prefill" if args.chunked_prefill else "--no-chunked-prefill"]
         self.proc = None
         self.counted = dict.fromkeys(COUNTERS, 0.0)  # counters of the processes killed before this one
         self.alive = threading.Event()
@@ -280,7 +283,8 @@ def run(args) -> dict:
                 shutil.copy(r.log, Path(args.out) / f"{r.log.stem}{'-kill' if args.kill else ''}.log")
         shutil.rmtree(tmp, ignore_errors=True)
     return summary({"replicas": args.replicas, "tenants": args.tenants, "sessions": args.sessions, "kill": args.kill,
-                    "batch_decode": args.batch_decode, "max_batch": args.max_batch, "turns_planned": total, "errors": errors, "wall_s": wall, "retried_requests": stats["retries"],
+                    "batch_decode": args.batch_decode, "max_batch": args.max_batch,
+                    "chunked_prefill": args.batch_decode and args.chunked_prefill, "turns_planned": total, "errors": errors, "wall_s": wall, "retried_requests": stats["retries"],
                     "resumes": counters["pace_session_resumes_total"],
                     "stale_copies_refused": counters["pace_stale_sessions_total"],
                     "busy_answers": counters["pace_busy_sessions_total"], "per_turn": results})
@@ -314,6 +318,8 @@ def table(rows: list[dict]) -> str:
         avoided = f"{100 * r['prefill_avoided']:.1f}%" if r["prefill_avoided"] is not None else "-"
         # records from before the batched decode ran one turn at a time
         batched = f"yes (≤ {r.get('max_batch', 8)})" if r.get("batch_decode", False) else "no"
+        # records from before the scheduler prefilled each admitted prompt whole
+        batched += ", chunked prefill" if r.get("chunked_prefill", False) else ""
         lines.append(f"| {r['replicas']} | {r['tenants']} | {r['sessions']} | {'yes' if r['kill'] else 'no'} | {batched} | "
                      f"{r['turns']}/{r['turns_planned']} | {len(r['errors'])} | {r['lost_turns']} | {r['stale_reads']} | "
                      f"{r['reprefilled_after_kill']} | {r['unsaved_turns_flagged']} | "
@@ -339,6 +345,9 @@ def main(argv=None) -> None:
                    help="the replicas decode concurrent sessions together (pace-serve --batch-decode); "
                         "--no-batch-decode: one turn at a time")
     p.add_argument("--max-batch", type=int, default=8, help="pace-serve --max-batch")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="pace-serve --chunked-prefill: an admitted prompt is prefilled a chunk a step beside the "
+                        "decoding rows; --no-chunked-prefill: whole, between steps")
     p.add_argument("--store", default=None, help="the replicas' shared store (default: a Valkey started here)")
     p.add_argument("--kill", action="store_true", help="SIGKILL replica 0 mid-run, then start it again")
     p.add_argument("--kill-at", type=float, default=0.4, help="share of the turns done when it is killed")
