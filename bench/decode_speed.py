@@ -75,9 +75,9 @@ class ShadowedLayer(EvictingLayer):
         self.twin.load(tensors, seen)
         super().load(tensors, seen)
 
-    def renumber(self, params):
-        self.twin.renumber(params)
-        super().renumber(params)
+    def renumber(self, params, physical):
+        self.twin.renumber(params, physical)
+        super().renumber(params, physical)
 
     def _same(self, names) -> bool:
         return all(torch.equal(getattr(self, n), getattr(self.twin, n)) for n in names)

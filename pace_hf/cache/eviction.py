@@ -507,10 +507,11 @@ class EvictionCache(FixedRows, DynamicCache):
         move no key. Every layer's newest token ends at the same ``top - 1``, and the next token is
         ``top``. With no room to spare, this is the compact layout ``0..n-1``."""
         room = max(self.positions_held(), self.limit - max(q_len, self.limit // 4))
-        live = [(layer, params) for layer, params in zip(self.layers, self.rotary) if layer.is_initialized]
-        top = max((layer.span(room) for layer, _ in live), default=0)
-        for layer, params in live:
-            layer.renumber(params, top, room)
+        layouts = [(layer, params, layer.offsets(room))
+                   for layer, params in zip(self.layers, self.rotary) if layer.is_initialized]
+        top = max((int(offsets.amax()) + 1 for _, _, offsets in layouts if offsets.numel()), default=0)
+        for layer, params, offsets in layouts:
+            layer.renumber(params, top - 1 - offsets)
         self.next_physical = top
         self.renumbers += 1
 

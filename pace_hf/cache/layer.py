@@ -392,15 +392,11 @@ class EvictingLayer(DynamicLayer):
         back = gaps.minimum(low[:, None]).flip(-1).cumsum(-1).flip(-1)
         return torch.cat([back, torch.zeros_like(back[:, :1])], -1)
 
-    def span(self, room: int) -> int:
-        """The positions :meth:`renumber` lays this layer's residents out in, given ``room``."""
-        return int(self.offsets(room).amax()) + 1 if self.resident_count else 0
-
-    def renumber(self, params: RotaryParams | None, top: int, room: int) -> None:
-        """Physical positions become ``top - 1 - offsets(room)``: the newest resident of every head sits at
-        ``top - 1``, and the others keep their capped gaps before it. Keys are re-rotated from the
-        reference. A NoPE layer (``params`` None) moves only its positions: its keys carry none."""
-        self.physical.copy_(top - 1 - self.offsets(room))
+    def renumber(self, params: RotaryParams | None, physical: torch.Tensor) -> None:
+        """Move the residents to ``physical`` (the cache's ``top - 1 - offsets(room)``, one row per KV head),
+        re-rotating their keys from the reference. A NoPE layer (``params`` None) moves only its
+        positions: its keys carry none."""
+        self.physical.copy_(physical)
         if params is not None and self.keep_reference:
             self.keys.copy_(rerotate(self.ref_keys, self.ref_pos[None], self.physical[None], params,
                                      out_dtype=self.keys.dtype))

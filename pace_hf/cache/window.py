@@ -72,14 +72,13 @@ class WindowLayer(DynamicSlidingWindowLayer):
             self.ref_pos = torch.cat([self.ref_pos, fresh])[-keep:]
         return full_keys, full_values
 
-    def span(self, room: int) -> int:
-        """A window keeps its distances exactly: it needs as many positions as it holds tokens."""
-        return self.resident_count
+    def offsets(self, room: int) -> torch.Tensor:
+        """A window keeps its distances exactly: one position per token it holds, whatever the room."""
+        return torch.arange(self.resident_count - 1, -1, -1, device=self.device)
 
-    def renumber(self, params: RotaryParams | None, top: int, room: int) -> None:
-        """Shift the window so that its newest token sits at ``top - 1``; keys re-rotated from the reference."""
-        n = self.resident_count
-        self.physical = torch.arange(top - n, top, device=self.device)
+    def renumber(self, params: RotaryParams | None, physical: torch.Tensor) -> None:
+        """Shift the window whole to ``physical``; keys re-rotated from the reference."""
+        self.physical = physical
         if params is not None and self.keep_reference:
             self.keys = rerotate(self.ref_keys, self.ref_pos[None, None], self.physical[None, None], params,
                                  out_dtype=self.keys.dtype)
@@ -177,11 +176,11 @@ class RecurrentLayer(LinearAttentionLayer):
                 tensor.zero_()
         self.has_previous_state.update(previous)
 
-    def span(self, room: int) -> int:
+    def offsets(self, room: int) -> torch.Tensor:
         """No positions."""
-        return 0
+        return torch.zeros(0, dtype=torch.long)
 
-    def renumber(self, params, top: int, room: int) -> None:
+    def renumber(self, params, physical: torch.Tensor) -> None:
         """No positions to move."""
 
     def can_drop_last(self, count: int) -> bool:
