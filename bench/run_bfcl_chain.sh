@@ -2,7 +2,8 @@
 # Long BFCL sessions, teacher-forced (issue 65; pace-bench --suite bfcl-chain), on Qwen2.5-Coder-0.5B, in
 # stages, each resumable, in two one-thread processes (accelerate, CPU processes over gloo):
 #
-#   1. 32K-token sessions at B = 2,048: every arm, SESSIONS_32K sessions;
+#   1. 32K-token sessions at B = 2,048: every arm, SESSIONS_32K sessions (half of them first, then half of
+#      the 64K sessions, then the rest of both);
 #   2. 64K-token sessions at B = 2,048: every arm, SESSIONS_64K sessions;
 #   3. the 32K sessions again at B = 4,096 (the full cache is not played again).
 #
@@ -63,6 +64,10 @@ stage() {  # stage LENGTH TOKENS SESSIONS BUDGETS
         --arms "$ARMS" --budgets "$budgets" --limit 8192 --chunk 2048 --resume --out "$OUT/$length"
     bank
 }
+# half of each length first, so that both lengths have results early (session j is the same whatever the
+# number of sessions asked for: a stage that asks for more plays only the sessions not yet played)
+stage 32k 32768 $(( (SESSIONS_32K + 1) / 2 )) 2048
+stage 64k 65536 $(( (SESSIONS_64K + 1) / 2 )) 2048
 stage 32k 32768 "$SESSIONS_32K" 2048
 stage 64k 65536 "$SESSIONS_64K" 2048
 stage 32k 32768 "$SESSIONS_32K" 2048,4096

@@ -65,7 +65,8 @@ CATEGORIES = ("base", "long_context")  # miss_param and composite stay held out;
 NEW_TASK = "New task."
 PACE = bfcl.PACE
 ARMS = bfcl.ARMS
-RUN_KEYS = ("model", "dtype", "tokens", "sessions", "chain_seed", "limit", "chunk", "probe_tokens", "system", "probes")
+# --sessions is not one: session j is drawn the same whatever it asks for, so a run can grow its sessions
+RUN_KEYS = ("model", "dtype", "tokens", "chain_seed", "limit", "chunk", "probe_tokens", "system", "probes")
 # PACE's plan in a chained session: the shares of B for the tool docs (the instructions around them
 # first), the mentions and the thread (TurnPlanner's tool_share, mention_share, thread_share). Chosen on
 # held-out chains (--chain-seed 1, docs/benchmarks/bfcl.md): the thread alone, half of B (docs and

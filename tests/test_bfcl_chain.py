@@ -85,6 +85,10 @@ def test_a_chain_of_three_real_entries_in_the_models_call_format(model_and_token
     # the same draw gives the same session: every arm reads one trajectory
     again, = bfcl_chain.draw_chains(tok, tokens=60000, sessions=1, seed=3, pool=_pool())
     assert [e["id"] for e in again.entries] == ids and again.tokens == chain.tokens
+    # session j is the same whatever --sessions asks for (drawn in order), so a run can grow its sessions
+    first, second = bfcl_chain.draw_chains(tok, tokens=int(0.7 * chain.tokens), sessions=2, seed=3, pool=_pool())
+    alone, = bfcl_chain.draw_chains(tok, tokens=int(0.7 * chain.tokens), sessions=1, seed=3, pool=_pool())
+    assert [e["id"] for e in alone.entries] == [e["id"] for e in first.entries] and second.entries
 
 
 def _prefilled(model, tok, arm, budget=256):
