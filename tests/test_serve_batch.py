@@ -199,13 +199,17 @@ def test_a_seed_repeats_its_reply_batched_or_alone(servers):
     msgs = [{"role": "user", "content": "Seeded: tell me about queues."}]
     hot = dict(temperature=1.5, max_tokens=24)
     alone = chat(batched, msgs, "seed-alone", seed=1234, **hot)
-    steps, rows = batching(batched)
-    beside = together(lambda: chat(batched, msgs, "seed-beside", seed=1234, **hot),
-                      lambda: chat(batched, msgs, "seed-other", seed=99, **hot),
-                      lambda: chat(batched, [{"role": "user", "content": "Unseeded."}], "seed-none", **hot))
-    steps_after, rows_after = batching(batched)
-    assert (rows_after - rows) / (steps_after - steps) > 1.5, "the rows were not decoded together"
-    assert beside[0][0] == alone[0] and beside[1][0] != alone[0]
+    for attempt in range(3):  # the replies must hold every time; whether the threads' requests met is the OS's
+        steps, rows = batching(batched)
+        beside = together(lambda: chat(batched, msgs, f"seed-beside-{attempt}", seed=1234, **hot),
+                          lambda: chat(batched, msgs, f"seed-other-{attempt}", seed=99, **hot),
+                          lambda: chat(batched, [{"role": "user", "content": "Unseeded."}], f"seed-none-{attempt}", **hot))
+        steps_after, rows_after = batching(batched)
+        assert beside[0][0] == alone[0] and beside[1][0] != alone[0]
+        if (rows_after - rows) / (steps_after - steps) > 1.5:
+            break
+    else:
+        pytest.fail("in 3 tries, the three rows were never decoded together")
     for body in ({"seed": 1, "temperature": 1.0}, {"logprobs": True}):
         with pytest.raises(openai.BadRequestError) as e:
             chat(serial, msgs, "seed-serial", **body)
