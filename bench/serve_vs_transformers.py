@@ -203,6 +203,14 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        # the rest of its group (transformers' spawned model process, its resource tracker) may still write
+        # to the log: wait for them, so that the log is scrubbed after its last line
+        for _ in range(300 if self.proc is not None else 0):
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
 
 
 def ask(server: Server, msgs: list[dict], max_tokens: int) -> dict:
