@@ -94,14 +94,18 @@ def wait(pid) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def continue_and_save(model, tokenizer, root, text, before_save=None, after_save=None):
-    store = TieredStore([DiskTier(root)])
+def continue_and_save(model, tokenizer, root, text, before_save=None, after_save=None, queue_size=64):
+    """``queue_size=1``: the writer takes one put at a time, so every run makes the same I/O calls in the
+    same order (a batch of 2 or more is one group commit, and how many puts a batch takes is up to the
+    threads' timing); the random kills and the races keep the default, group commits included."""
+    store = TieredStore([DiskTier(root)], queue_size=queue_size)
     session = PACESession.resume(SID, model, tokenizer, store=store)
     play(session, text, tokens=2)
     store.flush()  # the turn's spill writes are done: the save's own I/O calls are counted from here
     if before_save:
         before_save(session)
     gen = session.save()
+    store.flush()  # and what it retired, deleted on the writer thread once it returned (a child ends with _exit)
     if after_save:
         after_save(session, gen)
 
@@ -168,7 +172,7 @@ def main(root, out):
             stats.write_text(json.dumps({"io": counter["io"].count, "seconds": time.perf_counter() - counter["t"],
                                          "generation": gen}))
             torch.save(layer_tensors(session.cache), root / "live2.pt")
-        continue_and_save(model, tokenizer, ref, TURN2, start, done)
+        continue_and_save(model, tokenizer, ref, TURN2, start, done, queue_size=1)
 
     assert wait(child(reference)) == 0, "the reference save failed"
     ref_stats = json.loads(stats.read_text())
@@ -186,6 +190,7 @@ def main(root, out):
             store = TieredStore([DiskTier(where)])
             session = PACESession.resume(SID, model, tokenizer, store=store)
             session.save()
+            store.flush()  # the writer has deleted what the save retired
             manifest = store.get("manifest", fingerprint="pace-session-manifest", session_id=SID)[1]
             names = {DiskTier(where).path_for(f"pace:{SID}:{k}").rsplit("/", 1)[-1] for k in manifest["entries"]}
             verdict["leftovers"] = sorted(state_files(where) - names)
@@ -200,7 +205,8 @@ def main(root, out):
         for k in pair:
             where = root / f"kill{k}"
             shutil.copytree(base, where)
-            pids[k] = child(lambda: continue_and_save(model, tokenizer, where, TURN2, lambda s: IOCounter(k)))
+            pids[k] = child(lambda: continue_and_save(model, tokenizer, where, TURN2, lambda s: IOCounter(k),
+                                                      queue_size=1))
         for k, pid in pids.items():
             code = wait(pid)
             report["kills"].append({"k": k, "exit": code, **outcome(root / f"kill{k}")})

@@ -349,7 +349,9 @@ def test_saves_from_before_generations_are_refused_naming_the_format(model, tmp_
     with pytest.raises(ValueError, match="saved in save format 1; this pace_hf resumes format 3 only"):
         PACECache.resume(SID, store=store, model=model)
     assert SAVE_FORMAT == 3
-    cache.save()  # a new cache may save over it; the old fixed-key entries go
+    cache.save()  # a new cache may save over it; the old fixed-key entries go: reads miss them at once,
+    assert store.get("L0/state", fingerprint=cache.fingerprint, session_id=SID) is None
+    store.flush()  # and the writer deletes their files
     assert not any("state.kv" in p.name for p in tmp_path.iterdir())
     PACECache.resume(SID, store=store, model=model).unbind()
 

@@ -436,10 +436,15 @@ def test_paused_valkey_never_blocks_put_beyond_timeout(killable, store_factory):
 
 def test_slow_but_progressing_disk_loses_no_put(tmp_path, store_factory):
     """A healthy tier whose batches each take longer than timeout_s: put waits for it, drops nothing."""
-    class SlowDisk(DiskTier):  # a real disk write, 0.2 s slower per entry
+    class SlowDisk(DiskTier):  # a real disk write, 0.2 s slower per entry (the writer batches 2 or more)
         def put(self, key, data):
             time.sleep(0.2)
             super().put(key, data)
+
+        def put_many(self, items):
+            items = list(items)
+            time.sleep(0.2 * len(items))
+            return super().put_many(items)
 
     s = store_factory([SlowDisk(tmp_path)], timeout_s=0.5, queue_size=4)
     ts = {f"k{i}": _tensors(8, seed=i) for i in range(13)}
@@ -832,3 +837,29 @@ def test_a_process_that_never_closes_its_store_exits_0_with_every_write_on_disk(
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
     read = subprocess.run(worker + ["read", root, acked], capture_output=True, text=True, timeout=120)
     assert read.returncode == 0, read.stdout + read.stderr[-2000:]
+
+
+@pytest.mark.parametrize("sync", ["syncfs", "syncfs fails", "no syncfs"])
+def test_a_disk_batch_is_one_group_commit_and_fails_item_by_item(sync, tmp_path, monkeypatch):
+    """put_many writes a batch as one group commit (one syncfs for the bytes, one for the names), or
+    fsyncs each file where syncfs is missing or fails; an item that cannot be written fails alone."""
+    from pace_hf.tiers import disk
+
+    calls = []
+    real = disk._SYNCFS
+    if sync == "no syncfs":
+        monkeypatch.setattr(disk, "_SYNCFS", None)
+    else:
+        monkeypatch.setattr(disk, "_SYNCFS", lambda fd: calls.append(fd) or (real(fd) if sync == "syncfs" else -1))
+    if sync == "syncfs" and real is None:
+        pytest.skip("this C library has no syncfs")
+    tier = DiskTier(tmp_path / "kv")
+    long_key = "x" * 250  # its file lies under a directory level named by the first 200 bytes
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / ("x" * 200 + "~d")).write_bytes(b"not a directory")
+    items = [("pace:s:a", bytes(range(256)) * 40), (long_key, b"lost"), ("pace:s:b", b"abc")]
+    out = tier.put_many(items)
+    assert out[0] is None and out[2] is None and isinstance(out[1], OSError)
+    assert bytes(tier.get("pace:s:a")) == items[0][1] and bytes(tier.get("pace:s:b")) == b"abc"
+    assert not [p for p in (tmp_path / "kv").rglob("*") if p.name.startswith(".tmp-")]
+    assert len(calls) == (0 if sync == "no syncfs" else 2)

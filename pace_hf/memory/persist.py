@@ -16,7 +16,8 @@ and confirmed the same way: a tier that missed only the manifest still holds the
 and the error says which tiers took the new one (the disk tier writes a temporary file, fsyncs it, renames it over the old
 one and fsyncs the directory; Valkey sets it in one transaction). (4) Only then are the replaced
 generation's entries, the spill versions it indexed that the new one does not (retired by a restore
-or by the spill cap), and whatever ``save-pending`` lists from attempts that crashed, deleted. A crash at
+or by the spill cap), and whatever ``save-pending`` lists from attempts that crashed, deleted (on the
+store's writer thread, after the save returns: no manifest names them, and reads miss them at once). A crash at
 any point leaves the previous manifest and every entry it names whole, and the next save that commits
 collects what the crash left.
 
@@ -171,12 +172,13 @@ def save(cache, attachments: dict | None = None, lease=None) -> str:
                              f"not every durable tier ({'; '.join(f'{t}: {w}' for t, w in missed.items())}); each tier "
                              "holds one whole save, the new one or the previous")
 
-        # The new save is durable: the one it replaces and attempts that never committed can go.
+        # The new save is durable: the one it replaces and attempts that never committed can go. No save
+        # names them, so the writer deletes them after the save returns (TieredStore.delete's background),
+        # and only then clears the list (a job goes before a put): a crash before that leaves them listed.
         doomed = {key for attempt in pending for key in attempt}
         for key in sorted(doomed - set(entries) - spill.saved_keys):
-            store.delete(key, session_id=sid)
+            store.delete(key, session_id=sid, background=True)
         _put(store, sid, PENDING_KEY, {}, {"pending": []})
-        store.flush()
     return gen
 
 

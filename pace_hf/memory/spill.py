@@ -263,8 +263,8 @@ class SpillLog:
         for v in versions:
             self.held_bytes -= v[BYTES]
             self.unconfirmed.pop(v[KEY], None)
-            if v[KEY] not in self.saved_keys:
-                self.store.delete(v[KEY], session_id=self.session_id)
+            if v[KEY] not in self.saved_keys:  # no save names it: nothing reads it again
+                self.store.delete(v[KEY], session_id=self.session_id, background=True)
 
     # -- reading ---------------------------------------------------------------------------------------
     def _span_pages(self, start: int, end: int) -> range:

@@ -7,6 +7,15 @@ therefore sees either the old entry or the new one, never a torn one; a crash le
 that ``put`` returned from survives a power cut with its path. (Whatever happens to the bytes later, the
 checksum in the entry catches it on read.)
 
+Group commit: ``put_many`` (the writer's batches) writes every file of the batch to its temporary name,
+makes them all durable with one ``syncfs(2)`` of the root's file system, renames them, and makes the names
+durable with a second one. A spill writes a thousand small entries a turn (an entry per layer and page),
+and a file and directory fsync per entry cost 5.5 ms each on this project's ext4 disk, against 0.22 ms
+a file for a batch with ``syncfs``: on a 16K-token pace-serve turn, seconds of the writer's time. The
+guarantee is the same (every entry durable, under its final name, before the write is confirmed); the
+price is that ``syncfs`` also flushes what other writers left dirty on that file system. Where the C
+library has no ``syncfs`` (not Linux), or it fails, the batch fsyncs each file, then each directory once.
+
 Leases: ``acquire_lease`` takes an exclusive ``flock`` on ``<escaped name>.lock`` under the root and keeps
 the file open until ``release_lease``. The kernel drops the lock when the holder exits, however it
 exits (SIGKILL included), so a crashed writer never leaves a stale lease and no TTL is needed; a second
@@ -31,6 +40,7 @@ Failures (disk full, read-only file system, permission denied, the root not bein
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import string
@@ -49,6 +59,13 @@ _TMP_PREFIX = ".tmp-"
 _LOCK_SUFFIX = ".lock"
 
 
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _fsync_dir(d: str) -> None:
     try:
         dfd = os.open(d, os.O_RDONLY)
@@ -58,6 +75,40 @@ def _fsync_dir(d: str) -> None:
             os.close(dfd)
     except OSError:  # some file systems refuse fsync on a directory; the data is already synced
         pass
+
+
+def _load_syncfs():
+    """Linux's ``syncfs(2)`` from the C library, or None where there is none."""
+    try:
+        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    syncfs.argtypes, syncfs.restype = [ctypes.c_int], ctypes.c_int
+    return syncfs
+
+
+_SYNCFS = _load_syncfs()
+
+
+def _sync_files(fds: list[int]) -> None:
+    """Make the open files ``fds`` (on one file system) durable: one ``syncfs``, or else an fsync each."""
+    if _SYNCFS is not None and _SYNCFS(fds[0]) == 0:
+        return
+    for fd in fds:
+        os.fsync(fd)
+
+
+def _sync_dirs(dirs: list[str]) -> None:
+    """Make the names in ``dirs`` (on one file system) durable: one ``syncfs``, or else an fsync each."""
+    if _SYNCFS is not None:
+        fd = os.open(dirs[0], os.O_RDONLY)
+        try:
+            if _SYNCFS(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    for d in dirs:
+        _fsync_dir(d)
 
 
 # ASCII: one character is one UTF-8 byte, so one str.translate escapes the key (issue 68: a generator step
@@ -161,6 +212,53 @@ class DiskTier(Tier):
             raise
         if self.fsync:
             _fsync_dir(d)
+
+    def put_many(self, items: Iterable[tuple[str, object]]) -> list:
+        """``put`` of a batch, as one group commit (see the module docstring): ``None`` or the exception
+        in each item's place."""
+        items = list(items)
+        if not self.fsync or len(items) < 2:
+            return super().put_many(items)
+        out: list = [None] * len(items)
+        staged = []  # (item, fd, temporary path, final path)
+        for n, (key, data) in enumerate(items):
+            fd = -1
+            try:
+                path = self.path_for(key)
+                self._make_dirs(os.path.dirname(path))
+                fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=os.path.dirname(path))
+                mv = memoryview(data).cast("B")
+                done = 0
+                while done < len(mv):
+                    done += os.write(fd, mv[done:])
+                staged.append((n, fd, tmp, path))
+            except Exception as e:  # noqa: BLE001 - this item fails, the batch goes on
+                out[n] = e
+                if fd >= 0:
+                    os.close(fd)
+                    _unlink_quietly(tmp)
+        try:
+            if staged:
+                _sync_files([fd for _, fd, _, _ in staged])
+        except OSError:  # which file failed is not known: fsync each, and fail only those that fail
+            for n, fd, _, _ in staged:
+                try:
+                    os.fsync(fd)
+                except OSError as e:
+                    out[n] = e
+        for n, fd, tmp, path in staged:
+            os.close(fd)
+            if out[n] is None:
+                try:
+                    os.replace(tmp, path)
+                    continue
+                except OSError as e:
+                    out[n] = e
+            _unlink_quietly(tmp)
+        renamed = {os.path.dirname(path) for n, _, _, path in staged if out[n] is None}
+        if renamed:
+            _sync_dirs(sorted(renamed))
+        return out
 
     def get(self, key: str) -> bytearray | None:
         try:

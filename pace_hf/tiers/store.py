@@ -162,7 +162,9 @@ class TieredStore:
         out: list = [None] * len(fks)
         todo = []
         for i, fk in enumerate(fks):
-            item, dem = self._writer.lookup(fk)
+            item, dem, deleting = self._writer.lookup(fk)
+            if item is None and deleting:
+                continue
             if item is not None:
                 if item.fingerprint == fingerprint:
                     out[i] = (dict(item.tensors), dict(item.meta))
@@ -230,13 +232,22 @@ class TieredStore:
         return self._prefetch_pool.submit(self.get_many, list(keys), fingerprint=fingerprint,
                                           session_id=session_id)
 
-    def delete(self, key: str, *, session_id: str | None = None) -> None:
+    def delete(self, key: str, *, session_id: str | None = None, background: bool = False) -> None:
         """Delete one entry everywhere. With ``session_id``, ``key`` is a caller key of that session;
-        without it, ``key`` is a full key (``full_key(...)``)."""
+        without it, ``key`` is a full key (``full_key(...)``). With ``background``, the tiers outside this
+        process delete it on the writer thread (``Writer.delete_later``) and reads miss it at once: for
+        the entries a session retires by the hundred (spill versions, a replaced save's), whose unlinks
+        would otherwise hold up the turn."""
         fk = full_key(key, session_id) if session_id is not None else key
         self._writer.cancel(lambda k: k == fk)
-        for tier in self.tiers:
-            self._health.call(tier, "delete", fk)
+        later = []
+        for i, tier in enumerate(self.tiers):
+            if background and not tier.in_process:
+                later.append(i)
+            else:
+                self._health.call(tier, "delete", fk)
+        if later:
+            self._writer.delete_later(fk, later)
 
     def delete_prefix(self, prefix: str, *, session_id: str | None = None) -> None:
         """Delete every entry whose key starts with ``prefix`` (a caller-key prefix within ``session_id``
