@@ -863,3 +863,33 @@ def test_a_disk_batch_is_one_group_commit_and_fails_item_by_item(sync, tmp_path,
     assert bytes(tier.get("pace:s:a")) == items[0][1] and bytes(tier.get("pace:s:b")) == b"abc"
     assert not [p for p in (tmp_path / "kv").rglob("*") if p.name.startswith(".tmp-")]
     assert len(calls) == (0 if sync == "no syncfs" else 2)
+
+
+def test_a_background_delete_misses_at_once_and_a_later_put_of_the_key_wins(tmp_path, store_factory):
+    """delete(background=True): the host copy goes now, the disk file on the writer thread; reads miss the
+    entry from the call on, and a put of the same key queued after the delete lands after it."""
+    gate = threading.Event()
+
+    class GatedDisk(DiskTier):  # a real unlink, held until the test lets it run
+        def delete(self, key):
+            gate.wait(10)
+            super().delete(key)
+
+    s = store_factory([HostTier(1 << 30), GatedDisk(tmp_path)])
+    t = _put_flush(s, key="a")
+    _put_flush(s, key="b")
+    path_a = s.tiers[1].path_for(full_key("a", SID))
+    s.delete("a", session_id=SID, background=True)
+    assert s.get("a", fingerprint=FP, session_id=SID) is None and os.path.exists(path_a)
+    assert s.tiers[0].get(full_key("a", SID)) is None  # the in-process tier deleted it at once
+    s.delete("b", session_id=SID, background=True)
+    again = _tensors(seed=7)
+    s.put("b", again, {}, fingerprint=FP, session_id=SID)
+    assert _bits_equal(again, s.get("b", fingerprint=FP, session_id=SID)[0])
+    gate.set()
+    s.flush(10)
+    assert not os.path.exists(path_a)
+    fresh = store_factory([DiskTier(tmp_path)])
+    assert fresh.get("a", fingerprint=FP, session_id=SID) is None
+    assert _bits_equal(again, fresh.get("b", fingerprint=FP, session_id=SID)[0])
+    assert not _bits_equal(t, again)
