@@ -660,6 +660,7 @@ def test_a_store_that_is_down_at_resume_keeps_the_save(tiny_dir, tmp_path):
         session.add("user", DEFS)
         reply = session.generate(max_new_tokens=3)
         session.save()
+        store.flush()  # the writer's work after the save (its deletes, the pending list) has landed too
         engine._drop("kept")
         kv.rename(tmp_path / "away")
         kv.write_text("the disk went away")  # every read fails (ENOTDIR)

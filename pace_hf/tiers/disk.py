@@ -220,7 +220,7 @@ class DiskTier(Tier):
         if not self.fsync or len(items) < 2:
             return super().put_many(items)
         out: list = [None] * len(items)
-        staged = []  # (item, fd, temporary path, final path)
+        staged = []  # (index in items, fd, temporary path, final path)
         for n, (key, data) in enumerate(items):
             fd = -1
             try:
