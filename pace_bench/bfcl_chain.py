@@ -47,6 +47,7 @@ tool docs resident, the entry-by-entry sign tests of PACE against H2O and SnapKV
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -398,6 +399,25 @@ def judge(text: str, turn: Turn, docs: dict[str, dict]) -> dict:
     return {"name": bool(name), "args": bool(args), "exec": bool(same), "text": text[:300]}
 
 
+@contextlib.contextmanager
+def _one_query_packed(model, cache):
+    """The full cache's forwards through ``pace_attention``, which is the model's SDPA with the same masks,
+    except for one query on the CPU: there transformers asks torch for ``enable_gqa``, about 10x slower in
+    bf16 than packing each KV head's query heads as its queries (what ``pace_attention`` does). The
+    probes decode one token a forward at up to 64K keys, so this decides most of the full cache's time."""
+    from pace_hf import EvictionCache, attention
+
+    if isinstance(cache, EvictionCache):  # bound to pace_attention already
+        yield
+        return
+    before = model.config._attn_implementation
+    model.set_attn_implementation(attention.register())
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
 def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | None, s: ChainSettings,
                store=None, probes: bool = True) -> dict:
     """Play ``session`` along its ground truth with ``arm``'s cache (at ``budget``; None for the full cache);
@@ -427,7 +447,7 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
     probe_seconds = 0.0
     stop_ids = template.stop_ids()
     try:
-        with peak_cache_bytes(model, cache) as peak:
+        with peak_cache_bytes(model, cache) as peak, _one_query_packed(model, cache):
             for e, entry in enumerate(session.entries):
                 turns = entry_turns(entry, template, docs, f"{arm}{budget}")
                 backends = None

@@ -239,3 +239,55 @@ def test_decode_scores_are_the_one_rows_softmax(dtype):
     sdpa = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(out, sdpa.transpose(1, 2), **bf16)
     torch.testing.assert_close(sums.sum(-1), torch.ones(1, 2))  # each query head's row sums to 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_query_outside_a_cache_packs_its_heads_and_equals_sdpa(dtype, monkeypatch):
+    """A lone query with no cache of ours (a DynamicCache under pace_attention, a layer the cache does not
+    score) runs as SDPA over each KV head with its query heads packed as queries, not transformers'
+    ``enable_gqa`` call (about 10x slower on the CPU in bf16): the same attention as transformers' SDPA,
+    on views as the cache holds them too. A mask, several queries, or one query head per KV head keep
+    transformers' path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = 3, True
+    g = torch.Generator().manual_seed(7)
+    query = torch.randn(1, 6, 1, 16, generator=g).to(dtype)
+    buffer = torch.randn(1, 2, 90, 16, generator=g).to(dtype)
+    key, value = buffer[:, :, :77], torch.randn(1, 2, 77, 16, generator=g).to(dtype)
+    want = sdpa_attention_forward(module, query, key, value, None, scaling=0.25)[0]
+    calls = []
+    monkeypatch.setattr(attention, "_one_query_packed",
+                        lambda *a, real=attention._one_query_packed: calls.append(1) or real(*a))
+    got = attention.attend(None, module, 0, query, key, value, None, 0.0, 0.25, None, None, {})
+    assert calls and got.shape == want.shape == (1, 1, 6, 16) and got.dtype == dtype
+    torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}))
+    mask = torch.ones(1, 1, 1, 77, dtype=torch.bool)
+    for q, k, m in ((query, key, mask), (torch.cat([query, query], 2), key, None), (query[:, :2], key, None)):
+        calls.clear()
+        attention.attend(None, module, 0, q, k, value, m, 0.0, 0.25, None, None, {})
+        assert not calls
+
+
+def test_a_full_cache_decodes_through_pace_attention_as_through_sdpa(monkeypatch):
+    """A DynamicCache under ``pace_attention`` gives SDPA's logits; its one-token steps run packed."""
+    from transformers import DynamicCache
+
+    from tiny_models import tiny_model
+
+    model = tiny_model("qwen2", attn_implementation="sdpa")
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    logits, calls = {}, []
+    monkeypatch.setattr(attention, "_one_query_packed",
+                        lambda *a, real=attention._one_query_packed: calls.append(1) or real(*a))
+    for name in ("sdpa", attention.register()):
+        model.set_attn_implementation(name)
+        cache, out = DynamicCache(config=model.config), []
+        with torch.no_grad():
+            out.append(model(ids[:, :30], cache=cache).logits)
+            out += [model(ids[:, p:p + 1], cache=cache).logits for p in range(30, 40)]
+        logits[name] = torch.cat(out, 1)
+    model.set_attn_implementation("sdpa")
+    assert len(calls) == 10 * model.config.num_hidden_layers
+    torch.testing.assert_close(logits[attention.ATTN_NAME], logits["sdpa"], atol=1e-5, rtol=1e-4)
