@@ -506,6 +506,8 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
               "cpu_seconds": round(time.process_time() - cpu_started, 2)}
     if arm in PACE:
         record["layout"] = LAYOUT
+    else:  # the records from before it ran transformers' enable_gqa call there
+        record["one_query_attention"] = "packed"
     if planner is not None:
         record["plan"] = list(s.plan)
     if planned:
@@ -593,8 +595,8 @@ def table(records: list[dict]) -> str:
         out += [f"**B = {budget:,}**" if budget else "**full cache only**", "",
                 "| arm | sessions | entries | call tokens | NLL/token | NLL ratio to full [95% CI] | top-1 | first call: name "
                 "| name + args | same execution | full's right calls kept | tool doc resident | tokens | peak KV (MiB) "
-                "| DynamicCache KV (MiB) | prefill s | probe s |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| DynamicCache KV (MiB) | prefill s | probe s | CPU s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         ratios = {}
         for arm in ARMS:
             rs = [r for r in records if r["arm"] == arm and (arm == "full" or r["budget"] == budget)]
@@ -624,7 +626,8 @@ def table(records: list[dict]) -> str:
                        f"{100 * top1 / max(tok, 1):.1f}% | {pct('name')} | {pct('args')} | {pct('exec')} | {kept} | "
                        + (f"{100 * sum(resident) / len(resident):.0f}%" if resident else "-")
                        + f" | {mean('tokens'):,.0f} | " + (f"{sum(peaks) / len(peaks) / 2**20:.0f}" if peaks else "-")
-                       + f" | {mean('full_cache_bytes') / 2**20:.0f} | {mean('prefill_seconds'):.0f} | {mean('probe_seconds'):.0f} |")
+                       + f" | {mean('full_cache_bytes') / 2**20:.0f} | {mean('prefill_seconds'):.0f} | {mean('probe_seconds'):.0f} "
+                       f"| {mean('cpu_seconds'):.0f} |")
         lines = [sign_line(records, budget, "pace", other) for other in ("h2o", "snapkv", "streaming")]
         plans = sorted({tuple(r.get("plan", FIRST_PLAN)) for r in records if r["arm"] == "pace" and r["budget"] == budget})
         if plans:
@@ -632,6 +635,11 @@ def table(records: list[dict]) -> str:
         layouts = sorted({r.get("layout", "compact") for r in records if r["arm"] in PACE and r["budget"] == budget})
         if layouts:
             lines.append("- PACE's renumbering layout: " + ", ".join(layouts))
+        full = [r for r in records if r["arm"] == "full"]
+        packed = sum(r.get("one_query_attention") == "packed" for r in full)
+        if full and budget == (budgets or [None])[0]:
+            lines.append(f"- the full cache's one-query forwards (probes): packed in {packed} of {len(full)} sessions, "
+                         "transformers' enable_gqa call in the others (the same attention; the packed call is faster)")
         if "pace" in ratios and "h2o" in ratios and ratios["pace"] != 1.0:
             lines.append(f"- H2O's NLL excess over the full cache is {(ratios['h2o'] - 1) / (ratios['pace'] - 1):.1f}x "
                          f"PACE's ({ratios['h2o'] - 1:+.3f} against {ratios['pace'] - 1:+.3f})")

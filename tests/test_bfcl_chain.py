@@ -191,7 +191,7 @@ def test_the_table_pairs_entries_and_tests_them():
         return {"session_id": "chain0-0", "arm": arm, "budget": budget, "trajectory": "t", "tokens": 1000,
                 "calls": [[e, 0, 0, 10, nll, 5, 1.0] for e, nll in enumerate(nlls)],
                 "probes": [[e, 0, {"name": True, "args": bool(ok), "exec": bool(ok), "text": ""}] for e, ok in enumerate(rights)],
-                "peak_cache_bytes": 1 << 20, "full_cache_bytes": 2 << 20, "prefill_seconds": 1, "probe_seconds": 1}
+                "peak_cache_bytes": 1 << 20, "full_cache_bytes": 2 << 20, "prefill_seconds": 1, "probe_seconds": 1, "cpu_seconds": 2}
     records = [rec("full", None, [10.0] * 8, [1] * 8), rec("h2o", 2048, [20.0] * 8, [0] * 8),
                rec("pace", 2048, [11.0] * 7 + [30.0], [1] * 7 + [0])]
     ratio, lo, hi = bfcl_chain.bootstrap_ratio([11.0] * 7 + [30.0], [10.0] * 8)
