@@ -76,7 +76,7 @@ def model_rows(args, lengths, dtypes) -> list[dict]:
                 k, v = (torch.randn(1, text.num_key_value_heads, n, dim, generator=g).to(dtype) for _ in range(2))
                 cache.update(k, v, layer)
 
-            def step():
+            def step(model=model, token=token, cache=cache):
                 with torch.no_grad():
                     model(token, cache=cache)
                 cache.crop(-1)
@@ -96,8 +96,8 @@ def model_rows(args, lengths, dtypes) -> list[dict]:
 
 
 def table(rows: list[dict], args) -> str:
-    lines = [f"One query's attention on the CPU, {torch.get_num_threads()} thread(s), medians of {args.rounds} rounds "
-             f"(orders alternating); a layer: {args.heads} query heads over {args.kv_heads} KV heads of {args.dim}.", "",
+    lines = [(f"One query's attention on the CPU, {torch.get_num_threads()} thread(s), medians of {args.rounds} rounds "
+              f"(orders alternating); a layer: {args.heads} query heads over {args.kv_heads} KV heads of {args.dim}."), "",
              "| what | keys | dtype | transformers' SDPA (enable_gqa) ms | pace_attention (packed) ms | ratio |",
              "|---|---:|---|---:|---:|---:|"]
     for r in rows:
