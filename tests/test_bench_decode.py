@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from pace_bench.models import load_tokenizer
-from tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")
