@@ -569,6 +569,30 @@ def _per_unit(pairs) -> list[tuple[dict, dict]]:
     return out
 
 
+def split_line(records: list[dict], budget, arms) -> str:
+    """Each arm's call NLL as a ratio to the full cache's (pooled over the paired entries), split by
+    category (``base``, ``long_context``) and by the entry's half of its session: where an arm loses."""
+    parts = []
+    for arm in arms:
+        sums: dict[str, list[float]] = {}
+        for r, f in _paired(records, arm, budget):
+            mine, theirs = units(r), units(f)
+            for (sid, e), u in mine.items():
+                if (sid, e) not in theirs:
+                    continue
+                category = "long_context" if "long_context" in r["entries"][e] else "base"
+                half = "first half" if e < len(r["entries"]) / 2 else "second half"
+                for key in (category, half):
+                    got = sums.setdefault(key, [0.0, 0.0])
+                    got[0], got[1] = got[0] + u["nll"], got[1] + theirs[(sid, e)]["nll"]
+        if sums:
+            order = ("base", "long_context", "first half", "second half")
+            parts.append(f"{arm} " + ", ".join(f"{key} {sums[key][0] / sums[key][1]:.2f}" for key in order
+                                               if sums.get(key, [0, 0])[1]))
+    return ("- call NLL ratio to full, pooled, by category and by the entry's half of its session (exploratory, "
+            "not a test): " + "; ".join(parts)) if parts else ""
+
+
 def sign_line(records: list[dict], budget, arm: str, other: str) -> str:
     """``arm`` against ``other`` entry by entry: on call NLL (lower is better) and on free-running calls with
     the right arguments (more is better), with the two-sided sign test."""
@@ -629,6 +653,7 @@ def table(records: list[dict]) -> str:
                        + f" | {mean('full_cache_bytes') / 2**20:.0f} | {mean('prefill_seconds'):.0f} | {mean('probe_seconds'):.0f} "
                        f"| {mean('cpu_seconds'):.0f} |")
         lines = [sign_line(records, budget, "pace", other) for other in ("h2o", "snapkv", "streaming")]
+        lines.append(split_line(records, budget, [a for a in ARMS if a != "full"]))
         plans = sorted({tuple(r.get("plan", FIRST_PLAN)) for r in records if r["arm"] == "pace" and r["budget"] == budget})
         if plans:
             lines.append("- pace's plan (shares of B for tool docs, mentions, thread): " + ", ".join(map(str, plans)))

@@ -189,6 +189,7 @@ def test_the_table_pairs_entries_and_tests_them():
     """NLL ratio to the full cache over paired entries with its bootstrap interval; sign tests by entry."""
     def rec(arm, budget, nlls, rights):
         return {"session_id": "chain0-0", "arm": arm, "budget": budget, "trajectory": "t", "tokens": 1000,
+                "entries": [f"multi_turn_{'long_context' if e >= 6 else 'base'}_{e}" for e in range(8)],
                 "calls": [[e, 0, 0, 10, nll, 5, 1.0] for e, nll in enumerate(nlls)],
                 "probes": [[e, 0, {"name": True, "args": bool(ok), "exec": bool(ok), "text": ""}] for e, ok in enumerate(rights)],
                 "peak_cache_bytes": 1 << 20, "full_cache_bytes": 2 << 20, "prefill_seconds": 1, "probe_seconds": 1, "cpu_seconds": 2}
@@ -200,6 +201,8 @@ def test_the_table_pairs_entries_and_tests_them():
     assert "| pace | 1 | 8 | 80 |" in text and "7/8" in text
     assert "pace against h2o, 8 entries: call NLL: better on 7, worse on 1, tied 0 (p = 0.07)" in text
     assert "H2O's NLL excess over the full cache is 3.0x PACE's (+1.000 against +0.337)" in text
+    assert ("pace base 1.10, long_context 2.05, first half 1.10, second half 1.57" in text  # 66 / 60, 41 / 20, 63 / 40
+            and "h2o base 2.00, long_context 2.00" in text)
 
 
 def test_bad_settings_are_refused_before_anything_loads(nothing_loads, capsys):
