@@ -671,6 +671,26 @@ def test_keep_moves_runs_by_slices_or_rows_to_what_compaction_keeps(drops):
                                       for row in index if (row != torch.arange(200 - drops)).any()))
 
 
+def test_a_decode_eviction_finds_each_heads_run_from_the_rank_it_dropped():
+    """One token a head goes (decode): its run starts at the dropped rank, which the kept index's sum lacks;
+    the last token dropped means no run at all. As plain compaction keeps, per head."""
+    from pace_hf.cache import CompactingLayer, EvictingLayer
+
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(1, 3, 50, 8, generator=g), torch.randn(1, 3, 50, 8, generator=g)
+    layers = [cls(True, 49) for cls in (EvictingLayer, CompactingLayer)]
+    for layer in layers:
+        layer.update(keys, values, logical_start=0, physical_start=0)
+    gone = [49, 20, 0]  # the last, one inside, the first
+    index = torch.stack([torch.tensor([p for p in range(50) if p != d]) for d in gone])
+    evicted = [layer.keep(index) for layer in layers]
+    for name, t in layers[0].tensors().items():
+        assert torch.equal(t, layers[1].tensors()[name]), name
+    assert evicted[0]["logical"].tolist() == gone and all(torch.equal(evicted[0][k], evicted[1][k]) for k in evicted[0])
+    assert layers[0].moved == 0 + 29 + 49
+    assert torch.equal(keep_index(torch.tensor([[5.0, 1.0, 3.0, 0.5]]), 3, 0, 0), torch.tensor([[0, 1, 2]]))
+
+
 @pytest.mark.parametrize("limit", [None, 96])
 def test_a_held_prompt_is_compressed_once_by_its_question(limit):
     """holding(): a prompt prefilled in chunks keeps every token, and the forward after the block (the

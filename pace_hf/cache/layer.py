@@ -27,11 +27,13 @@ def keep_index(priority: torch.Tensor, budget: int, sinks: int, recent: int) -> 
     drop = n - budget
     if drop > budget:
         return score.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
-    dropped = score.topk(drop, dim=-1, largest=False, sorted=False).indices.sort(dim=-1).values
+    dropped = score.topk(drop, dim=-1, largest=False, sorted=False).indices
+    rank = position[:budget].expand(heads, budget)
+    if drop == 1:  # decode: the kept tokens from the dropped one's rank on are one further
+        return rank + rank.ge(dropped)
     # the kept token of rank r is r plus the dropped tokens before it; the j-th dropped token has
     # dropped[j] - j kept tokens before it
-    rank = position[:budget].expand(heads, budget)
-    before = torch.searchsorted(dropped - position[:drop], rank.contiguous(), right=True)
+    before = torch.searchsorted(dropped.sort(dim=-1).values - position[:drop], rank.contiguous(), right=True)
     return before.add_(rank)
 
 
@@ -274,13 +276,16 @@ class EvictingLayer(DynamicLayer):
             dropped = torch.ones((heads, n), dtype=torch.bool, device=index.device)
             dropped.scatter_(1, index, False)
             evicted = self.tokens_at(*dropped.nonzero(as_tuple=True))
-        # a run: kept tokens that move up by the same shift (the tokens dropped before them)
-        shift = index - torch.arange(m, device=index.device)
-        head, start = torch.diff(shift, dim=-1, prepend=shift.new_zeros(heads, 1)).nonzero(as_tuple=True)
-        if start.numel() <= _SLICED_RUNS:
-            self.moved = self._move_runs(head.tolist(), start.tolist(), shift[head, start].tolist(), m)
-        else:
-            self.moved = self._move_rows(index, heads, m)
+        if n - m == 1:  # decode: one run a head, from the token it dropped (what its sum lacks; empty if the last)
+            gone = (n * (n - 1) // 2 - index.sum(-1)).tolist()
+            self.moved = self._move_runs(list(range(heads)), gone, [1] * heads, m)
+        else:  # a run: kept tokens that move up by the same shift (the tokens dropped before them)
+            shift = index - torch.arange(m, device=index.device)
+            head, start = torch.diff(shift, dim=-1, prepend=shift.new_zeros(heads, 1)).nonzero(as_tuple=True)
+            if start.numel() <= _SLICED_RUNS:
+                self.moved = self._move_runs(head.tolist(), start.tolist(), shift[head, start].tolist(), m)
+            else:
+                self.moved = self._move_rows(index, heads, m)
         self.resident_count = m
         self.scored = min(self.scored, m)
         self._view()
