@@ -400,7 +400,7 @@ def judge(text: str, turn: Turn, docs: dict[str, dict]) -> dict:
 
 
 @contextlib.contextmanager
-def _one_query_packed(model, cache):
+def _full_cache_through_pace_attention(model, cache):
     """The full cache's forwards through ``pace_attention``, which is the model's SDPA with the same masks,
     except for one query on the CPU: there transformers asks torch for ``enable_gqa``, about 10x slower in
     bf16 than packing each KV head's query heads as its queries (what ``pace_attention`` does). The
@@ -447,7 +447,7 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
     probe_seconds = 0.0
     stop_ids = template.stop_ids()
     try:
-        with peak_cache_bytes(model, cache) as peak, _one_query_packed(model, cache):
+        with peak_cache_bytes(model, cache) as peak, _full_cache_through_pace_attention(model, cache):
             for e, entry in enumerate(session.entries):
                 turns = entry_turns(entry, template, docs, f"{arm}{budget}")
                 backends = None
@@ -561,30 +561,30 @@ def _paired(records: list[dict], arm: str, budget) -> list[tuple[dict, dict]]:
             and full[r["session_id"]]["trajectory"] == r["trajectory"]]
 
 
-def _per_unit(pairs) -> list[tuple[dict, dict]]:
+def _per_unit(pairs) -> list[tuple[dict, dict, tuple[str, str]]]:
+    """(the arm's entry, the full cache's, where the entry sits: its category and its half of the session)
+    for every entry both played."""
     out = []
     for r, f in pairs:
         mine, theirs = units(r), units(f)
-        out += [(mine[k], theirs[k]) for k in mine if k in theirs]
+        for (sid, e), u in mine.items():
+            if (sid, e) in theirs:
+                category = "long_context" if "long_context" in r["entries"][e] else "base"
+                half = "first half" if e < len(r["entries"]) / 2 else "second half"
+                out.append((u, theirs[(sid, e)], (category, half)))
     return out
 
 
-def split_line(records: list[dict], budget, arms) -> str:
+def split_line(paired_units: dict[str, list]) -> str:
     """Each arm's call NLL as a ratio to the full cache's (pooled over the paired entries), split by
     category (``base``, ``long_context``) and by the entry's half of its session: where an arm loses."""
     parts = []
-    for arm in arms:
+    for arm, triples in paired_units.items():
         sums: dict[str, list[float]] = {}
-        for r, f in _paired(records, arm, budget):
-            mine, theirs = units(r), units(f)
-            for (sid, e), u in mine.items():
-                if (sid, e) not in theirs:
-                    continue
-                category = "long_context" if "long_context" in r["entries"][e] else "base"
-                half = "first half" if e < len(r["entries"]) / 2 else "second half"
-                for key in (category, half):
-                    got = sums.setdefault(key, [0.0, 0.0])
-                    got[0], got[1] = got[0] + u["nll"], got[1] + theirs[(sid, e)]["nll"]
+        for mine, theirs, where in triples:
+            for key in where:
+                got = sums.setdefault(key, [0.0, 0.0])
+                got[0], got[1] = got[0] + mine["nll"], got[1] + theirs["nll"]
         if sums:
             order = ("base", "long_context", "first half", "second half")
             parts.append(f"{arm} " + ", ".join(f"{key} {sums[key][0] / sums[key][1]:.2f}" for key in order
@@ -621,7 +621,7 @@ def table(records: list[dict]) -> str:
                 "| name + args | same execution | full's right calls kept | tool doc resident | tokens | peak KV (MiB) "
                 "| DynamicCache KV (MiB) | prefill s | probe s | CPU s |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        ratios = {}
+        ratios, paired_units = {}, {}
         for arm in ARMS:
             rs = [r for r in records if r["arm"] == arm and (arm == "full" or r["budget"] == budget)]
             if not rs:
@@ -632,9 +632,9 @@ def table(records: list[dict]) -> str:
             pct = lambda k: f"{sum(u[k] for u in us)}/{probes} ({100 * sum(u[k] for u in us) / max(probes, 1):.0f}%)"
             ratio = kept = "-"
             if arm != "full":
-                pairs = _per_unit(_paired(records, arm, budget))
+                pairs = paired_units[arm] = _per_unit(_paired(records, arm, budget))
                 if pairs:
-                    r_, lo, hi = bootstrap_ratio([m["nll"] for m, _ in pairs], [f["nll"] for _, f in pairs])
+                    r_, lo, hi = bootstrap_ratio([m["nll"] for m, _, _ in pairs], [f["nll"] for _, f, _ in pairs])
                     ratios[arm] = r_
                     ratio = f"{r_:.3f} [{lo:.3f}, {hi:.3f}]"
                 full_right = kept_right = 0
@@ -653,7 +653,7 @@ def table(records: list[dict]) -> str:
                        + f" | {mean('full_cache_bytes') / 2**20:.0f} | {mean('prefill_seconds'):.0f} | {mean('probe_seconds'):.0f} "
                        f"| {mean('cpu_seconds'):.0f} |")
         lines = [sign_line(records, budget, "pace", other) for other in ("h2o", "snapkv", "streaming")]
-        lines.append(split_line(records, budget, [a for a in ARMS if a != "full"]))
+        lines.append(split_line(paired_units))
         plans = sorted({tuple(r.get("plan", FIRST_PLAN)) for r in records if r["arm"] == "pace" and r["budget"] == budget})
         if plans:
             lines.append("- pace's plan (shares of B for tool docs, mentions, thread): " + ", ".join(map(str, plans)))

@@ -24,6 +24,21 @@ def nothing_loads(monkeypatch):
     monkeypatch.setattr(models, "load_tokenizer", refuse)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random llama with SmolLM2's tokenizer, saved where ``from_pretrained(path)`` (and so
+    ``load_model(path)`` and the servers' ``--model path``) loads it: one per test run."""
+    from tiny_models import tiny_model
+
+    from pace_bench.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture
 def code_eval_allowed(monkeypatch):
     """Opt in to running model code (the sandbox refuses without ``PACE_ALLOW_CODE_EVAL=1``)."""

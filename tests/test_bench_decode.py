@@ -7,18 +7,6 @@ import sys
 
 import pytest
 import torch
-from tiny_models import tiny_model
-
-from pace_bench.models import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    tokenizer = load_tokenizer("smollm2-135m")
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture
@@ -29,10 +17,10 @@ def bench(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def test_decode_speed_runs_and_its_in_place_layer_keeps_what_compaction_keeps(tiny_dir, tmp_path, bench):
+def test_decode_speed_runs_and_its_in_place_layer_keeps_what_compaction_keeps(tiny_llama_dir, tmp_path, bench):
     import decode_speed
 
-    decode_speed.main(["--model", str(tiny_dir), "--tokens", "400", "--chunk", "128", "--steps", "2", "--rounds", "1",
+    decode_speed.main(["--model", str(tiny_llama_dir), "--tokens", "400", "--chunk", "128", "--steps", "2", "--rounds", "1",
                        "--budget", "160", "--limit", "1024", "--full", "600", "--full-steps", "1", "--full-rounds", "1",
                        "--check-steps", "24", "--dtype", "float32", "--threads", "1", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "decode.json").read_text())
@@ -44,10 +32,10 @@ def test_decode_speed_runs_and_its_in_place_layer_keeps_what_compaction_keeps(ti
         assert check["keys_values_scores_equal_at_end"]
 
 
-def test_batch_decode_and_its_mixed_step_run(tiny_dir, tmp_path, bench):
+def test_batch_decode_and_its_mixed_step_run(tiny_llama_dir, tmp_path, bench):
     import batch_decode
 
-    batch_decode.main(["--model", str(tiny_dir), "--tokens", "400", "--chunk", "128", "--budget", "160", "--limit", "1024",
+    batch_decode.main(["--model", str(tiny_llama_dir), "--tokens", "400", "--chunk", "128", "--budget", "160", "--limit", "1024",
                        "--sessions", "1,3", "--steps", "2", "--rounds", "1", "--chunks", "16", "--chunk-rows", "2",
                        "--chunk-steps", "1", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]

@@ -109,25 +109,11 @@ def test_render_refuses_the_ci_overrides(monkeypatch):
         _render().main(["01_quickstart.ipynb"])
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny random llama with SmolLM2's tokenizer, saved where ``load_model(path)`` loads it."""
-    from tiny_models import tiny_model
-
-    from pace_bench.models import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    directory = tmp_path_factory.mktemp("tiny-model")
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_without_error(path, monkeypatch, tiny_model_dir):
+def test_notebook_runs_without_error(path, monkeypatch, tiny_llama_dir):
     pytest.importorskip("nbclient")
-    monkeypatch.setenv("PACE_EXAMPLES_MODEL", str(tiny_model_dir))  # the kernel inherits the environment
+    monkeypatch.setenv("PACE_EXAMPLES_MODEL", str(tiny_llama_dir))  # the kernel inherits the environment
     monkeypatch.setenv("PACE_EXAMPLES_SMALL", "1")
     notebook = _render().execute(path, timeout=300)  # raises CellExecutionError on the first failing cell
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]

@@ -26,8 +26,6 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from tiny_models import tiny_model  # noqa: E402
-
 from pace_bench.models import load_tokenizer  # noqa: E402
 from pace_hf.chat import ChatTemplate  # noqa: E402
 
@@ -48,12 +46,8 @@ DEFS = "def settle(record):\n    return record.amount * RATE\n\nRATE = 7\nWhat d
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    tokenizer = load_tokenizer("smollm2-135m")
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path, tokenizer
+def tiny_dir(tiny_llama_dir):
+    return tiny_llama_dir, load_tokenizer("smollm2-135m")
 
 
 class Server:
