@@ -740,13 +740,10 @@ def check_args(ap, args) -> None:
 
 def report(out_dir: Path) -> int:
     """``--report``: the table of every record ``out_dir`` holds."""
-    from pace_bench.records import read_jsonl, shard_paths
+    from pace_bench.suite import played
 
-    records = read_jsonl([p for p in [out_dir / "probes.jsonl", *shard_paths(out_dir)] if p.exists()])
-    if not records or not (out_dir / "run.json").exists():
-        raise SystemExit(f"pace-bench --suite bfcl-chain --report: {out_dir} holds no records (probes.jsonl) and "
-                         "run.json of a run")
-    text = header(json.loads((out_dir / "run.json").read_text())) + "\n\n" + table(records)
+    records, run = played(out_dir, "bfcl-chain", "records")
+    text = header(run) + "\n\n" + table(records)
     (out_dir / "table.md").write_text(text + "\n")
     print(text)
     return 0

@@ -748,14 +748,11 @@ def header(run: dict) -> str:
 
 def report(out_dir: Path) -> int:
     """``--report``: the table and figures of every question ``out_dir`` holds an answer to."""
-    from pace_bench.records import read_jsonl, shard_paths
+    from pace_bench.suite import played
 
-    records = read_jsonl([p for p in [out_dir / "probes.jsonl", *shard_paths(out_dir)] if p.exists()])
-    if not records or not (out_dir / "run.json").exists():
-        raise SystemExit(f"pace-bench --suite ruler --report: {out_dir} holds no answered questions (probes.jsonl) "
-                         "and run.json of a run")
+    records, run = played(out_dir, "ruler", "answered questions")
     text = table(records)
-    (out_dir / "table.md").write_text(header(json.loads((out_dir / "run.json").read_text())) + "\n\n" + text + "\n")
+    (out_dir / "table.md").write_text(header(run) + "\n\n" + text + "\n")
     paths = figures(records, out_dir)
     print(text)
     print("figures: " + ", ".join(str(p) for p in paths))

@@ -10,7 +10,8 @@ into records; what this module does is the same for every suite, so no suite cop
 - one store serves every item (host memory unless the suite builds its own; an arm with tiers spills there);
 - the table (``table.md``) is written by the suite's ``finish(records)`` once every process is done.
 
-``play_all`` is the loop; the coding runner, RULER, the repository suite and BFCL run on it.
+``play_all`` is the loop; the coding runner, RULER, the repository suite and BFCL run on it. ``played``
+reads back what a run wrote, for ``--report``.
 """
 
 from __future__ import annotations
@@ -85,4 +86,14 @@ def play_all(out_dir: Path, run: dict, kept: list[dict], work: list, play: Calla
     return records
 
 
-__all__ = ["play_all"]
+def played(out_dir: Path, suite: str, what: str) -> tuple[list[dict], dict]:
+    """``--report``'s input: every record ``out_dir`` holds (the merged log and any process's shard) and
+    the run's settings; a folder without both is refused, naming ``what`` its records are."""
+    records = read_jsonl([p for p in [out_dir / "probes.jsonl", *shard_paths(out_dir)] if p.exists()])
+    if not records or not (out_dir / "run.json").exists():
+        raise SystemExit(f"pace-bench --suite {suite} --report: {out_dir} holds no {what} (probes.jsonl) and "
+                         "run.json of a run")
+    return records, json.loads((out_dir / "run.json").read_text())
+
+
+__all__ = ["play_all", "played"]
