@@ -8,7 +8,8 @@
 #   3. the 32K sessions again at B = 4,096 (the full cache is not played again).
 #
 # On this 2-core CPU a 32K session costs about an hour for the six arms, a 64K one about two and a half:
-# many sessions' work. Each stage resumes where the last one stopped.
+# many sessions' work. Each stage resumes where the last one stopped, and the full cache's session in play
+# from the end of its last entry saved (OUT/LENGTH/progress: its keys and values, under 1 GB at 64K).
 #   bash bench/run_bfcl_chain.sh          # starts it in the background (niced); the log is OUT/run.log
 #   bash bench/run_bfcl_chain.sh          # again, after a stop or a kill: every stage resumes (--resume)
 #   bash bench/run_bfcl_chain.sh --bank   # copy what has been played so far to RESULTS (tables, records)

@@ -38,7 +38,9 @@ What is measured, per arm, at every ground-truth call (:func:`play_chain`):
 Arms are ``pace-bench --suite bfcl``'s (the registry's caches; ``pace`` plans with :class:`TurnPlanner`
 from the conversation alone, ``pace_retrieval`` restores what each turn's words match), each at every
 budget of ``--budgets`` (the full cache reads none, so it is played once). One record per (session, arm,
-budget) in ``probes.jsonl``; ``--resume`` plays only what is missing, under ``accelerate launch`` too.
+budget) in ``probes.jsonl``; ``--resume`` plays only what is missing, under ``accelerate launch`` too, and
+the full cache, whose 64K session costs hours, takes up a killed session where it saved its progress
+(``OUT/progress``, :class:`Progress`).
 ``table.md`` (:func:`table`): per budget, every arm's call NLL ratio to the full cache with a bootstrap 95%
 interval over entries, top-1 accuracy, free-running call accuracy, the full cache's correct calls kept, the
 tool docs resident, the entry-by-entry sign tests of PACE against H2O and SnapKV, and the cost.
@@ -52,6 +54,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -418,10 +421,77 @@ def _full_cache_through_pace_attention(model, cache):
         model.set_attn_implementation(before)
 
 
+class Progress:
+    """The full cache's progress through one session, saved at the end of an entry (at most once every
+    ``every`` seconds) and read back when the same session is played again: a 64K session costs the full
+    cache hours, and a run killed in its middle then loses at most ``every`` seconds of it. Only the full
+    cache saves, since its state is its keys and values; an evicting arm's session is short beside it, and
+    its state is the whole cache. A file is read only under the key of the session, arm and settings it
+    was written for, and only if the token prefix it holds is the one the replayed conversation has: a
+    stale, foreign or unreadable file is said and ignored (the session starts over), never trusted."""
+
+    def __init__(self, path: Path | None, key: str, every: float):
+        self.path, self.key, self.every = path, key, every
+        self.saved = time.monotonic()
+
+    def load(self) -> dict | None:
+        if self.path is None or not self.path.exists():
+            return None
+        try:
+            state = torch.load(self.path, weights_only=True)
+        except Exception as e:  # a kill mid-write leaves the .tmp, not this; any damage is still refused
+            return self._ignore(f"unreadable ({type(e).__name__}: {e})")
+        if not isinstance(state, dict) or state.get("key") != self.key:
+            return self._ignore("written for another session, arm or settings")
+        return state
+
+    def matches(self, state: dict, ids: list[int]) -> bool:
+        """Whether the conversation replayed to the saved entry holds the token prefix the saved keys are of."""
+        if len(ids) >= state["done"] and _digest(ids[:state["done"]]) == state["prefix"]:
+            return True
+        self._ignore("its tokens are not this conversation's")
+        return False
+
+    def save(self, make_state) -> None:
+        if self.path is None or time.monotonic() - self.saved < self.every:
+            return
+        state = {"key": self.key, **make_state()}
+        partial = self.path.with_name(self.path.name + ".tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, partial)
+            os.replace(partial, self.path)
+        except OSError as e:  # a full disk costs the checkpoint, never the session
+            partial.unlink(missing_ok=True)
+            print(f"bfcl-chain: could not save the progress of {self.path.stem} ({e}): playing on without it",
+                  file=sys.stderr)
+        self.saved = time.monotonic()
+
+    def drop(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+    def _ignore(self, why: str) -> None:
+        print(f"bfcl-chain: {self.path} ignored: {why}; the session starts over", file=sys.stderr)
+        return None
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def _progress_key(model, session: "ChainSession", arm: str, s: ChainSettings, probes: bool) -> str:
+    what = {"session": session.session_id, "entries": [e["id"] for e in session.entries], "arm": arm,
+            "model": model.config._name_or_path, "dtype": str(model.dtype), "chunk": s.chunk,
+            "probe_tokens": s.probe_tokens, "probes": probes, "system": _digest(session.template.system_ids)}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | None, s: ChainSettings,
-               store=None, probes: bool = True) -> dict:
+               store=None, probes: bool = True, progress_dir: Path | None = None, progress_every: float = 600.0) -> dict:
     """Play ``session`` along its ground truth with ``arm``'s cache (at ``budget``; None for the full cache);
-    the record."""
+    the record. With ``progress_dir``, the full cache saves its progress there (:class:`Progress`) and
+    resumes from what an earlier, killed play of the same session saved."""
     from pace_hf import EvictionCache
     from pace_hf.memory.retrieval import PageRetriever
     from pace_bench.readings import full_cache_bytes, peak_cache_bytes
@@ -446,9 +516,26 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
     calls, judged, planned = [], [], []
     probe_seconds = 0.0
     stop_ids = template.stop_ids()
+    progress = Progress(None if progress_dir is None or arm != "full" else Path(progress_dir) / f"{sid}.pt",
+                        _progress_key(model, session, arm, s, probes), progress_every)
+    saved, skip = progress.load(), 0
+    if saved is not None:  # the entries it covers, replayed without a forward: the same messages, the same ids
+        replayed = bfcl.Conversation(template)
+        for entry in session.entries[:saved["entries"]]:
+            _replay(replayed, entry_turns(entry, template, docs, f"{arm}{budget}"), template)
+        if progress.matches(saved, replayed.ids):
+            conversation, skip = replayed, saved["entries"]
+            prefill.done, prefill.targets, prefill.nll = saved["done"], saved["targets"], saved["nll"]
+            prefill.seconds, probe_seconds = saved["prefill_seconds"], saved["probe_seconds"]
+            calls, judged = saved["calls"], saved["judged"]
+            started -= saved["seconds"]  # the record's seconds count every play of the session
+            cpu_started -= saved["cpu_seconds"]
     try:
         with peak_cache_bytes(model, cache) as peak, _full_cache_through_pace_attention(model, cache):
-            for e, entry in enumerate(session.entries):
+            if skip:
+                for layer, (keys, values) in enumerate(saved["kv"]):
+                    cache.update(keys, values, layer)
+            for e, entry in enumerate(session.entries[skip:], skip):
                 turns = entry_turns(entry, template, docs, f"{arm}{budget}")
                 backends = None
                 try:
@@ -486,6 +573,12 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
                 finally:
                     if backends is not None:
                         backends.close()
+                progress.save(lambda: {
+                    "entries": e + 1, "done": prefill.done, "prefix": _digest(conversation.ids[:prefill.done]),
+                    "targets": prefill.targets, "nll": prefill.nll, "calls": calls, "judged": judged,
+                    "kv": [(layer.keys, layer.values) for layer in cache.layers],
+                    "prefill_seconds": prefill.seconds, "probe_seconds": probe_seconds,
+                    "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu_started})
             prefill.to(conversation.ids, len(conversation.ids))
     finally:
         if use_store is not None:
@@ -514,7 +607,26 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
         record["planned"] = {k: sum(p.get(k, 0) for p in planned) for k in planned[0]}
     if isinstance(cache, EvictionCache) and use_store is not None:
         record["restored_tokens"] = cache.tier_stats.get("retrieval_tokens_restored", 0)
+    if skip:
+        record["resumed_after_entries"] = skip
+    progress.drop()
     return record
+
+
+def _replay(conversation, turns, template) -> None:
+    """An entry's messages added as ``play_chain`` adds them, with no forward, no plan and no probe."""
+    backends = None
+    try:
+        for turn in turns:
+            backends = turn.backends
+            conversation.add("user", turn.user.content, turn.user.ids)
+            if turn.assistant is not None:
+                conversation.add("assistant", turn.assistant.content, turn.assistant.ids)
+            for out in turn.outputs(template):
+                conversation.add("tool", out.content, out.ids)
+    finally:
+        if backends is not None:
+            backends.close()
 
 
 def stale(records: list[dict], arms, plan) -> list[dict]:
@@ -773,6 +885,8 @@ def main(argv=None) -> int:
             print(f"pace-bench --suite bfcl-chain: --resume: {len(other)} record(s) of PACE's arms played another "
                   f"--plan or layout: played again with {args.plan}, {LAYOUT}", file=sys.stderr)
         records = [r for r in records if not any(r is o for o in other)]
+    elif state.is_main_process:  # a run that starts over starts every session over (before play_all's barrier)
+        shutil.rmtree(out_dir / "progress", ignore_errors=True)
     done = {(r["session_id"], r["arm"], r["budget"]) for r in records}
     model, tokenizer = load_model(args.model, dtype=dtype)
     model.to(state.device)
@@ -796,7 +910,8 @@ def main(argv=None) -> int:
                 f"NLL/token {nll / max(tok, 1):.3f} first calls right {right}/{len(r['probes'])} {r['seconds']:.0f}s")
 
     play_all(out_dir, run, records, [item for item in order if (item[0].session_id, *item[1:]) not in done],
-             lambda item, store: [play_chain(model, tokenizer, item[0], item[1], item[2], s, store, args.probes)],
+             lambda item, store: [play_chain(model, tokenizer, item[0], item[1], item[2], s, store, args.probes,
+                                             progress_dir=out_dir / "progress")],
              rank=lambda r: rank.get((r["session_id"], r["arm"], r["budget"]), len(rank)),
              describe=describe, desc="bfcl-chain sessions x arms x budgets", finish=finish)
     return 0

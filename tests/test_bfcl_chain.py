@@ -163,6 +163,47 @@ def test_nll_is_taken_over_the_call_tokens_only(model_and_tokenizer):
     assert len(record["probes"]) == sum(1 for e in chain.entries for t in e["ground_truth"] if t)
 
 
+def test_a_killed_full_session_resumes_where_it_saved(model_and_tokenizer, tmp_path, monkeypatch, capsys):
+    """The full cache saves its progress at each entry's end; a play killed in the third entry takes up from
+    the second's end, and its record equals an uninterrupted play's (NLL, top-1 and probes, bit for bit). A
+    file of other settings, or a damaged one, is said and ignored: the session starts over, nothing is lost."""
+    model, tok = model_and_tokenizer
+    chain, = bfcl_chain.draw_chains(tok, tokens=60000, sessions=1, seed=3, pool=_pool())
+    s = bfcl_chain.ChainSettings(limit=4096, chunk=512, probe_tokens=4)
+    whole = bfcl_chain.play_chain(model, tok, chain, "full", None, s)
+    same = lambda r: {k: r[k] for k in ("calls", "probes", "trajectory", "tokens", "peak_cache_bytes")}  # noqa: E731
+    real = bfcl_chain.entry_turns
+
+    def killed(settings):
+        def in_the_third_entry(entry, *args):
+            if entry is chain.entries[2]:
+                raise KeyboardInterrupt
+            return real(entry, *args)
+
+        monkeypatch.setattr(bfcl_chain, "entry_turns", in_the_third_entry)
+        with pytest.raises(KeyboardInterrupt):
+            bfcl_chain.play_chain(model, tok, chain, "full", None, settings, progress_dir=tmp_path, progress_every=0)
+        monkeypatch.setattr(bfcl_chain, "entry_turns", real)
+        saved, = tmp_path.glob("*.pt")
+        return saved
+
+    killed(s)
+    resumed = bfcl_chain.play_chain(model, tok, chain, "full", None, s, progress_dir=tmp_path, progress_every=0)
+    assert resumed["resumed_after_entries"] == 2 and same(resumed) == same(whole)
+    assert not list(tmp_path.iterdir())  # the record is whole: its progress is gone
+    capsys.readouterr()
+
+    killed(bfcl_chain.ChainSettings(limit=4096, chunk=512, probe_tokens=5))  # another run's file
+    again = bfcl_chain.play_chain(model, tok, chain, "full", None, s, progress_dir=tmp_path, progress_every=0)
+    assert "ignored: written for another session, arm or settings" in capsys.readouterr().err
+    assert "resumed_after_entries" not in again and same(again) == same(whole)
+
+    killed(s).write_bytes(b"not a checkpoint")  # a damaged file
+    again = bfcl_chain.play_chain(model, tok, chain, "full", None, s, progress_dir=tmp_path, progress_every=0)
+    assert "ignored: unreadable" in capsys.readouterr().err
+    assert "resumed_after_entries" not in again and same(again) == same(whole)
+
+
 def test_pace_plans_its_thread_and_says_which_plan(model_and_tokenizer):
     """The chained suite's plan (tool docs, mentions, thread) is the record's, and each turn's thread is
     planned within its share of B."""
