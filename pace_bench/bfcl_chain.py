@@ -456,7 +456,7 @@ class Progress:
         if self.path is None or time.monotonic() - self.saved < self.every:
             return
         state = {"key": self.key, **make_state()}
-        partial = self.path.with_name(self.path.name + ".tmp")
+        partial = self._partial()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, partial)
@@ -470,6 +470,10 @@ class Progress:
     def drop(self) -> None:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
+            self._partial().unlink(missing_ok=True)  # what a kill in the middle of a save left
+
+    def _partial(self) -> Path:
+        return self.path.with_name(self.path.name + ".tmp")
 
     def _ignore(self, why: str) -> None:
         print(f"bfcl-chain: {self.path} ignored: {why}; the session starts over", file=sys.stderr)
