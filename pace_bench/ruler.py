@@ -45,8 +45,8 @@ generate them again). ``--report`` plays nothing and writes the table and figure
 what ``--out`` holds so far, a run still going included.
 
 Contexts are independent, so several processes can share the (context, arm) pairs, as in the coding
-runner: under ``accelerate launch`` each process plays a disjoint share
-(``PartialState.split_between_processes``) into ``probes.rank{N}.jsonl``, and the main process merges
+runner: under ``accelerate launch`` each process takes the next pair nobody has taken
+(``pace_bench.suite.claim_in_order``), plays it into ``probes.rank{N}.jsonl``, and the main process merges
 them (``pace_bench.records``).
 """
 

@@ -9,9 +9,9 @@ Markdown table shaped like the paper's Table 2 and the paper's Figures 1 and 3
     PACE_ALLOW_CODE_EVAL=1 pace-bench --arms h2o,pace --sessions 3 --tokens 49152 --out runs/48k
 
 Sessions are independent, so several processes can share the (arm, session) pairs; launched with
-accelerate, each process plays a disjoint share (``PartialState.split_between_processes``), writes
-``probes.rank{N}.jsonl``, and the main process merges them into ``probes.jsonl``, the table and the
-figures:
+accelerate, each process takes the next pair nobody has taken (``pace_bench.suite.claim_in_order``),
+writes ``probes.rank{N}.jsonl``, and the main process merges them into ``probes.jsonl``, the table and
+the figures:
 
     PACE_ALLOW_CODE_EVAL=1 accelerate launch --multi_gpu --num_processes 2 -m pace_bench --sessions 3 ...
 """

@@ -5,8 +5,10 @@ into records; what this module does is the same for every suite, so no suite cop
 - ``probes.jsonl`` in ``--out`` holds every record; ``--resume`` keeps the records of a run with the same
   settings (the suite decides which are kept) and plays only what is missing;
 - ``run.json`` holds the settings, written before the first new item starts;
-- under ``accelerate launch`` the items are dealt to the processes, each writes
-  ``probes.rank{N}.jsonl``, and the main process merges them in the order the items were dealt;
+- under ``accelerate launch`` a process takes the next item nobody has taken whenever it is free
+  (:func:`claim_in_order`: one item of hours among items of minutes leaves no process idle while
+  another still has a queue), writes ``probes.rank{N}.jsonl``, and the main process merges them in
+  the order of the items;
 - one store serves every item (host memory unless the suite builds its own; an arm with tiers spills there);
 - the table (``table.md``) is written by the suite's ``finish(records)`` once every process is done.
 
@@ -16,6 +18,7 @@ reads back what a run wrote, for ``--report``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 import time
@@ -31,8 +34,8 @@ def play_all(out_dir: Path, run: dict, kept: list[dict], work: list, play: Calla
              finish: Callable[[list[dict]], None], new_store: Callable[[], object] | None = None) -> list[dict]:
     """Play ``work`` (the items not yet in ``kept``), writing each record as it comes; returns every record.
 
-    ``play(item, store)`` yields the item's records; ``rank(record)`` orders the merged records (the order
-    the items were dealt); ``describe(record)`` is the progress line; ``finish(records)`` writes the table
+    ``play(item, store)`` yields the item's records; ``rank(record)`` orders the merged records (the items'
+    order); ``describe(record)`` is the progress line; ``finish(records)`` writes the table
     (main process only); ``new_store()`` builds the store the items share (default: host memory; it may
     return None: no store)."""
     from tqdm.auto import tqdm
@@ -50,16 +53,19 @@ def play_all(out_dir: Path, run: dict, kept: list[dict], work: list, play: Calla
         for path in shard_paths(out_dir):
             path.unlink()
         (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+        if sharded:
+            claims_path(out_dir).write_text("")  # nothing taken yet: a resumed run plays what the records lack
     state.wait_for_everyone()
     shard = out_dir / f"probes.rank{state.process_index}.jsonl" if sharded else log_path
     store = new_store() if new_store is not None else TieredStore([HostTier()])
     try:
-        with state.split_between_processes(work) as mine, open(shard, "w" if sharded else "a") as log:
+        with open(shard, "w" if sharded else "a") as log:
+            mine = claim_in_order(work, claims_path(out_dir), state.process_index) if sharded else enumerate(work)
             label = desc + (f" (process {state.process_index})" if sharded else "")
             started = time.monotonic()
             # off a terminal the bar is off (a log keeps its every redraw): a line per item says the same
-            for done, item in enumerate(tqdm(mine, desc=label, unit="item", position=state.process_index,
-                                             disable=not on_terminal()), 1):
+            for done, (at, item) in enumerate(tqdm(mine, total=None if sharded else len(work), desc=label, unit="item",
+                                                   position=state.process_index, disable=not on_terminal()), 1):
                 for r in play(item, store):
                     if sharded:
                         r["process"] = state.process_index
@@ -67,23 +73,45 @@ def play_all(out_dir: Path, run: dict, kept: list[dict], work: list, play: Calla
                     log.flush()
                     records.append(r)
                     tqdm.write((f"[{state.process_index}] " if sharded else "") + describe(r))
-                if not on_terminal():
-                    elapsed = time.monotonic() - started
-                    tqdm.write(f"{label}: {done}/{len(mine)} done in {clock(elapsed)}, "
-                               f"~{time_left(elapsed, done, len(mine))} left", file=sys.stderr)
+                if not on_terminal():  # the items after this one, shared by the processes at this one's rate
+                    elapsed, after = time.monotonic() - started, (len(work) - at - 1) / state.num_processes
+                    count = f"{done} (item {at + 1} of {len(work)})" if sharded else f"{done}/{len(work)}"
+                    tqdm.write(f"{label}: {count} done in {clock(elapsed)}, ~{time_left(elapsed, done, done + after)} left",
+                               file=sys.stderr)
     finally:
         if store is not None:
             store.close()
     state.wait_for_everyone()
     if state.is_main_process:
-        if sharded:  # the kept records, then each process's share, in the order the items were dealt
+        if sharded:  # the kept records and each process's, in the items' order
             records = sorted(read_jsonl([log_path, *shard_paths(out_dir)]), key=rank)
             write_jsonl(log_path, records)
             for path in shard_paths(out_dir):
                 path.unlink()
+            claims_path(out_dir).unlink(missing_ok=True)
         finish(records)
     state.wait_for_everyone()
     return records
+
+
+def claims_path(out_dir: Path) -> Path:
+    """Where a sharded run's processes take their items (one line an item taken, in order)."""
+    return out_dir / "claims"
+
+
+def claim_in_order(work: list, path: Path, who: int):
+    """``(index, item)`` of ``work``, each to the first process that asks: the next item nobody has taken,
+    under an exclusive lock on ``path`` (``flock``: every process of the run sees one count). Every process
+    holds the same ``work``, as it computed it from the same records."""
+    while True:
+        with open(path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+            f.seek(0)
+            taken = len(f.read().splitlines())
+            if taken >= len(work):
+                return
+            f.write(f"{taken} {who}\n")
+        yield taken, work[taken]
 
 
 def played(out_dir: Path, suite: str, what: str) -> tuple[list[dict], dict]:
@@ -96,4 +124,4 @@ def played(out_dir: Path, suite: str, what: str) -> tuple[list[dict], dict]:
     return records, json.loads((out_dir / "run.json").read_text())
 
 
-__all__ = ["play_all", "played"]
+__all__ = ["claim_in_order", "play_all", "played"]

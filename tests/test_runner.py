@@ -1,6 +1,7 @@
 """The benchmark runner: arms, ledger readings, the table, and a brief real-model run."""
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -454,8 +455,9 @@ def _tiny_model_dir(path):
 def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, code_eval_allowed):
     """One process plays a session with 3 arms; the log is then cut as a sharded run stopped midway would
     leave it (two shards, one pair cut short, one not started); `accelerate launch` with 2 CPU
-    processes resumes: the complete pairs are kept as they were, the other two are played, one per
-    process, and the main process merges everything into probes.jsonl, the table and the figures."""
+    processes resumes: the complete pairs are kept as they were, the other two are played, each whole by
+    the process that took it, and the main process merges everything into probes.jsonl, the table and
+    the figures."""
     import socket
     import subprocess
     import sys
@@ -487,8 +489,9 @@ def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, code_eva
         (r["arm"], r["session_id"], r["probe"]) for r in first]  # every pair once, in the order dealt
     assert [r["answer"] for r in merged[:3]] == ["KEPT"] * 3 and "process" not in merged[0]
     assert "CUT" not in {r["answer"] for r in merged}
-    assert [r["process"] for r in merged[3:]] == [0] * 3 + [1] * 3  # one new pair per process
-    assert not list(out.glob("probes.rank*.jsonl")) and not list(out.glob("*.tmp"))
+    new = [r["process"] for r in merged[3:]]
+    assert len(set(new[:3])) == len(set(new[3:])) == 1 and set(new) <= {0, 1}  # a pair is one process's
+    assert not list(out.glob("probes.rank*.jsonl")) and not list(out.glob("*.tmp")) and not (out / "claims").exists()
     assert json.loads((out / "run.json").read_text())["num_processes"] == 2
     assert "| pace |" in (out / "table.md").read_text()
     assert (out / "fig1_checks_vs_distance.png").stat().st_size > 0
@@ -560,6 +563,34 @@ def test_spill_cap_reaches_every_evicting_arms_cache_with_a_store():
             cache = make_cache(arm, None, Blueprint(), settings, store=store, session_id=f"cap-{arm}")
             assert cache.spill_cap_bytes == 3 << 20, arm
     assert make_cache("pace", None, Blueprint(), settings).spill_cap_bytes is None  # no store: nothing spills
+
+
+def test_processes_take_the_next_item_nobody_has_taken(tmp_path):
+    """A sharded run's processes take the items in order, each item once, whoever asks first: a process held
+    by a long item leaves the rest to the others, instead of a fixed half each. (Threads stand in for the
+    processes: ``flock`` locks each open of the file, whoever opened it.)"""
+    import threading
+
+    from pace_bench.suite import claim_in_order
+
+    path, work = tmp_path / "claims", [f"item {i}" for i in range(40)]
+    path.write_text("")
+    taken: dict[int, list] = {0: [], 1: [], 2: []}
+
+    def process(who):
+        for at, item in claim_in_order(work, path, who):
+            assert item == work[at]
+            taken[who].append(at)
+            time.sleep(2.0 if who == 0 and at == taken[0][0] else 0.001)  # process 0's first item is long
+
+    threads = [threading.Thread(target=process, args=(who,)) for who in taken]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(sum(taken.values(), [])) == list(range(40))
+    assert len(taken[0]) <= 2 and taken[1] and taken[2]  # a fixed share would have held 13 items behind the long one
+    assert [int(line.split()[0]) for line in path.read_text().splitlines()] == list(range(40))
 
 
 def test_off_a_terminal_progress_is_plain_lines_with_the_time_left(tmp_path, capsys):
