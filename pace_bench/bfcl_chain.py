@@ -595,7 +595,7 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
     record = {"session_id": session.session_id, "arm": arm, "budget": budget, "probe": 0,
               "entries": [e["id"] for e in session.entries], "tokens": tokens,
               "system_tokens": len(template.system_ids), "tools_native": session.native,
-              "trajectory": hashlib.sha256(json.dumps(conversation.ids).encode()).hexdigest()[:16],
+              "trajectory": _digest(conversation.ids),
               "calls": calls, "probes": judged,
               "peak_cache_bytes": peak["bytes"], "full_cache_bytes": full_cache_bytes(model, tokens),
               "prefill_seconds": round(prefill.seconds, 2), "probe_seconds": round(probe_seconds, 2),
