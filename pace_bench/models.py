@@ -390,23 +390,37 @@ def _load_packaged(name: str, dtype: torch.dtype, cache_dir, use_dense_cache: bo
     _note(f"the first load of {name} in {ident['dtype']} converts its GGUF to dense tensors (1-2 minutes on an idle "
           f"2-core CPU, longer under load) and keeps them in {dense.parent}; later loads take seconds")
     model, tokenizer = _load_gguf(directory, filename, dtype, **kwargs)
-    try:
-        import shutil
+    if _keep_dense(model, tokenizer, ident, dense):
+        _note(f"kept {sum(f.stat().st_size for f in dense.iterdir()) / 1e9:.1f} GB in {dense}")
+    return model, tokenizer
 
+
+def _keep_dense(model, tokenizer, ident: dict, dense: Path) -> bool:
+    """Save the converted model and tokenizer as ``dense``, whole or not at all: written to a
+    temporary directory, checked, then renamed. A save that wrote no weights is not kept: under
+    ``torch.distributed`` (accelerate's processes) transformers writes a model's files on rank 0
+    only, so another rank's save holds just the tokenizer, and renamed first it would leave a copy
+    that no loader can read. False when nothing was kept (that case, another process won the
+    race, or the cache is read-only)."""
+    import shutil
+
+    try:
         dense.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=dense.name + ".", suffix=".partial", dir=dense.parent))
-        try:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            (tmp / "pace_hf_source.json").write_text(json.dumps(ident, indent=1, sort_keys=True))
-            os.replace(tmp, dense)
-            _note(f"kept {sum(f.stat().st_size for f in dense.iterdir()) / 1e9:.1f} GB in {dense}")
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    except OSError:  # another process won the race, or the cache is read-only: fine
-        pass
-    return model, tokenizer
+    except OSError:
+        return False
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if not (tmp / "config.json").is_file() or not any(tmp.glob("*.safetensors")):
+            return False
+        (tmp / "pace_hf_source.json").write_text(json.dumps(ident, indent=1, sort_keys=True))
+        os.replace(tmp, dense)
+        return True
+    except OSError:
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def preferred_dtype(device: str = "cpu") -> torch.dtype:

@@ -128,3 +128,49 @@ def test_qwen_default_loads_and_answers():
     assert model.config.num_hidden_layers == 24
     text = _greedy(model, tok, "What is 2 + 3? Answer with the number only.", max_new_tokens=6)
     assert "5" in text
+
+
+_KEEP_DENSE_RANK = """
+import os, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer, models as tm
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from pace_bench.models import _keep_dense
+
+dist.init_process_group("gloo", init_method="env://")
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1))
+tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tm.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")))
+kept = _keep_dense(model, tokenizer, {"rank": dist.get_rank()}, Path(sys.argv[1]) / f"dense{dist.get_rank()}")
+print("kept" if kept else "not kept")
+dist.destroy_process_group()
+"""
+
+
+def test_dense_copy_is_kept_whole_or_not_at_all_under_distributed(tmp_path):
+    """Under accelerate's processes transformers writes a model's files on rank 0 only: another rank's
+    save must keep nothing, not a copy with a tokenizer and no weights that every later load trips on."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    script = tmp_path / "rank.py"
+    script.write_text(_KEEP_DENSE_RANK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
+             for rank in (0, 1)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs == ["kept", "not kept"]
+    assert not (tmp_path / "dense1").exists() and not list(tmp_path.glob("*.partial"))
+    AutoModelForCausalLM.from_pretrained(tmp_path / "dense0")  # rank 0's copy is whole
