@@ -205,6 +205,24 @@ def entry_turns(entry: dict, template, docs: dict[str, dict], tag: str):
         yield Turn(entry, t, user, calls, list(truth), calls_block(template, calls, docs) if calls else None, backends)
 
 
+def entry_messages(entry: dict, template, docs: dict[str, dict], tag: str):
+    """``(role, turn, block)`` for each message of ``entry``, in the order a session adds them: a turn's user
+    message, its ground-truth calls, then their real outputs (run only when reached, after the calls). The
+    entry's backends are closed at the end, or when the generator is closed (use ``contextlib.closing``)."""
+    backends = None
+    try:
+        for turn in entry_turns(entry, template, docs, tag):
+            backends = turn.backends
+            yield "user", turn, turn.user
+            if turn.assistant is not None:
+                yield "assistant", turn, turn.assistant
+            for out in turn.outputs(template):
+                yield "tool", turn, out
+    finally:
+        if backends is not None:
+            backends.close()
+
+
 # -- sessions ------------------------------------------------------------------------------------------------
 
 
@@ -236,16 +254,8 @@ def session_template(tokenizer, classes: list[str], system: str | None):
 
 def entry_tokens(entry: dict, template, docs: dict[str, dict]) -> int:
     """The tokens ``entry`` adds to a session (its turns, calls and real outputs)."""
-    n = 0
-    turns = list(entry_turns(entry, template, docs, "draw"))
-    try:
-        for turn in turns:
-            n += len(turn.user.ids) + (len(turn.assistant.ids) if turn.assistant else 0)
-            n += sum(len(b.ids) for b in turn.outputs(template))
-    finally:
-        if turns:
-            turns[0].backends.close()
-    return n
+    with contextlib.closing(entry_messages(entry, template, docs, "draw")) as messages:
+        return sum(len(block.ids) for _, _, block in messages)
 
 
 def _twin(entry: dict) -> str:
@@ -526,7 +536,9 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
     if saved is not None:  # the entries it covers, replayed without a forward: the same messages, the same ids
         replayed = bfcl.Conversation(template)
         for entry in session.entries[:saved["entries"]]:
-            _replay(replayed, entry_turns(entry, template, docs, f"{arm}{budget}"), template)
+            with contextlib.closing(entry_messages(entry, template, docs, f"{arm}{budget}")) as messages:
+                for role, _, block in messages:
+                    replayed.add(role, block.content, block.ids)
         if progress.matches(saved, replayed.ids):
             conversation, skip = replayed, saved["entries"]
             prefill.done, prefill.targets, prefill.nll = saved["done"], saved["targets"], saved["nll"]
@@ -540,20 +552,9 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
                 for layer, (keys, values) in enumerate(saved["kv"]):
                     cache.update(keys, values, layer)
             for e, entry in enumerate(session.entries[skip:], skip):
-                turns = entry_turns(entry, template, docs, f"{arm}{budget}")
-                backends = None
-                try:
-                    for turn in turns:
-                        backends = turn.backends
-                        message = conversation.add("user", turn.user.content, turn.user.ids)
-                        if isinstance(cache, EvictionCache):
-                            cache.step = conversation.step
-                        if planner is not None:
-                            planned.append(planner.plan(conversation, cache, message))
-                        if retriever is not None:
-                            cache.retrieve(message.content, conversation.ids[:message.start], retriever=retriever)
-                        if turn.assistant is not None:
-                            block = turn.assistant
+                with contextlib.closing(entry_messages(entry, template, docs, f"{arm}{budget}")) as messages:
+                    for role, turn, block in messages:
+                        if role == "assistant":
                             at = len(conversation.ids)
                             for k, (a, b) in enumerate(block.call_spans):
                                 calls.append([e, turn.index, k, 0, 0.0, 0, None])
@@ -571,12 +572,14 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
                                              tokenizer=tokenizer, names=docs)
                                 probe_seconds += time.perf_counter() - t0
                                 judged.append([e, turn.index, judge(text, turn, docs)])
-                            conversation.add("assistant", block.content, block.ids)
-                        for out in turn.outputs(template):
-                            conversation.add("tool", out.content, out.ids)
-                finally:
-                    if backends is not None:
-                        backends.close()
+                        message = conversation.add(role, block.content, block.ids)
+                        if role == "user":
+                            if isinstance(cache, EvictionCache):
+                                cache.step = conversation.step
+                            if planner is not None:
+                                planned.append(planner.plan(conversation, cache, message))
+                            if retriever is not None:
+                                cache.retrieve(message.content, conversation.ids[:message.start], retriever=retriever)
                 progress.save(lambda: {
                     "entries": e + 1, "done": prefill.done, "prefix": _digest(conversation.ids[:prefill.done]),
                     "targets": prefill.targets, "nll": prefill.nll, "calls": calls, "judged": judged,
@@ -615,22 +618,6 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
         record["resumed_after_entries"] = skip
     progress.drop()
     return record
-
-
-def _replay(conversation, turns, template) -> None:
-    """An entry's messages added as ``play_chain`` adds them, with no forward, no plan and no probe."""
-    backends = None
-    try:
-        for turn in turns:
-            backends = turn.backends
-            conversation.add("user", turn.user.content, turn.user.ids)
-            if turn.assistant is not None:
-                conversation.add("assistant", turn.assistant.content, turn.assistant.ids)
-            for out in turn.outputs(template):
-                conversation.add("tool", out.content, out.ids)
-    finally:
-        if backends is not None:
-            backends.close()
 
 
 def stale(records: list[dict], arms, plan) -> list[dict]:
