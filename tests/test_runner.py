@@ -576,20 +576,28 @@ def test_processes_take_the_next_item_nobody_has_taken(tmp_path):
     path, work = tmp_path / "claims", [f"item {i}" for i in range(40)]
     path.write_text("")
     taken: dict[int, list] = {0: [], 1: [], 2: []}
+    holding, others_done = threading.Event(), threading.Event()
 
     def process(who):
         for at, item in claim_in_order(work, path, who):
             assert item == work[at]
             taken[who].append(at)
-            time.sleep(2.0 if who == 0 and at == taken[0][0] else 0.001)  # process 0's first item is long
+            if who == 0:  # process 0's first item is long: it ends only after the others have run out
+                holding.set()
+                assert others_done.wait(60)
 
-    threads = [threading.Thread(target=process, args=(who,)) for who in taken]
-    for t in threads:
+    zero = threading.Thread(target=process, args=(0,))
+    zero.start()
+    assert holding.wait(60)
+    others = [threading.Thread(target=process, args=(who,)) for who in (1, 2)]
+    for t in others:
         t.start()
-    for t in threads:
+    for t in others:
         t.join()
-    assert sorted(sum(taken.values(), [])) == list(range(40))
-    assert len(taken[0]) <= 2 and taken[1] and taken[2]  # a fixed share would have held 13 items behind the long one
+    others_done.set()
+    zero.join()
+    assert taken[0] == [0]  # a fixed share would have held 13 items behind the long one
+    assert sorted(taken[1] + taken[2]) == list(range(1, 40))
     assert [int(line.split()[0]) for line in path.read_text().splitlines()] == list(range(40))
 
 
