@@ -131,7 +131,7 @@ def test_qwen_default_loads_and_answers():
 
 
 _KEEP_DENSE_RANK = """
-import os, sys
+import sys
 from pathlib import Path
 import torch
 import torch.distributed as dist

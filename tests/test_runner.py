@@ -1,7 +1,6 @@
 """The benchmark runner: arms, ledger readings, the table, and a brief real-model run."""
 
 import json
-import time
 from types import SimpleNamespace
 
 import pytest
