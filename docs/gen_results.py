@@ -161,7 +161,7 @@ def _settings(folder: Path) -> str:
     rows = "\n".join("| `" + k + "` | `" + json.dumps(v).replace("|", "\\|") + "` |" for k, v in settings.items() if k != "command")
     if not rows:
         return ""
-    return f'??? note "Settings (`run.json`)"\n\n    | setting | value |\n    |---|---|\n' + \
+    return '??? note "Settings (`run.json`)"\n\n    | setting | value |\n    |---|---|\n' + \
         "\n".join("    " + r for r in rows.splitlines()) + "\n"
 
 

@@ -742,7 +742,7 @@ def table(records: list[dict]) -> str:
                     ratio = f"{r_:.3f} [{lo:.3f}, {hi:.3f}]"
                 full_right = kept_right = 0
                 for r, f in _paired(records, arm, budget):
-                    for (e, t, mine), (_, _, theirs) in zip(r["probes"], f["probes"]):
+                    for (_, _, mine), (_, _, theirs) in zip(r["probes"], f["probes"]):
                         full_right += theirs["args"]
                         kept_right += theirs["args"] and mine["args"]
                 kept = f"{kept_right}/{full_right}" if full_right else "0/0"

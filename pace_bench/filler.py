@@ -137,7 +137,7 @@ class FillerStream:
             acc += len(line)
         counts = [0] * len(self.lines)
         li = 0
-        for s, e in enc["offset_mapping"]:
+        for s, _ in enc["offset_mapping"]:
             while li + 1 < len(starts) and starts[li + 1] <= s:
                 li += 1
             counts[li] += 1

@@ -169,7 +169,7 @@ def test_one_entry_plays_end_to_end_and_resumes(model_dir, tmp_path, monkeypatch
     assert pace["peak_cache_bytes"] < full["peak_cache_bytes"]  # B=256 of about 6K tokens
     assert all(p["planned_tool_tokens"] > 0 for p in pace["planned"])
     table = (out / "table.md").read_text()
-    assert "**multi_turn_base**" in table and f"| pace | 1 | 1/1 = 100%" in table
+    assert "**multi_turn_base**" in table and "| pace | 1 | 1/1 = 100%" in table
     calls = sum(len(turn) for turn in truth)
     assert f"| {len(truth)}/{len(truth)} (100%) | {calls}/{calls} (100%) | 1/1 |" in table  # fidelity, calls, passes kept
     assert main(argv + ["--resume"]) == 0  # both pairs kept: nothing played

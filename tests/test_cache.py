@@ -833,7 +833,7 @@ def test_the_bonus_table_gives_every_token_its_largest_spans_bonus():
                 out = torch.where(inside, out.clamp_min(float(bonus(reader, step))), out)
         return out
 
-    for trial in range(20):
+    for _ in range(20):
         spans = []
         for _ in range(int(torch.randint(1, 12, (1,), generator=g))):
             start = int(torch.randint(0, 300, (1,), generator=g))

@@ -4,7 +4,6 @@ time, least recently saved first, never a kept session or one under a live write
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import prefill, random_ids
 from tiny_models import tiny_model
 

@@ -8,7 +8,6 @@ chunks: every greedy reply is the same on both, and no forward of the scheduling
 than one chunk beside the decoding rows.
 """
 
-import pytest
 import torch
 
 from test_serve import tiny_dir  # noqa: F401 - a fixture

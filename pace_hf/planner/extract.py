@@ -447,7 +447,7 @@ def _fragment_coverage(code: str) -> float:
     if not total:
         return 0.0
     good = 0
-    for start, block in _blocks(code):
+    for _, block in _blocks(code):
         tree = parse_python(textwrap.dedent(block))
         if tree is None:
             continue

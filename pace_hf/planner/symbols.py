@@ -190,7 +190,7 @@ class _Index:
         self.by_key = keyed(self.defined)
         self.by_bag = bagged(self.defined)
         self.heads: dict[tuple[str, str], set[str]] = {}  # names by kind and root of their last word
-        for i, d in self.entries:
+        for _, d in self.entries:
             kind = d.kind if d.owner is None else ("method" if d.kind == "method" else None)
             words = split_name(d.name)
             if kind in ("class", "function", "assignment", "method") and words:

@@ -1223,7 +1223,7 @@ def _install_audit_hook(work, read_roots, allow_processes, violations):
     _type, _str, _bytes, _int, _len, _tuple = type, str, bytes, int, len, tuple
     _PermissionError, _Exception, _getattr = PermissionError, Exception, getattr
     getcwd, fstat, collapse = os.getcwd, os.fstat, _collapse
-    getrlimit, setrlimit, exit_, get_ident = resource.getrlimit, resource.setrlimit, os._exit, _thread.get_ident
+    getrlimit, exit_, get_ident = resource.getrlimit, os._exit, _thread.get_ident
     prlimit = resource.prlimit
     harness_globals, always_denied = globals(), _ALWAYS_DENIED_ATTRS
     getframe, code_new, flag_setter = sys._getframe, _CODE_NEW, _types.coroutine.__code__
