@@ -213,10 +213,9 @@ class Server:
             time.sleep(0.1)
 
 
-def ask(server: Server, msgs: list[dict], max_tokens: int) -> dict:
-    """One streamed, greedy turn: its reply and timings. The client waits up to 6 hours: transformers serve's
-    warm-up of 16 sessions at 4K took 80 minutes on 2 cores, and 3 of its requests timed out at 1 hour."""
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=6 * 3600)
+def ask(server: Server, msgs: list[dict], max_tokens: int, timeout_s: float) -> dict:
+    """One streamed, greedy turn: its reply and timings (a request past ``timeout_s`` raises, not retried)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=timeout_s)
     t0 = time.perf_counter()
     first, text, usage, finish, chunks = None, "", None, None, 0
     stream = client.chat.completions.create(model=server.model, messages=msgs, stream=True, max_tokens=max_tokens,
@@ -281,7 +280,7 @@ def arm(kind: str, args, model_dir: Path, tokenizer, text: Text, rnd: int) -> di
                     barrier.wait()  # every session warmed up: the timed phase starts together
                 msgs.append({"role": "user", "content": text.turn(s, nxt + t) + ASK})
                 try:
-                    r = ask(server, msgs, args.max_tokens)
+                    r = ask(server, msgs, args.max_tokens, args.timeout)
                 except Exception as e:  # noqa: BLE001 - counted, the run goes on
                     errors.append(f"session {s} turn {t}: {type(e).__name__}: {e}")
                     if t == 0:
@@ -312,7 +311,7 @@ def arm(kind: str, args, model_dir: Path, tokenizer, text: Text, rnd: int) -> di
         shutil.rmtree(work, ignore_errors=True)
         scrub(log, {str(model_dir): "MODEL_DIR", str(work): "WORK", str(Path.home()): "~"})
     timed = [r for r in records if r["turn"] >= 1]
-    warm = [r for r in records if r["turn"] == 0]
+    warm_prompts = [r["prompt"] for r in records if r["turn"] == 0 and r["prompt"]]
     ttfts = sorted(r["ttft"] for r in timed if r["ttft"] is not None)
     completion = sum(r["completion"] or 0 for r in timed)
     prompt = sum(r["prompt"] or 0 for r in timed)
@@ -323,7 +322,7 @@ def arm(kind: str, args, model_dir: Path, tokenizer, text: Text, rnd: int) -> di
     return {"server": kind, "sessions": args.sessions, "length": args.length, "round": rnd, "turns": args.turns,
             "new_tokens": args.new_tokens, "max_tokens": args.max_tokens, "budget": args.budget,
             "model_dir": model_dir.name, "errors": errors, "start_s": started_s, "warmup_s": warm_s,
-            "warmup_prompt_tokens": statistics.mean(r["prompt"] for r in warm if r["prompt"]) if warm else None,
+            "warmup_prompt_tokens": statistics.mean(warm_prompts) if warm_prompts else None,
             "timed_s": timed_s, "timed_turns": len(timed), "completion_tokens": completion,
             "prompt_tokens": prompt, "reused_tokens": reused,
             "prefix_matches": marks["matches"],
@@ -345,14 +344,15 @@ def table(rows: list[dict]) -> str:
         reused = f"{100 * r['reused_tokens'] / r['prompt_tokens']:.0f}%" if r["reused_tokens"] is not None and r["prompt_tokens"] else "?"
         name = "pace-serve" if r["server"] == "pace" else "transformers serve --continuous-batching"
         err = f" ({len(r['errors'])} errors)" if r["errors"] else ""
+        p50, p99 = (f"{r[k]:.1f}" if r[k] is not None else "-" for k in ("ttft_p50", "ttft_p99"))  # no turn timed
         out.append(f"| {r['sessions']} | {r['length']} | {name}{err} | {r['round']} | {r['timed_turns']} | "
-                   f"{r['tok_s']:.2f} | {r['turns_min']:.2f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {reused} | "
+                   f"{r['tok_s']:.2f} | {r['turns_min']:.2f} | {p50} | {p99} | {reused} | "
                    f"{r['peak_rss_warmup_mib']:.0f} / {r['peak_rss_timed_mib']:.0f} | {r['cpu_s_per_turn']:.1f} | "
                    f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f} |")
     return head + "\n".join(out) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", type=Path, default=None, help="a local model directory both servers load")
     p.add_argument("--sessions", type=int, default=8)
@@ -363,13 +363,17 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=2048, help="pace-serve's resident tokens per session")
     p.add_argument("--tf-blocks", type=int, default=None,
                    help="transformers serve's --cb-num-blocks (default: twice what the sessions need; 0: its own sizing)")
+    p.add_argument("--timeout", type=float, default=6 * 3600,
+                   help="seconds a request may take before it counts as an error (default 6 h: transformers "
+                        "serve's warm-up of 16 sessions at 4K took 80 minutes on 2 cores, and 3 of its requests "
+                        "timed out at 1 hour)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--order", default="pace,transformers", help="the servers' order in round 0 (reversed in odd rounds)")
     p.add_argument("--pace-args", default="", help="more pace-serve flags, one string")
     p.add_argument("--tf-args", default="", help="more transformers serve flags, one string")
     p.add_argument("--out", default="bench/results/serve_vs_transformers")
     p.add_argument("--report", action="store_true", help="print the table of --out's results.jsonl and exit")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.pace_args, args.tf_args = args.pace_args.split(), args.tf_args.split()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
