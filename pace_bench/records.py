@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
+
+BARRIER_TIMEOUT = timedelta(days=7)  # see process_state
 
 
 def session_key(r: dict) -> tuple:
@@ -49,12 +52,17 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 def process_state():
     """accelerate's ``PartialState``: this process's rank and device under ``accelerate launch`` (or
     torchrun), a single process otherwise. On a machine without CUDA the processes talk over gloo.
-    Every suite shards its pairs with it and writes ``probes.rank{N}.jsonl`` (:func:`shard_paths`)."""
+    Every suite shards its pairs with it and writes ``probes.rank{N}.jsonl`` (:func:`shard_paths`).
+
+    The processes' group waits up to a week at a barrier, not torch's 30 minutes: at the end of a run a
+    process that has played its last item waits there for the others' last, which can be hours (a 64K
+    full-cache BFCL session). A process that dies is still seen at once: the launcher stops the others."""
     import torch
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available(),
+                        timeout=BARRIER_TIMEOUT)
 
 
 def shard_paths(out_dir: Path) -> list[Path]:

@@ -496,6 +496,53 @@ def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, code_eva
     assert (out / "fig1_checks_vs_distance.png").stat().st_size > 0
 
 
+
+WAITS_AT_THE_END = """
+import sys, time
+from datetime import timedelta
+from pathlib import Path
+
+import pace_bench.records as records
+from pace_bench.suite import play_all
+
+if sys.argv[2] != "default":
+    records.BARRIER_TIMEOUT = timedelta(seconds=float(sys.argv[2]))
+records.process_state()
+# two items, one slow: whichever process takes the fast one waits at the end for the other's
+play_all(Path(sys.argv[1]), {}, [], [0, 1], lambda item, store: [{"arm": "a", "session_id": "s", "probe": item, "item": item,
+                                                   "slept": time.sleep(6 * (item == 0))}],
+         rank=lambda r: r["item"], describe=str, desc="items", finish=lambda records: None, new_store=lambda: None)
+"""
+
+
+@pytest.mark.parametrize("timeout", ["default", "1"])
+def test_a_process_done_first_waits_for_the_others_last_item_as_long_as_it_takes(tmp_path, timeout):
+    """A 64K full-cache session ran 50 minutes past the other process's last item, whose barrier then gave
+    up at torch's 30 minutes and took the run down. The group's timeout is ``BARRIER_TIMEOUT`` (a week), and
+    it is the one the barrier keeps: set to 1 s, the same run fails at that barrier."""
+    import socket
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from pace_bench.records import BARRIER_TIMEOUT
+
+    assert BARRIER_TIMEOUT >= timedelta(days=1)
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS_AT_THE_END)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+              str(port), str(script), str(tmp_path / "run"), timeout]
+    done = subprocess.run(launch, capture_output=True, text=True, timeout=240)
+    if timeout == "default":
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert [json.loads(line)["item"] for line in (tmp_path / "run" / "probes.jsonl").read_text().splitlines()] == [0, 1]
+    else:
+        assert done.returncode != 0 and "Timed out" in done.stderr, done.stderr[-3000:]
+
 # -- peak cache memory (issue 14 section 3, the length study) ----------------------------------------------
 
 
