@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from pace_hf import Blueprint, H2OCache, PACECache, Span
 from pace_hf.cache import DEFAULT_RECENT, DEFAULT_SINKS, CompactingLayer, EvictingLayer, keep_index
 
-from pace_bench.models import load_model, preferred_dtype
+from pace_bench.models import load_model, resolve_dtype
 
 from prefill_overhead import stdlib_tokens
 
@@ -207,7 +207,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
-    dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
     config = model.config
     n = args.tokens

@@ -241,12 +241,12 @@ def main(argv=None) -> int:
         ap.error(f"unknown arm(s) {bad} (known: {', '.join(ARMS)})" if bad else
                  "--tokens must hold two chunks, and --limit must exceed --budget + --chunk")
 
-    from pace_bench.models import load_model, preferred_dtype
+    from pace_bench.models import load_model, resolve_dtype
     from pace_bench.records import read_jsonl, shard_paths
     from pace_bench.suite import play_all
 
     out = Path(args.out)
-    dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype)
     run = {k: getattr(args, k) for k in RUN_KEYS if k != "dtype"} | {"dtype": str(dtype).removeprefix("torch.")}
     kept = []
     if args.resume and (out / "run.json").exists():

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from pace_hf import Blueprint, H2OCache, PACECache, Span
-from pace_bench.models import load_model, preferred_dtype
+from pace_bench.models import load_model, resolve_dtype
 
 
 def stdlib_tokens(tokenizer, n: int) -> torch.Tensor:
@@ -80,7 +80,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
-    dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
     ids = stdlib_tokens(tokenizer, args.tokens)
     makers = {

@@ -52,7 +52,6 @@ import argparse
 import ast
 import itertools
 import json
-import os
 import re
 import sys
 import time
@@ -60,8 +59,6 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from pace_bench import arms as registry
 from pace_bench.stats import sign_test, wilson
@@ -798,34 +795,29 @@ def check_args(ap, args) -> None:
                  f"{args.limit} <= {args.budget} + {args.chunk}")
 
 
-def report(out_dir: Path) -> int:
-    """``--report``: the table of every pair ``out_dir`` holds a record of."""
-    from pace_bench.suite import played
-
-    records, run = played(out_dir, "bfcl", "played entries")
+def write_table(out_dir: Path, run: dict, records: list[dict]) -> None:
+    """``table.md`` (also printed), at the run's end and for ``--report``: the settings, then the table of
+    ``records``."""
     text = header(run) + "\n\n" + table(records)
     (out_dir / "table.md").write_text(text + "\n")
     print(text)
-    return 0
 
 
 def main(argv=None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if args.report:
-        return report(Path(args.out))
-    check_args(ap, args)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from pace_bench.models import load_model, preferred_dtype
+    from pace_bench.suite import command_line, play_all
+
+    args = command_line(argv, build_parser, check_args, write_table, suite="bfcl", what="played entries")
+    if args is None:
+        return 0
+    from pace_bench.models import load_model, resolve_dtype
     from pace_bench.records import process_state, resumed_records
-    from pace_bench.suite import play_all
 
     state = process_state()
     out_dir = Path(args.out)
     by_category = [load_entries(c)[:args.entries] for c in args.categories]
     # the categories interleaved (the first entry of each, then the second...): a partial run covers each
     entries = [e for row in itertools.zip_longest(*by_category) for e in row if e is not None]
-    dtype = preferred_dtype(state.device.type) if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype, state.device.type)
     run = {**{k: v for k, v in vars(args).items() if k not in ("resume", "report", "progress")},
            "dtype": str(dtype).removeprefix("torch."), "num_processes": state.num_processes}
     records = []
@@ -839,11 +831,6 @@ def main(argv=None) -> int:
     order = [(e, arm) for e in entries for arm in args.arms]  # an entry's arms together: a partial run is paired
     rank = {(e["id"], arm): k for k, (e, arm) in enumerate(order)}
 
-    def finish(records):
-        text = header(run) + "\n\n" + table(records)
-        (out_dir / "table.md").write_text(text + "\n")
-        print(text)
-
     play_all(out_dir, run, records, [(e, arm) for e, arm in order if (e["id"], arm) not in done],
              lambda item, store: [play(model, tokenizer, item[0], item[1], s, store, args.system,
                                        progress=args.progress and state.is_main_process)],
@@ -851,7 +838,7 @@ def main(argv=None) -> int:
              describe=lambda r: (f"{r['session_id']:>24} {r['arm']:>14} {'PASS' if r['valid'] else 'fail'} "
                                  f"{r['error_type'] or '':<40} turns {r['turns_played']}/{r['turns']} "
                                  f"tokens {r['tokens']:,} {r['seconds']:.0f}s"),
-             desc="bfcl entries x arms", finish=finish)
+             desc="bfcl entries x arms", finish=lambda records: write_table(out_dir, run, records))
     return 0
 
 

@@ -841,31 +841,26 @@ def check_args(ap, args) -> None:
                  f"{args.limit} <= {max(args.budgets)} + {args.chunk}")
 
 
-def report(out_dir: Path) -> int:
-    """``--report``: the table of every record ``out_dir`` holds."""
-    from pace_bench.suite import played
-
-    records, run = played(out_dir, "bfcl-chain", "records")
+def write_table(out_dir: Path, run: dict, records: list[dict]) -> None:
+    """``table.md`` (also printed), at the run's end and for ``--report``: the settings, then the table of
+    ``records``."""
     text = header(run) + "\n\n" + table(records)
     (out_dir / "table.md").write_text(text + "\n")
     print(text)
-    return 0
 
 
 def main(argv=None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if args.report:
-        return report(Path(args.out))
-    check_args(ap, args)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from pace_bench.models import load_model, preferred_dtype
+    from pace_bench.suite import command_line, play_all
+
+    args = command_line(argv, build_parser, check_args, write_table, suite="bfcl-chain", what="records")
+    if args is None:
+        return 0
+    from pace_bench.models import load_model, resolve_dtype
     from pace_bench.records import process_state, resumed_records
-    from pace_bench.suite import play_all
 
     state = process_state()
     out_dir = Path(args.out)
-    dtype = preferred_dtype(state.device.type) if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype, state.device.type)
     run = {**{k: v for k, v in vars(args).items() if k not in ("resume", "report")},
            "dtype": str(dtype).removeprefix("torch."), "num_processes": state.num_processes}
     records = []
@@ -888,11 +883,6 @@ def main(argv=None) -> int:
              for session in sessions for arm in args.arms if arm != "full" or k == 0]
     rank = {(x.session_id, arm, b): k for k, (x, arm, b) in enumerate(order)}
 
-    def finish(records):
-        text = header(run) + "\n\n" + table(records)
-        (out_dir / "table.md").write_text(text + "\n")
-        print(text)
-
     def describe(r):
         us = units(r).values()
         tok, nll = sum(u["tokens"] for u in us), sum(u["nll"] for u in us)
@@ -904,7 +894,8 @@ def main(argv=None) -> int:
              lambda item, store: [play_chain(model, tokenizer, item[0], item[1], item[2], s, store, args.probes,
                                              progress_dir=out_dir / "progress")],
              rank=lambda r: rank.get((r["session_id"], r["arm"], r["budget"]), len(rank)),
-             describe=describe, desc="bfcl-chain sessions x arms x budgets", finish=finish)
+             describe=describe, desc="bfcl-chain sessions x arms x budgets",
+             finish=lambda records: write_table(out_dir, run, records))
     return 0
 
 

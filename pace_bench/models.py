@@ -53,6 +53,7 @@ __all__ = [
     "load_tokenizer",
     "model_names",
     "preferred_dtype",
+    "resolve_dtype",
 ]
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -437,6 +438,11 @@ def preferred_dtype(device: str = "cpu") -> torch.dtype:
     except Exception:
         return torch.float32
     return torch.bfloat16 if cap.upper().startswith(("AVX512", "AMX")) else torch.float32
+
+
+def resolve_dtype(choice: str, device: str = "cpu") -> torch.dtype:
+    """A ``--dtype`` argument: ``auto`` is :func:`preferred_dtype` on ``device``, any other a torch dtype's name."""
+    return preferred_dtype(device) if choice == "auto" else getattr(torch, choice)
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None):

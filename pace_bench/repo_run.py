@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -290,16 +289,14 @@ def check_args(ap, args) -> None:
 
 
 def main(argv=None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    check_args(ap, args)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from .suite import command_line, play_all
+
+    args = command_line(argv, build_parser, check_args)
     from pace_hf.chat import ChatTemplate
 
-    from .models import load_model, load_tokenizer, preferred_dtype
+    from .models import load_model, load_tokenizer, resolve_dtype
     from .records import pair_key, read_jsonl
     from .repo import SYSTEM_PROMPT, load_repo_sessions
-    from .suite import play_all
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -324,7 +321,7 @@ def main(argv=None) -> int:
     records = [{**r, **graded(r["answer"], probes[key(r)])} for r in records  # a scoring fix reaches old answers
                if count[pair_key(r["arm"], r)] == sizes.get(r["session_id"])]
     done = {pair_key(r["arm"], r) for r in records}
-    dtype = preferred_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype)
     model, tokenizer = load_model(args.model, dtype=dtype)
     template = ChatTemplate(tokenizer, SYSTEM_PROMPT)
     settings = ArmSettings(budget=args.budget, limit=args.limit)

@@ -746,29 +746,24 @@ def header(run: dict) -> str:
             + (f"; {run['num_processes']} processes" if run["num_processes"] > 1 else ""))
 
 
-def report(out_dir: Path) -> int:
-    """``--report``: the table and figures of every question ``out_dir`` holds an answer to."""
-    from pace_bench.suite import played
-
-    records, run = played(out_dir, "ruler", "answered questions")
-    text = table(records)
-    (out_dir / "table.md").write_text(header(run) + "\n\n" + text + "\n")
+def write_table(out_dir: Path, run: dict, records: list[dict]) -> None:
+    """``table.md`` (also printed) and the figures, at the run's end and for ``--report``: the settings, then
+    the table of ``records``."""
+    text = header(run) + "\n\n" + table(records)
+    (out_dir / "table.md").write_text(text + "\n")
     paths = figures(records, out_dir)
     print(text)
     print("figures: " + ", ".join(str(p) for p in paths))
-    return 0
 
 
 def main(argv=None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if args.report:
-        return report(Path(args.out))
-    check_args(ap, args)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from pace_bench.models import load_model, load_tokenizer, preferred_dtype
+    from pace_bench.suite import command_line, play_all
+
+    args = command_line(argv, build_parser, check_args, write_table, suite="ruler", what="answered questions")
+    if args is None:
+        return 0
+    from pace_bench.models import load_model, load_tokenizer, resolve_dtype
     from pace_bench.records import process_state, shard_paths
-    from pace_bench.suite import play_all
     from pace_hf.chat import DEFAULT_SYSTEM, ChatTemplate
 
     state = process_state()
@@ -781,7 +776,7 @@ def main(argv=None) -> int:
     answered: dict[tuple, set] = {}
     for r in records:
         answered.setdefault((r["session_id"], r["arm"]), set()).add(r["probe"])
-    dtype = preferred_dtype(state.device.type) if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype, state.device.type)
     model, tokenizer = load_model(args.model, dtype=dtype)
     model.to(state.device)
     template = ChatTemplate(tokenizer, DEFAULT_SYSTEM)
@@ -806,15 +801,9 @@ def main(argv=None) -> int:
                 f"score {r['score']:.2f} residency {r.get('residency', float('nan')):.3f} "
                 f"gap {'n/a' if gap is None else gap} {r['seconds']:.0f}s  {r['answer'][:40]!r}")
 
-    def finish(records):
-        text = table(records)
-        (out_dir / "table.md").write_text(header(run) + "\n\n" + text + "\n")
-        paths = figures(records, out_dir)
-        print(header(run) + "\n\n" + text)
-        print("figures: " + ", ".join(str(p) for p in paths))
-
     play_all(out_dir, run, records, work, played, rank=lambda r: (rank.get((r["session_id"], r["arm"]), len(rank)), r["probe"]),
-             describe=describe, desc="ruler contexts x arms", finish=finish)
+             describe=describe, desc="ruler contexts x arms",
+             finish=lambda records: write_table(out_dir, run, records))
     return 0
 
 

@@ -40,7 +40,7 @@ from .figures import gap_text, make_figures, settings_for, summarize, with_dista
 from .progress import SessionProgress, quiet_library_bars
 from .readings import ReadAtFirstQuery, full_cache_bytes, peak_cache_bytes, tier_reading
 from .records import pair_key, process_state, read_jsonl, session_key, shard_paths
-from .suite import play_all
+from .suite import command_line, play_all
 from .sessions import session_messages
 
 PLANNERS = ("oracle", "symbols", "none")
@@ -474,9 +474,7 @@ def main(argv=None) -> int:
         from pace_bench.bfcl_chain import main as chain_main
 
         return chain_main(argv)
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    check_args(ap, args)
+    args = command_line(argv, build_parser, check_args)
 
     from pace_bench.metrics.pace_coding.sandbox import CodeExecutionNotAllowed, SandboxUnavailable, opted_in
 
@@ -530,14 +528,13 @@ def run_settings(args, dtype, rows, num_processes: int) -> dict:
 
 
 def _run(args) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
     quiet_library_bars()  # off a terminal: no raw redraws of transformers' and datasets' bars in the log
     import evaluate
 
     from pace_bench import load_sessions
     from pace_bench.build import SYSTEM_PROMPT
-    from pace_bench.models import load_model, load_tokenizer, preferred_dtype
+    from pace_bench.models import load_model, load_tokenizer, resolve_dtype
     from pace_hf.chat import ChatTemplate
     from pace_bench.metrics import PACE_CODING
 
@@ -567,7 +564,7 @@ def _run(args) -> int:
     # before the model loads, so that a log this run cannot continue is an error at once.
     records = resumable_records([log_path, *shard_paths(out_dir)], rows) if args.resume else []
     done = {pair_key(r["arm"], r) for r in records}
-    dtype = preferred_dtype(state.device.type) if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype, state.device.type)
     model, tokenizer = load_model(args.model, dtype=dtype)
     model.to(state.device)
     metric = evaluate.load(PACE_CODING)

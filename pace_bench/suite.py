@@ -12,14 +12,17 @@ into records; what this module does is the same for every suite, so no suite cop
 - one store serves every item (host memory unless the suite builds its own; an arm with tiers spills there);
 - the table (``table.md``) is written by the suite's ``finish(records)`` once every process is done.
 
-``play_all`` is the loop; the coding runner, RULER, the repository suite and BFCL run on it. ``played``
-reads back what a run wrote, for ``--report``.
+``play_all`` is the loop; the coding runner, RULER, the repository suite and BFCL run on it.
+``command_line`` is every suite's start (its arguments parsed and checked, or ``--report`` served), and
+``played`` reads back what a run wrote, for ``--report``.
 """
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -114,6 +117,26 @@ def claim_in_order(work: list, path: Path, who: int):
         yield taken, work[taken]
 
 
+def command_line(argv, build_parser: Callable[[], argparse.ArgumentParser],
+                 check_args: Callable[[argparse.ArgumentParser, argparse.Namespace], None],
+                 report: Callable[[Path, dict, list[dict]], None] | None = None, *, suite: str = "",
+                 what: str = "records") -> argparse.Namespace | None:
+    """A suite's arguments, parsed and checked; None once ``--report`` is served: ``report(out_dir, run,
+    records)`` rewrote the table of what ``--out`` holds (:func:`played`; ``suite`` and ``what`` name it in
+    the refusal of a folder without a run), and nothing is played. A run plays offline: its model comes
+    from the local cache, never the Hub."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if report is not None and args.report:
+        out_dir = Path(args.out)
+        records, run = played(out_dir, suite, what)
+        report(out_dir, run, records)
+        return None
+    check_args(ap, args)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return args
+
+
 def played(out_dir: Path, suite: str, what: str) -> tuple[list[dict], dict]:
     """``--report``'s input: every record ``out_dir`` holds (the merged log and any process's shard) and
     the run's settings; a folder without both is refused, naming ``what`` its records are."""
@@ -124,4 +147,4 @@ def played(out_dir: Path, suite: str, what: str) -> tuple[list[dict], dict]:
     return records, json.loads((out_dir / "run.json").read_text())
 
 
-__all__ = ["claim_in_order", "play_all", "played"]
+__all__ = ["claim_in_order", "command_line", "play_all", "played"]

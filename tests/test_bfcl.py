@@ -136,7 +136,7 @@ def model_dir(tmp_path_factory):
 def test_one_entry_plays_end_to_end_and_resumes(model_dir, tmp_path, monkeypatch):
     """A tiny random model prefills every step through each arm's cache; its replies are replaced by the
     ground truth's calls (in BFCL's own Python form) and then a reply with no call, so the backends really
-    run and bfcl-eval's checker passes both arms; the records, the table and a resume follow."""
+    run and bfcl-eval's checker passes both arms; the records, the table, a resume and --report follow."""
     import pace_hf.session as session
     from transformers import AutoTokenizer
 
@@ -174,6 +174,11 @@ def test_one_entry_plays_end_to_end_and_resumes(model_dir, tmp_path, monkeypatch
     assert f"| {len(truth)}/{len(truth)} (100%) | {calls}/{calls} (100%) | 1/1 |" in table  # fidelity, calls, passes kept
     assert main(argv + ["--resume"]) == 0  # both pairs kept: nothing played
     assert played["replies"] == 2 * len(script)
+    (out / "table.md").unlink()
+    assert main(["--suite", "bfcl", "--report", "--out", str(out)]) == 0  # plays nothing: the same table again
+    assert (out / "table.md").read_text() == table and played["replies"] == 2 * len(script)
+    with pytest.raises(SystemExit, match="bfcl --report: .* holds no played entries"):
+        main(["--suite", "bfcl", "--report", "--out", str(tmp_path / "nothing")])
     with pytest.raises(SystemExit, match="other budget"):
         main([a if a != "256" else "384" for a in argv] + ["--resume"])
     other = "bfloat16" if json.loads((out / "run.json").read_text())["dtype"] == "float32" else "float32"
