@@ -214,13 +214,21 @@ class Server:
 
 
 def ask(server: Server, msgs: list[dict], max_tokens: int, timeout_s: float) -> dict:
-    """One streamed, greedy turn: its reply and timings (a request past ``timeout_s`` raises, not retried)."""
+    """One streamed, greedy turn: its reply and timings. A request past ``timeout_s`` in all raises
+    ``TimeoutError``, not retried (the client's own timeout bounds each wait for a chunk, not the stream)."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=timeout_s)
     t0 = time.perf_counter()
     first, text, usage, finish, chunks = None, "", None, None, 0
     stream = client.chat.completions.create(model=server.model, messages=msgs, stream=True, max_tokens=max_tokens,
                                             temperature=0, stream_options={"include_usage": True})
+
+    def past_deadline() -> None:
+        if time.perf_counter() - t0 > timeout_s:
+            stream.close()
+            raise TimeoutError(f"the request took over {timeout_s:g} s")
+
     for ch in stream:
+        past_deadline()
         if ch.choices and ch.choices[0].delta.content:
             first = first if first is not None else time.perf_counter() - t0
             text += ch.choices[0].delta.content
@@ -229,6 +237,7 @@ def ask(server: Server, msgs: list[dict], max_tokens: int, timeout_s: float) -> 
             finish = ch.choices[0].finish_reason
         if ch.usage is not None:
             usage = ch.usage
+    past_deadline()
     details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
     return {"text": text, "ttft": first, "seconds": time.perf_counter() - t0, "finish": finish,
             "prompt": usage.prompt_tokens if usage else None,
