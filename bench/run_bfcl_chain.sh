@@ -5,7 +5,12 @@
 #   1. 32K-token sessions at B = 2,048: every arm, SESSIONS_32K sessions (half of them first, then half of
 #      the 64K sessions, then the rest of both);
 #   2. 64K-token sessions at B = 2,048: every arm, SESSIONS_64K sessions;
-#   3. the 32K sessions again at B = 4,096 (the full cache is not played again).
+#   3. PACE alone at L = 32,768, the model's training context, on the same 32K sessions (B = 2,048): the
+#      dev chains (seed 1) measured the limit as PACE's largest cost, and this tests it on the chains the
+#      protocol plays. Its table (RESULTS/limit-32k) sets it beside the arms of stage 1:
+#      python bench/bfcl_chain_plans.py RESULTS/limit-32k --ref RESULTS/32k;
+#   4. the 32K sessions again at B = 4,096 (the full cache is not played again);
+#   5. PACE alone at L = 32,768 on the 64K sessions (RESULTS/limit-64k), as in 3.
 #
 # On this 2-core CPU a 32K session costs about an hour for the six arms, a 64K one about two and a half:
 # many sessions' work. Each stage resumes where the last one stopped, and the full cache's session in play
@@ -30,15 +35,23 @@ RESULTS=${RESULTS:-bench/results/bfcl_chain}
 export NICE=${NICE:-10}
 PY=${PY:-.venv/bin/python}
 
-bank() {  # each length's table and records (a sharded run's shards merged) into RESULTS
+bank_run() {  # bank_run NAME FOLDER: OUT/NAME's table and records (a sharded run's shards merged) into RESULTS/FOLDER
+    local name=$1 folder=$2
+    if grep -qs . "$OUT/$name"/probes*.jsonl; then  # (cat | grep -q fails under pipefail once cat is cut off)
+        "$PY" -m pace_bench --suite bfcl-chain --report --out "$OUT/$name" > /dev/null
+        mkdir -p "$RESULTS/$folder"
+        cat "$OUT/$name"/probes*.jsonl > "$RESULTS/$folder/probes.jsonl.new"
+        mv "$RESULTS/$folder/probes.jsonl.new" "$RESULTS/$folder/probes.jsonl"
+        cp "$OUT/$name"/table.md "$OUT/$name"/run.json "$RESULTS/$folder"/
+    fi
+}
+bank() {  # every run into RESULTS; the limit's runs beside the arms they are compared with
     local length
     for length in 32k 64k; do
-        if grep -qs . "$OUT/$length"/probes*.jsonl; then  # (cat | grep -q fails under pipefail once cat is cut off)
-            "$PY" -m pace_bench --suite bfcl-chain --report --out "$OUT/$length" > /dev/null
-            mkdir -p "$RESULTS/$length"
-            cat "$OUT/$length"/probes*.jsonl > "$RESULTS/$length/probes.jsonl.new"
-            mv "$RESULTS/$length/probes.jsonl.new" "$RESULTS/$length/probes.jsonl"
-            cp "$OUT/$length"/table.md "$OUT/$length"/run.json "$RESULTS/$length"/
+        bank_run "$length" "$length"
+        bank_run "$length-L32768" "limit-$length/pace-L32768"
+        if [ -s "$RESULTS/limit-$length/pace-L32768/probes.jsonl" ]; then
+            "$PY" bench/bfcl_chain_plans.py "$RESULTS/limit-$length" --ref "$RESULTS/$length" > /dev/null
         fi
     done
 }
@@ -50,26 +63,28 @@ fi
 source bench/background.sh
 run_once_in_background "$OUT" "$0" "${1:-}"
 
-stage() {  # stage LENGTH TOKENS SESSIONS BUDGETS
-    local length=$1 tokens=$2 sessions=$3 budgets=$4
-    mkdir -p "$OUT/$length"
-    if [ ! -s "$OUT/$length/probes.jsonl" ] && [ -s "$RESULTS/$length/probes.jsonl" ]; then
-        cp "$RESULTS/$length/probes.jsonl" "$RESULTS/$length/run.json" "$OUT/$length/"
+stage() {  # stage NAME FOLDER TOKENS SESSIONS BUDGETS ARMS LIMIT: one run into OUT/NAME, banked in RESULTS/FOLDER
+    local name=$1 folder=$2 tokens=$3 sessions=$4 budgets=$5 arms=$6 limit=$7
+    mkdir -p "$OUT/$name"
+    if [ ! -s "$OUT/$name/probes.jsonl" ] && [ -s "$RESULTS/$folder/probes.jsonl" ]; then
+        cp "$RESULTS/$folder/probes.jsonl" "$RESULTS/$folder/run.json" "$OUT/$name/"
     fi
-    echo "run_bfcl_chain.sh: $(date -u +%FT%TZ) stage: $length, $sessions sessions, B = $budgets"
+    echo "run_bfcl_chain.sh: $(date -u +%FT%TZ) stage: $name, $sessions sessions, B = $budgets, arms $arms, L = $limit"
     local port
     port=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     OMP_NUM_THREADS=1 "$PY" -m accelerate.commands.launch --multi_gpu --num_processes "$PROCESSES" --num_machines 1 \
         --mixed_precision no --dynamo_backend no --main_process_port "$port" -m pace_bench --suite bfcl-chain \
         --model "$MODEL" --dtype "$DTYPE" --tokens "$tokens" --sessions "$sessions" --chain-seed "$SEED" \
-        --arms "$ARMS" --budgets "$budgets" --limit 8192 --chunk 2048 --resume --out "$OUT/$length"
+        --arms "$arms" --budgets "$budgets" --limit "$limit" --chunk 2048 --resume --out "$OUT/$name"
     bank
 }
 # half of each length first, so that both lengths have results early (session j is the same whatever the
 # number of sessions asked for: a stage that asks for more plays only the sessions not yet played)
-stage 32k 32768 $(( (SESSIONS_32K + 1) / 2 )) 2048
-stage 64k 65536 $(( (SESSIONS_64K + 1) / 2 )) 2048
-stage 32k 32768 "$SESSIONS_32K" 2048
-stage 64k 65536 "$SESSIONS_64K" 2048
-stage 32k 32768 "$SESSIONS_32K" 2048,4096
+stage 32k 32k 32768 $(( (SESSIONS_32K + 1) / 2 )) 2048 "$ARMS" 8192
+stage 64k 64k 65536 $(( (SESSIONS_64K + 1) / 2 )) 2048 "$ARMS" 8192
+stage 32k 32k 32768 "$SESSIONS_32K" 2048 "$ARMS" 8192
+stage 64k 64k 65536 "$SESSIONS_64K" 2048 "$ARMS" 8192
+stage 32k-L32768 limit-32k/pace-L32768 32768 "$SESSIONS_32K" 2048 pace 32768
+stage 32k 32k 32768 "$SESSIONS_32K" 2048,4096 "$ARMS" 8192
+stage 64k-L32768 limit-64k/pace-L32768 65536 "$SESSIONS_64K" 2048 pace 32768
 echo "run_bfcl_chain.sh: $(date -u +%FT%TZ) done: $RESULTS/*/table.md"
