@@ -62,6 +62,7 @@ from pathlib import Path
 
 from pace_bench import arms as registry
 from pace_bench.stats import sign_test, wilson
+from pace_bench.suite import table_writer
 
 CATEGORIES = ("base", "long_context", "miss_func")
 HELD_OUT = ("miss_param", "composite")  # kept to evaluate this suite on material it was not tuned on
@@ -795,12 +796,7 @@ def check_args(ap, args) -> None:
                  f"{args.limit} <= {args.budget} + {args.chunk}")
 
 
-def write_table(out_dir: Path, run: dict, records: list[dict]) -> None:
-    """``table.md`` (also printed), at the run's end and for ``--report``: the settings, then the table of
-    ``records``."""
-    text = header(run) + "\n\n" + table(records)
-    (out_dir / "table.md").write_text(text + "\n")
-    print(text)
+write_table = table_writer(header, table)  # table.md, at the run's end and for --report
 
 
 def main(argv=None) -> int:

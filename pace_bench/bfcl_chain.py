@@ -64,6 +64,7 @@ import torch
 
 from pace_bench import bfcl
 from pace_bench.stats import sign_test
+from pace_bench.suite import table_writer
 
 CATEGORIES = ("base", "long_context")  # miss_param and composite stay held out; miss_func changes the tools
 NEW_TASK = "New task."
@@ -841,12 +842,7 @@ def check_args(ap, args) -> None:
                  f"{args.limit} <= {max(args.budgets)} + {args.chunk}")
 
 
-def write_table(out_dir: Path, run: dict, records: list[dict]) -> None:
-    """``table.md`` (also printed), at the run's end and for ``--report``: the settings, then the table of
-    ``records``."""
-    text = header(run) + "\n\n" + table(records)
-    (out_dir / "table.md").write_text(text + "\n")
-    print(text)
+write_table = table_writer(header, table)  # table.md, at the run's end and for --report
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,8 @@ into records; what this module does is the same for every suite, so no suite cop
   another still has a queue), writes ``probes.rank{N}.jsonl``, and the main process merges them in
   the order of the items;
 - one store serves every item (host memory unless the suite builds its own; an arm with tiers spills there);
-- the table (``table.md``) is written by the suite's ``finish(records)`` once every process is done.
+- the table (``table.md``) is written by the suite's ``finish(records)`` once every process is done
+  (:func:`table_writer` makes the usual one: the settings, then the table).
 
 ``play_all`` is the loop; the coding runner, RULER, the repository suite and BFCL run on it.
 ``command_line`` is every suite's start (its arguments parsed and checked, or ``--report`` served), and
@@ -137,6 +138,16 @@ def command_line(argv, build_parser: Callable[[], argparse.ArgumentParser],
     return args
 
 
+def table_writer(header: Callable[[dict], str], table: Callable[[list[dict]], str]) -> Callable[[Path, dict, list[dict]], None]:
+    """A suite's ``write_table(out_dir, run, records)``, used at the run's end and for ``--report``: writes
+    ``table.md`` (and prints it): ``header(run)``, the settings, then ``table(records)``."""
+    def write_table(out_dir: Path, run: dict, records: list[dict]) -> None:
+        text = header(run) + "\n\n" + table(records)
+        (out_dir / "table.md").write_text(text + "\n")
+        print(text)
+    return write_table
+
+
 def played(out_dir: Path, suite: str, what: str) -> tuple[list[dict], dict]:
     """``--report``'s input: every record ``out_dir`` holds (the merged log and any process's shard) and
     the run's settings; a folder without both is refused, naming ``what`` its records are."""
@@ -147,4 +158,4 @@ def played(out_dir: Path, suite: str, what: str) -> tuple[list[dict], dict]:
     return records, json.loads((out_dir / "run.json").read_text())
 
 
-__all__ = ["claim_in_order", "command_line", "play_all", "played"]
+__all__ = ["claim_in_order", "command_line", "play_all", "played", "table_writer"]
