@@ -17,7 +17,8 @@
 # from the end of its last entry saved (OUT/LENGTH/progress: its keys and values, under 1 GB at 64K).
 #   bash bench/run_bfcl_chain.sh          # starts it in the background (niced); the log is OUT/run.log
 #   bash bench/run_bfcl_chain.sh          # again, after a stop or a kill: every stage resumes (--resume)
-#   bash bench/run_bfcl_chain.sh --bank   # copy what has been played so far to RESULTS (tables, records)
+#   bash bench/run_bfcl_chain.sh --bank   # copy what has been played so far to RESULTS (tables, records,
+#                                         # and each length's calls by position: bench/bfcl_chain_by_position.py)
 #
 # RESULTS holds the records, so a new checkout resumes from them: a stage's OUT starts from RESULTS' records.
 set -euo pipefail
@@ -52,6 +53,14 @@ bank() {  # every run into RESULTS; the limit's runs beside the arms they are co
         bank_run "$length-L32768" "limit-$length/pace-L32768"
         if [ -s "$RESULTS/limit-$length/pace-L32768/probes.jsonl" ]; then
             "$PY" bench/bfcl_chain_plans.py "$RESULTS/limit-$length" --ref "$RESULTS/$length" > /dev/null
+        fi
+    done
+    # the calls past the training context (64K), and the same split inside it as the control (32K)
+    local at
+    for at in 64k:32768 32k:24576; do
+        if [ -s "$RESULTS/${at%:*}/probes.jsonl" ]; then
+            "$PY" bench/bfcl_chain_by_position.py "$RESULTS/${at%:*}" --at "${at#*:}" > /dev/null \
+                || echo "run_bfcl_chain.sh: bench/bfcl_chain_by_position.py failed on $RESULTS/${at%:*}" >&2
         fi
     done
 }

@@ -458,7 +458,7 @@ class Progress:
 
     def matches(self, state: dict, ids: list[int]) -> bool:
         """Whether the conversation replayed to the saved entry holds the token prefix the saved keys are of."""
-        if len(ids) >= state["done"] and _digest(ids[:state["done"]]) == state["prefix"]:
+        if len(ids) >= state["done"] and ids_digest(ids[:state["done"]]) == state["prefix"]:
             return True
         self._ignore("its tokens are not this conversation's")
         return False
@@ -491,14 +491,15 @@ class Progress:
         return None
 
 
-def _digest(ids: list[int]) -> str:
+def ids_digest(ids: list[int]) -> str:
+    """A short digest of a token sequence: a record's ``trajectory``, a saved progress's prefix."""
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
 def _progress_key(model, session: "ChainSession", arm: str, s: ChainSettings, probes: bool) -> str:
     what = {"session": session.session_id, "entries": [e["id"] for e in session.entries], "arm": arm,
             "model": model.config._name_or_path, "dtype": str(model.dtype), "chunk": s.chunk,
-            "probe_tokens": s.probe_tokens, "probes": probes, "system": _digest(session.template.system_ids)}
+            "probe_tokens": s.probe_tokens, "probes": probes, "system": ids_digest(session.template.system_ids)}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -582,7 +583,7 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
                             if retriever is not None:
                                 cache.retrieve(message.content, conversation.ids[:message.start], retriever=retriever)
                 progress.save(lambda: {
-                    "entries": e + 1, "done": prefill.done, "prefix": _digest(conversation.ids[:prefill.done]),
+                    "entries": e + 1, "done": prefill.done, "prefix": ids_digest(conversation.ids[:prefill.done]),
                     "targets": prefill.targets, "nll": prefill.nll, "calls": calls, "judged": judged,
                     "kv": [(layer.keys, layer.values) for layer in cache.layers],
                     "prefill_seconds": prefill.seconds, "probe_seconds": probe_seconds,
@@ -599,7 +600,7 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
     record = {"session_id": session.session_id, "arm": arm, "budget": budget, "probe": 0,
               "entries": [e["id"] for e in session.entries], "tokens": tokens,
               "system_tokens": len(template.system_ids), "tools_native": session.native,
-              "trajectory": _digest(conversation.ids),
+              "trajectory": ids_digest(conversation.ids),
               "calls": calls, "probes": judged,
               "peak_cache_bytes": peak["bytes"], "full_cache_bytes": full_cache_bytes(model, tokens),
               "prefill_seconds": round(prefill.seconds, 2), "probe_seconds": round(probe_seconds, 2),
