@@ -2,12 +2,18 @@
 by whether the call sits before or past a token position (``--at``; 32,768 by default, the training
 context of Qwen2.5-Coder-0.5B, the model these runs play).
 
-    python bench/bfcl_chain_by_position.py [DIR] [--at N]   # DIR: bench/results/bfcl_chain/64k (the default)
+    python bench/bfcl_chain_by_position.py [DIR] [--at N] [--inside DIR2]   # DIR: bench/results/bfcl_chain/64k
 
-Past its training context the full cache reads positions the model never saw, while every bounded arm
-renumbers under its limit. If the full cache falls there, the arms' ratios to it fall past ``--at``; later
-calls are also harder for every arm (a session's second half costs more at 32K too), so the same split of
-the 32K sessions at their middle (``--at 16384``) is the control. The records hold no positions: the
+Past its training context the full cache reads positions the model never saw, while PACE renumbers under
+its limit. If the full cache falls there, the arms' ratios to it fall past ``--at``; later calls are also
+harder for every arm (a session's second half costs more at 32K too), so the same split of the 32K
+sessions (``--at 24576``) is the control.
+
+The chains of one seed deal the same entries at every length, so most entries of a 64K session were also
+played in a 32K one. ``--inside DIR2`` (the 32K run) pairs them: each arm's NLL on an entry whose calls all
+lie past ``--at`` here, against its NLL on the same calls inside DIR2's shorter session. The preceding
+entries differ, so an arm whose resident tokens stay close to the query (PACE's renumbered positions,
+StreamingLLM's recent window) is the control for what a far position costs the others. The records hold no positions: the
 sessions are drawn again from the run's settings (``run.json``) with the model's tokenizer, and each
 trajectory is rebuilt, its messages and real tool outputs, without a forward; a record whose trajectory
 differs from the rebuilt one is refused. Writes DIR/by-position.md.
@@ -93,12 +99,49 @@ def by_position(records: list[dict], positions: dict[str, tuple[dict, str]], at:
     return "\n".join(lines)
 
 
+def same_entries(records: list[dict], positions: dict[str, tuple[dict, str]], at: int, inside: list[dict]) -> str:
+    """Markdown: per arm and budget, its NLL on the entries whose calls all lie past ``at`` (and, apart, all
+    before it) against its NLL on the same entries' calls in ``inside``'s records (another run of the same
+    chain seed: the same entries in other sessions), the entries paired where their call tokens are equal."""
+    def per_entry(rs, where=None):
+        out: dict[tuple, dict] = {}
+        for r in rs:
+            for e, turn, k, n, nll, _top1, _resident in r["calls"]:
+                side = None if where is None else "past" if where[r["session_id"]][0][(e, turn, k)] >= at else "before"
+                u = out.setdefault((r["arm"], r["budget"], r["entries"][e]), {"tokens": 0, "nll": 0.0, "sides": set()})
+                u["tokens"], u["nll"] = u["tokens"] + n, u["nll"] + nll
+                u["sides"].add(side)
+        return out
+
+    here, there = per_entry(records, positions), per_entry(inside)
+    lines = [f"The same entries inside a shorter session: each arm's NLL on an entry whose calls all lie {{before, past}} "
+             f"{at:,} here, as a ratio to its NLL on the same calls in the other run (equal call tokens).", "",
+             "| arm | B | " + " | ".join(f"{side} {at:,}: entries, ratio | worse here (p)" for side in ("before", "past")) + " |",
+             "|---|---|---|---|---|---|"]
+    for arm, budget in sorted({k[:2] for k in here}, key=lambda ab: (ab[1] or 0, ab[0] != "full", ab[0])):
+        cells = []
+        for side in ("before", "past"):
+            keys = [k for k, u in here.items() if k[:2] == (arm, budget) and u["sides"] == {side}
+                    and k in there and there[k]["tokens"] == u["tokens"]]
+            if not keys:
+                cells += ["-", "-"]
+                continue
+            ratio = sum(here[k]["nll"] for k in keys) / sum(there[k]["nll"] for k in keys)
+            worse = sum(here[k]["nll"] > there[k]["nll"] for k in keys)
+            better = sum(here[k]["nll"] < there[k]["nll"] for k in keys)
+            cells += [f"{len(keys)}, {ratio:.2f}", f"{worse} of {len(keys)} (p = {sign_test(worse, better):.2g})"]
+        lines.append(f"| {arm} | {'-' if budget is None else f'{budget:,}'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     from pace_bench.models import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", nargs="?", default="bench/results/bfcl_chain/64k", type=Path)
     ap.add_argument("--at", type=int, default=32768, help="the token position calls are split at")
+    ap.add_argument("--inside", type=Path, default=None,
+                    help="a run of the same chain seed at a shorter length: its entries paired with these")
     args = ap.parse_args(argv)
     run = json.loads((args.dir / "run.json").read_text())
     records = read_jsonl(args.dir / "probes.jsonl")
@@ -106,8 +149,15 @@ def main(argv: list[str]) -> int:
     sessions = draw_chains(load_tokenizer(run["model"]), tokens=run["tokens"], sessions=played[-1] + 1,
                            seed=run["chain_seed"], system=run.get("system"))
     positions = {s.session_id: call_positions(s) for s in sessions}
-    where = os.path.relpath(args.dir)  # the command as run from here, never this machine's paths
-    text = f"`python bench/bfcl_chain_by_position.py {where} --at {args.at}`\n\n" + by_position(records, positions, args.at)
+    command = f"python bench/bfcl_chain_by_position.py {os.path.relpath(args.dir)} --at {args.at}"  # relative
+    text = by_position(records, positions, args.at)
+    if args.inside is not None:
+        inside = read_jsonl(args.inside / "probes.jsonl")
+        if json.loads((args.inside / "run.json").read_text())["chain_seed"] != run["chain_seed"]:
+            raise SystemExit(f"bfcl_chain_by_position.py: --inside {args.inside} drew its chains with another seed")
+        command += f" --inside {os.path.relpath(args.inside)}"
+        text += "\n\n" + same_entries(records, positions, args.at, inside)
+    text = f"`{command}`\n\n{text}"
     (args.dir / "by-position.md").write_text(text + "\n")
     print(text)
     return 0

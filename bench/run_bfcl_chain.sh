@@ -55,14 +55,16 @@ bank() {  # every run into RESULTS; the limit's runs beside the arms they are co
             "$PY" bench/bfcl_chain_plans.py "$RESULTS/limit-$length" --ref "$RESULTS/$length" > /dev/null
         fi
     done
-    # the calls past the training context (64K), and the same split inside it as the control (32K)
-    local at
-    for at in 64k:32768 32k:24576; do
-        if [ -s "$RESULTS/${at%:*}/probes.jsonl" ]; then
-            "$PY" bench/bfcl_chain_by_position.py "$RESULTS/${at%:*}" --at "${at#*:}" > /dev/null \
-                || echo "run_bfcl_chain.sh: bench/bfcl_chain_by_position.py failed on $RESULTS/${at%:*}" >&2
-        fi
-    done
+    # the calls past the training context (64K; its entries paired with the same ones in 32K sessions), and
+    # the same split inside it as the control (32K)
+    if [ -s "$RESULTS/64k/probes.jsonl" ] && [ -s "$RESULTS/32k/probes.jsonl" ]; then
+        "$PY" bench/bfcl_chain_by_position.py "$RESULTS/64k" --at 32768 --inside "$RESULTS/32k" > /dev/null \
+            || echo "run_bfcl_chain.sh: bench/bfcl_chain_by_position.py failed on $RESULTS/64k" >&2
+    fi
+    if [ -s "$RESULTS/32k/probes.jsonl" ]; then
+        "$PY" bench/bfcl_chain_by_position.py "$RESULTS/32k" --at 24576 > /dev/null \
+            || echo "run_bfcl_chain.sh: bench/bfcl_chain_by_position.py failed on $RESULTS/32k" >&2
+    fi
 }
 if [ "${1:-}" = "--bank" ]; then
     bank

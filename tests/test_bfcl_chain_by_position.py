@@ -66,7 +66,7 @@ def test_the_rebuilt_trajectories_are_the_records_and_every_call_has_its_place(b
     assert "before 0:" not in text
 
 
-def test_the_command_writes_its_table_and_refuses_records_of_other_sessions(by_position, run_dir):
+def test_the_command_writes_its_tables_and_refuses_records_of_other_sessions_or_seeds(by_position, run_dir):
     assert by_position.main([str(run_dir), "--at", "24576"]) == 0
     text = (run_dir / "by-position.md").read_text()
     lines = [line for line in text.splitlines() if line.startswith("- ")]
@@ -75,6 +75,20 @@ def test_the_command_writes_its_table_and_refuses_records_of_other_sessions(by_p
     full = [r for r in records if r["arm"] == "full"]
     assert len(lines) == 2 and sum(tokens) == sum(c[3] for r in full for c in r["calls"])  # every call on one side
     assert text.startswith("`python bench/bfcl_chain_by_position.py ") and " /" not in text.split("\n")[0]  # relative
+
+    # a run paired with itself: every entry wholly on one side is its own pair, at a ratio of 1
+    assert by_position.main([str(run_dir), "--at", "24576", "--inside", str(run_dir)]) == 0
+    paired = rows((run_dir / "by-position.md").read_text().split("The same entries")[1])
+    for arm in ("full", "h2o", "pace", "snapkv", "streaming", "pace_retrieval"):
+        for entries_ratio, worse in (paired[arm][1:3], paired[arm][3:5]):
+            n = int(entries_ratio.split(",")[0])
+            assert entries_ratio.endswith(", 1.00") and worse == f"0 of {n} (p = 1)", arm
+    other = run_dir.parent / "seed1"
+    shutil.copytree(run_dir, other)
+    run = json.loads((other / "run.json").read_text())
+    (other / "run.json").write_text(json.dumps(dict(run, chain_seed=1)))
+    with pytest.raises(SystemExit, match="another seed"):
+        by_position.main([str(run_dir), "--inside", str(other)])
 
     swapped = [dict(r, trajectory=full[1]["trajectory"]) if r["session_id"] == "chain0-0" and r["arm"] == "pace" else r
                for r in records]
