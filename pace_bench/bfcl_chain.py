@@ -69,7 +69,12 @@ from pace_bench.suite import table_writer
 CATEGORIES = ("base", "long_context")  # miss_param and composite stay held out; miss_func changes the tools
 NEW_TASK = "New task."
 PACE = bfcl.PACE
-ARMS = bfcl.ARMS
+# The baselines with PACE's bounded positions (renumbered under L, as PACE is): an ablation, played only when
+# named. Past the training context they say what far positions cost H2O, SnapKV and StreamingLLM, and
+# beside PACE what its plan adds to its limit.
+BOUNDED_BASELINES = ("positions_only", "snapkv_bounded", "streaming_bounded")
+ARMS = (*bfcl.ARMS, *BOUNDED_BASELINES)
+BOUNDED = (*PACE, *BOUNDED_BASELINES)
 # --sessions is not one: session j is drawn the same whatever it asks for, so a run can grow its sessions
 RUN_KEYS = ("model", "dtype", "tokens", "chain_seed", "limit", "chunk", "probe_tokens", "system", "probes")
 # PACE's plan in a chained session: the shares of B for the tool docs (the instructions around them
@@ -79,7 +84,7 @@ RUN_KEYS = ("model", "dtype", "tokens", "chain_seed", "limit", "chunk", "probe_t
 # suite's (0.5, 0.25, 0) was the first plan played here (a PACE record without "plan" played it).
 PLAN = (0.0, 0.0, 0.5)
 FIRST_PLAN = (0.5, 0.25, 0.0)
-# How the bounded arms (PACE's two) lay positions out when they renumber: their records say it, and
+# How the bounded arms (PACE's two, the bounded baselines) lay positions out when they renumber: their records say it, and
 # --resume plays again one that played another layout (a record without "layout" played the first one,
 # "compact": every gap collapsed to 1).
 LAYOUT = "capped gaps"
@@ -606,9 +611,9 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
               "prefill_seconds": round(prefill.seconds, 2), "probe_seconds": round(probe_seconds, 2),
               "seconds": round(time.perf_counter() - started, 2),
               "cpu_seconds": round(time.process_time() - cpu_started, 2)}
-    if arm in PACE:
+    if arm in BOUNDED:
         record["layout"] = LAYOUT
-    else:  # the records from before it ran transformers' enable_gqa call there
+    if arm not in PACE:  # the records from before it ran transformers' enable_gqa call there
         record["one_query_attention"] = "packed"
     if planner is not None:
         record["plan"] = list(s.plan)
@@ -623,9 +628,9 @@ def play_chain(model, tokenizer, session: ChainSession, arm: str, budget: int | 
 
 
 def stale(records: list[dict], arms, plan) -> list[dict]:
-    """The records that ``--resume`` plays again: those of PACE's arms being played that played another
+    """The records that ``--resume`` plays again: those of the bounded arms being played that played another
     layout, and pace's that played another plan."""
-    return [r for r in records if r["arm"] in PACE and r["arm"] in arms
+    return [r for r in records if r["arm"] in BOUNDED and r["arm"] in arms
             and (r.get("layout", "compact") != LAYOUT
                  or r["arm"] == "pace" and tuple(r.get("plan", FIRST_PLAN)) != tuple(plan))]
 
@@ -762,9 +767,9 @@ def table(records: list[dict]) -> str:
         plans = sorted({tuple(r.get("plan", FIRST_PLAN)) for r in records if r["arm"] == "pace" and r["budget"] == budget})
         if plans:
             lines.append("- pace's plan (shares of B for tool docs, mentions, thread): " + ", ".join(map(str, plans)))
-        layouts = sorted({r.get("layout", "compact") for r in records if r["arm"] in PACE and r["budget"] == budget})
+        layouts = sorted({r.get("layout", "compact") for r in records if r["arm"] in BOUNDED and r["budget"] == budget})
         if layouts:
-            lines.append("- PACE's renumbering layout: " + ", ".join(layouts))
+            lines.append("- the bounded arms' renumbering layout: " + ", ".join(layouts))
         full = [r for r in records if r["arm"] == "full"]
         packed = sum(r.get("one_query_attention") == "packed" for r in full)
         if full and budget == (budgets or [None])[0]:
@@ -798,8 +803,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int_at_least(1024), default=32768, help="the most tokens a session holds")
     ap.add_argument("--sessions", type=int_at_least(1), default=12, help="sessions (chains) to play")
     ap.add_argument("--chain-seed", type=int, default=0, help="the seed that orders the entries the chains are drawn from")
-    ap.add_argument("--arms", type=choice_list(ARMS, "arm(s)"), default=",".join(ARMS), metavar="ARM[,ARM...]",
-                    help=f"from {{{', '.join(ARMS)}}}")
+    ap.add_argument("--arms", type=choice_list(ARMS, "arm(s)"), default=",".join(bfcl.ARMS), metavar="ARM[,ARM...]",
+                    help=f"from {{{', '.join(ARMS)}}} (the last {len(BOUNDED_BASELINES)}: baselines with PACE's bounded positions)")
     ap.add_argument("--budgets", default="2048", metavar="B[,B...]",
                     help="B: resident tokens per layer and KV head; every evicting arm plays each")
     ap.add_argument("--limit", type=int_at_least(1), default=8192, help="L: the bounded arms' rotary limit (L > B + H)")
@@ -837,7 +842,7 @@ def check_args(ap, args) -> None:
     small = [b for b in args.budgets if b < 4 + 128]
     if small:
         ap.error(f"--budgets {small[0]} cannot hold the 4 sink and 128 recent tokens the arms protect")
-    bounded = [a for a in args.arms if a in bfcl.BOUNDED]
+    bounded = [a for a in args.arms if a in BOUNDED]
     if bounded and args.limit <= max(args.budgets) + args.chunk:
         ap.error(f"bounded arms ({', '.join(bounded)}) need --limit > budget + --chunk for every budget: "
                  f"{args.limit} <= {max(args.budgets)} + {args.chunk}")
@@ -865,7 +870,7 @@ def main(argv=None) -> int:
         records = resumed_records(out_dir, run, RUN_KEYS, "bfcl-chain")
         other = stale(records, args.arms, args.plan)
         if other and state.is_main_process:
-            print(f"pace-bench --suite bfcl-chain: --resume: {len(other)} record(s) of PACE's arms played another "
+            print(f"pace-bench --suite bfcl-chain: --resume: {len(other)} record(s) of the bounded arms played another "
                   f"--plan or layout: played again with {args.plan}, {LAYOUT}", file=sys.stderr)
         records = [r for r in records if not any(r is o for o in other)]
     elif state.is_main_process:  # a run that starts over starts every session over (before play_all's barrier)

@@ -217,6 +217,26 @@ def test_pace_plans_its_thread_and_says_which_plan(model_and_tokenizer):
     assert record["planned"]["planned_mention_tokens"] == 0
 
 
+def test_a_bounded_baseline_renumbers_under_the_limit_where_its_baseline_does_not(model_and_tokenizer, monkeypatch):
+    """The ablation's arms (a baseline with PACE's bounded positions) play a chain like any arm; their
+    next position stays under L, their record names the layout, and the plain baseline's runs past L."""
+    model, tok = model_and_tokenizer
+    chain, = bfcl_chain.draw_chains(tok, tokens=8000, sessions=1, seed=0, pool=bfcl.load_entries("base")[:1])
+    s = bfcl_chain.ChainSettings(limit=2048, chunk=512, probe_tokens=4, plan=bfcl_chain.PLAN)
+    made = []
+    make_cache = bfcl.make_cache
+    monkeypatch.setattr(bfcl, "make_cache", lambda *a, **k: made.append(make_cache(*a, **k)) or made[-1])
+    records = {arm: bfcl_chain.play_chain(model, tok, chain, arm, 512, s, probes=False)
+               for arm in ("positions_only", "h2o")}
+    bounded, plain = made
+    assert records["positions_only"]["tokens"] == records["h2o"]["tokens"] > 2048
+    assert bounded.bounded and bounded.next_position < 2048 and bounded.get_seq_length() == records["h2o"]["tokens"]
+    assert not plain.bounded and plain.next_position == records["h2o"]["tokens"]
+    assert records["positions_only"]["layout"] == bfcl_chain.LAYOUT and "layout" not in records["h2o"]
+    assert records["positions_only"]["trajectory"] == records["h2o"]["trajectory"]
+    assert "| positions_only | 1 |" in bfcl_chain.table(list(records.values()))
+
+
 def test_resume_plays_again_what_another_plan_or_layout_played():
     plan, layout = (0.0, 0.0, 0.25), bfcl_chain.LAYOUT
     records = [{"arm": "pace", "plan": list(plan), "layout": layout}, {"arm": "pace", "plan": [0.5, 0.25, 0.0], "layout": layout},
@@ -249,6 +269,7 @@ def test_the_table_pairs_entries_and_tests_them():
 def test_bad_settings_are_refused_before_anything_loads(nothing_loads, capsys):
     for argv, said in ((["--budgets", "64"], "cannot hold"), (["--budgets", "2048,x"], "integers"),
                        (["--budgets", "4096", "--limit", "6000"], "--limit > budget + --chunk"),
+                       (["--arms", "snapkv_bounded", "--budgets", "4096", "--limit", "6000"], "(snapkv_bounded) need --limit"),
                        (["--plan", "0.5,0.25"], "three shares"), (["--plan", "0.5,0.5,0.5"], "at most 1"),
                        (["--plan", "a,b,c"], "three shares")):
         with pytest.raises(SystemExit):
