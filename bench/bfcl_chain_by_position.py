@@ -102,34 +102,42 @@ def by_position(records: list[dict], positions: dict[str, tuple[dict, str]], at:
 def same_entries(records: list[dict], positions: dict[str, tuple[dict, str]], at: int, inside: list[dict]) -> str:
     """Markdown: per arm and budget, its NLL on the entries whose calls all lie past ``at`` (and, apart, all
     before it) against its NLL on the same entries' calls in ``inside``'s records (another run of the same
-    chain seed: the same entries in other sessions), the entries paired where their call tokens are equal."""
+    chain seed: the same entries in other sessions), the entries paired where their call tokens are equal;
+    and the turns of those entries whose free-running first call is right (name and arguments), here and there."""
     def per_entry(rs, where=None):
         out: dict[tuple, dict] = {}
         for r in rs:
             for e, turn, k, n, nll, _top1, _resident in r["calls"]:
                 side = None if where is None else "past" if where[r["session_id"]][0][(e, turn, k)] >= at else "before"
-                u = out.setdefault((r["arm"], r["budget"], r["entries"][e]), {"tokens": 0, "nll": 0.0, "sides": set()})
+                u = out.setdefault((r["arm"], r["budget"], r["entries"][e]),
+                                   {"tokens": 0, "nll": 0.0, "sides": set(), "turns": 0, "right": 0})
                 u["tokens"], u["nll"] = u["tokens"] + n, u["nll"] + nll
                 u["sides"].add(side)
+            for e, _turn, verdict in r["probes"]:
+                u = out[(r["arm"], r["budget"], r["entries"][e])]
+                u["turns"], u["right"] = u["turns"] + 1, u["right"] + verdict["args"]
         return out
 
     here, there = per_entry(records, positions), per_entry(inside)
     lines = [f"The same entries inside a shorter session: each arm's NLL on an entry whose calls all lie {{before, past}} "
              f"{at:,} here, as a ratio to its NLL on the same calls in the other run (equal call tokens).", "",
-             "| arm | B | " + " | ".join(f"{side} {at:,}: entries, ratio | worse here (p)" for side in ("before", "past")) + " |",
-             "|---|---|---|---|---|---|"]
+             "| arm | B | " + " | ".join(f"{side} {at:,}: entries, ratio | worse here (p) | first calls right, here / there"
+                                     for side in ("before", "past")) + " |",
+             "|---|---|" + "---|---|---|" * 2]
     for arm, budget in sorted({k[:2] for k in here}, key=lambda ab: (ab[1] or 0, ab[0] != "full", ab[0])):
         cells = []
         for side in ("before", "past"):
             keys = [k for k, u in here.items() if k[:2] == (arm, budget) and u["sides"] == {side}
                     and k in there and there[k]["tokens"] == u["tokens"]]
             if not keys:
-                cells += ["-", "-"]
+                cells += ["-", "-", "-"]
                 continue
             ratio = sum(here[k]["nll"] for k in keys) / sum(there[k]["nll"] for k in keys)
             worse = sum(here[k]["nll"] > there[k]["nll"] for k in keys)
             better = sum(here[k]["nll"] < there[k]["nll"] for k in keys)
-            cells += [f"{len(keys)}, {ratio:.2f}", f"{worse} of {len(keys)} (p = {sign_test(worse, better):.2g})"]
+            turns = sum(here[k]["turns"] for k in keys)
+            right = f"{sum(here[k]['right'] for k in keys)} / {sum(there[k]['right'] for k in keys)} of {turns}" if turns else "-"
+            cells += [f"{len(keys)}, {ratio:.2f}", f"{worse} of {len(keys)} (p = {sign_test(worse, better):.2g})", right]
         lines.append(f"| {arm} | {'-' if budget is None else f'{budget:,}'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

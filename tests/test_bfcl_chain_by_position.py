@@ -80,9 +80,11 @@ def test_the_command_writes_its_tables_and_refuses_records_of_other_sessions_or_
     assert by_position.main([str(run_dir), "--at", "24576", "--inside", str(run_dir)]) == 0
     paired = rows((run_dir / "by-position.md").read_text().split("The same entries")[1])
     for arm in ("full", "h2o", "pace", "snapkv", "streaming", "pace_retrieval"):
-        for entries_ratio, worse in (paired[arm][1:3], paired[arm][3:5]):
+        for entries_ratio, worse, right in (paired[arm][1:4], paired[arm][4:7]):
             n = int(entries_ratio.split(",")[0])
             assert entries_ratio.endswith(", 1.00") and worse == f"0 of {n} (p = 1)", arm
+            here, there = right.split(" of ")[0].split(" / ")
+            assert here == there, arm
     other = run_dir.parent / "seed1"
     shutil.copytree(run_dir, other)
     run = json.loads((other / "run.json").read_text())
