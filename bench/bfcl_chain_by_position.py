@@ -13,10 +13,11 @@ The chains of one seed deal the same entries at every length, so most entries of
 played in a 32K one. ``--inside DIR2`` (the 32K run) pairs them: each arm's NLL on an entry whose calls all
 lie past ``--at`` here, against its NLL on the same calls inside DIR2's shorter session. The preceding
 entries differ, so an arm whose resident tokens stay close to the query (PACE's renumbered positions,
-StreamingLLM's recent window) is the control for what a far position costs the others. The records hold no positions: the
-sessions are drawn again from the run's settings (``run.json``) with the model's tokenizer, and each
-trajectory is rebuilt, its messages and real tool outputs, without a forward; a record whose trajectory
-differs from the rebuilt one is refused. Writes DIR/by-position.md.
+StreamingLLM's recent window) is the control for what a far position costs the others.
+
+The records hold no positions: the sessions are drawn again from the run's settings (``run.json``) with
+the model's tokenizer, and each trajectory is rebuilt, its messages and real tool outputs, without a
+forward; a record whose trajectory differs from the rebuilt one is refused. Writes DIR/by-position.md.
 """
 
 from __future__ import annotations
