@@ -62,6 +62,7 @@ from pathlib import Path
 
 import torch
 
+from pace_bench import arms as registry
 from pace_bench import bfcl
 from pace_bench.stats import sign_test
 from pace_bench.suite import table_writer
@@ -74,7 +75,7 @@ PACE = bfcl.PACE
 # beside PACE what its plan adds to its limit.
 BOUNDED_BASELINES = ("positions_only", "snapkv_bounded", "streaming_bounded")
 ARMS = (*bfcl.ARMS, *BOUNDED_BASELINES)
-BOUNDED = (*PACE, *BOUNDED_BASELINES)
+BOUNDED = tuple(a for a in ARMS if a in PACE or registry.ARMS[a].bounded)
 # --sessions is not one: session j is drawn the same whatever it asks for, so a run can grow its sessions
 RUN_KEYS = ("model", "dtype", "tokens", "chain_seed", "limit", "chunk", "probe_tokens", "system", "probes")
 # PACE's plan in a chained session: the shares of B for the tool docs (the instructions around them
@@ -84,9 +85,9 @@ RUN_KEYS = ("model", "dtype", "tokens", "chain_seed", "limit", "chunk", "probe_t
 # suite's (0.5, 0.25, 0) was the first plan played here (a PACE record without "plan" played it).
 PLAN = (0.0, 0.0, 0.5)
 FIRST_PLAN = (0.5, 0.25, 0.0)
-# How the bounded arms (PACE's two, the bounded baselines) lay positions out when they renumber: their records say it, and
-# --resume plays again one that played another layout (a record without "layout" played the first one,
-# "compact": every gap collapsed to 1).
+# How the bounded arms (PACE's two, the bounded baselines) lay positions out when they renumber: their
+# records say it, and --resume plays again one that played another layout (a record without "layout"
+# played the first one, "compact": every gap collapsed to 1).
 LAYOUT = "capped gaps"
 
 
