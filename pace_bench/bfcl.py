@@ -62,7 +62,7 @@ from pathlib import Path
 
 from pace_bench import arms as registry
 from pace_bench.stats import sign_test, wilson
-from pace_bench.suite import table_writer
+from pace_bench.suite import check_limit, table_writer
 
 CATEGORIES = ("base", "long_context", "miss_func")
 HELD_OUT = ("miss_param", "composite")  # kept to evaluate this suite on material it was not tuned on
@@ -790,10 +790,7 @@ def check_args(ap, args) -> None:
         ap.error(f"--categories: unknown {', '.join(bad) or '(none given)'}: choose from {', '.join(CATEGORIES)}")
     if args.budget < 4 + 128:
         ap.error(f"--budget {args.budget} cannot hold the 4 sink and 128 recent tokens the arms protect")
-    bounded = [a for a in args.arms if a in BOUNDED]
-    if bounded and args.limit <= args.budget + args.chunk:
-        ap.error(f"bounded arms ({', '.join(bounded)}) need --limit > --budget + --chunk: "
-                 f"{args.limit} <= {args.budget} + {args.chunk}")
+    check_limit(ap, [a for a in args.arms if a in BOUNDED], args.limit, args.budget, args.chunk)
 
 
 write_table = table_writer(header, table)  # table.md, at the run's end and for --report

@@ -65,7 +65,7 @@ import torch
 from pace_bench import arms as registry
 from pace_bench import bfcl
 from pace_bench.stats import sign_test
-from pace_bench.suite import table_writer
+from pace_bench.suite import check_limit, table_writer
 
 CATEGORIES = ("base", "long_context")  # miss_param and composite stay held out; miss_func changes the tools
 NEW_TASK = "New task."
@@ -843,10 +843,8 @@ def check_args(ap, args) -> None:
     small = [b for b in args.budgets if b < 4 + 128]
     if small:
         ap.error(f"--budgets {small[0]} cannot hold the 4 sink and 128 recent tokens the arms protect")
-    bounded = [a for a in args.arms if a in BOUNDED]
-    if bounded and args.limit <= max(args.budgets) + args.chunk:
-        ap.error(f"bounded arms ({', '.join(bounded)}) need --limit > budget + --chunk for every budget: "
-                 f"{args.limit} <= {max(args.budgets)} + {args.chunk}")
+    check_limit(ap, [a for a in args.arms if a in BOUNDED], args.limit, max(args.budgets), args.chunk,
+                budget_flag="the largest of --budgets")
 
 
 write_table = table_writer(header, table)  # table.md, at the run's end and for --report

@@ -37,6 +37,7 @@ from .arms import ArmSettings, check_settings, make_cache
 from .readings import ReadAtFirstQuery, full_cache_bytes, peak_cache_bytes, tier_reading
 from .repo import LISTINGS, PACKAGES, session_messages
 from .repo_probes import KINDS, score
+from .suite import check_limit
 
 
 @dataclass(frozen=True)
@@ -279,8 +280,7 @@ def check_args(ap, args) -> None:
         refusal = check_settings(REPO_ARMS[arm].cache, settings)
         if refusal:
             ap.error(f"--arms {arm} with --budget {args.budget} --limit {args.limit}: {refusal}")
-    if any(REPO_ARMS[a].cache == "pace" for a in args.arms) and args.limit <= args.budget + args.chunk:
-        ap.error(f"the PACE arms need --limit > --budget + --chunk (L > B + H): {args.limit} <= {args.budget} + {args.chunk}")
+    check_limit(ap, [a for a in args.arms if REPO_ARMS[a].cache == "pace"], args.limit, args.budget, args.chunk)
     for package in args.packages:
         try:
             package_files(package)

@@ -40,7 +40,7 @@ from .figures import gap_text, make_figures, settings_for, summarize, with_dista
 from .progress import SessionProgress, quiet_library_bars
 from .readings import ReadAtFirstQuery, full_cache_bytes, peak_cache_bytes, tier_reading
 from .records import pair_key, process_state, read_jsonl, session_key, shard_paths
-from .suite import command_line, play_all
+from .suite import check_limit, command_line, play_all
 from .sessions import session_messages
 
 PLANNERS = ("oracle", "symbols", "none")
@@ -425,12 +425,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         refusal = check_settings(arm, settings)  # the cache's own check of B and L
         if refusal:
             ap.error(f"--arms {arm} with --budget {args.budget} --limit {args.limit}: {refusal}")
-    # The chunk is generate's, not the cache's: the cache sees it only when a forward brings it, after
-    # the model has loaded, so the run checks it here.
-    bounded = [a for a in args.arms if ARMS[a].bounded]
-    if bounded and args.limit <= args.budget + args.chunk:
-        ap.error(f"bounded arms ({', '.join(bounded)}) need --limit > --budget + --chunk (L > B + H): "
-                 f"{args.limit} <= {args.budget} + {args.chunk}")
+    check_limit(ap, [a for a in args.arms if ARMS[a].bounded], args.limit, args.budget, args.chunk)
     if args.drop_edges and args.planner != "oracle":
         ap.error("--drop-edges drops edges of the oracle blueprint: it needs --planner oracle")
     if args.rehydrate and args.store == "none":

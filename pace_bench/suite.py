@@ -14,7 +14,8 @@ into records; what this module does is the same for every suite, so no suite cop
   (:func:`table_writer` makes the usual one: the settings, then the table).
 
 ``play_all`` is the loop; the coding runner, RULER, the repository suite and BFCL run on it.
-``command_line`` is every suite's start (its arguments parsed and checked, or ``--report`` served), and
+``command_line`` is every suite's start (its arguments parsed and checked, or ``--report`` served;
+``check_limit`` is the check every suite with bounded arms makes), and
 ``played`` reads back what a run wrote, for ``--report``.
 """
 
@@ -136,6 +137,17 @@ def command_line(argv, build_parser: Callable[[], argparse.ArgumentParser],
     check_args(ap, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return args
+
+
+def check_limit(ap: argparse.ArgumentParser, bounded: list[str], limit: int, budget: int, chunk: int,
+                budget_flag: str = "--budget") -> None:
+    """Refuses (``ap.error``) bounded arms whose limit cannot hold a budget and a chunk (L > B + H): a renumber
+    leaves the residents below B and the next chunk must fit above them. The chunk is the run's, not the
+    cache's (a cache sees it only when the forward brings it, after the model has loaded), so a suite checks
+    it here, before anything loads; ``budget`` is the largest the run plays (``budget_flag`` names it)."""
+    if bounded and limit <= budget + chunk:
+        ap.error(f"bounded arms ({', '.join(bounded)}) need --limit > {budget_flag} + --chunk (L > B + H): "
+                 f"{limit} <= {budget} + {chunk}")
 
 
 def table_writer(header: Callable[[dict], str], table: Callable[[list[dict]], str]) -> Callable[[Path, dict, list[dict]], None]:

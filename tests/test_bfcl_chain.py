@@ -268,7 +268,7 @@ def test_the_table_pairs_entries_and_tests_them():
 
 def test_bad_settings_are_refused_before_anything_loads(nothing_loads, capsys):
     for argv, said in ((["--budgets", "64"], "cannot hold"), (["--budgets", "2048,x"], "integers"),
-                       (["--budgets", "4096", "--limit", "6000"], "--limit > budget + --chunk"),
+                       (["--budgets", "4096", "--limit", "6000"], "--limit > the largest of --budgets + --chunk"),
                        (["--arms", "snapkv_bounded", "--budgets", "4096", "--limit", "6000"], "(snapkv_bounded) need --limit"),
                        (["--plan", "0.5,0.25"], "three shares"), (["--plan", "0.5,0.5,0.5"], "at most 1"),
                        (["--plan", "a,b,c"], "three shares")):
