@@ -9,8 +9,8 @@
 #      dev chains (seed 1) measured the limit as PACE's largest cost, and this tests it on the chains the
 #      protocol plays. Its table (RESULTS/limit-32k) sets it beside the arms of stage 1:
 #      python bench/bfcl_chain_plans.py RESULTS/limit-32k --ref RESULTS/32k;
-#   4. the 32K sessions again at B = 4,096 (the full cache is not played again);
-#   5. PACE alone at L = 32,768 on the 64K sessions (RESULTS/limit-64k), as in 3;
+#   4. PACE alone at L = 32,768 on the 64K sessions (RESULTS/limit-64k), as in 3;
+#   5. the 32K sessions again at B = 4,096 (the full cache is not played again);
 #   6. the ablation, on the 64K sessions: H2O and SnapKV with PACE's bounded positions (positions_only,
 #      snapkv_bounded, at L = 8,192), into RESULTS/64k beside the arms. Past the training context H2O and
 #      SnapKV read far positions (bench/bfcl_chain_by_position.py): this says what bounding them is worth,
@@ -100,7 +100,7 @@ stage 64k 64k 65536 $(( (SESSIONS_64K + 1) / 2 )) 2048 "$ARMS" 8192
 stage 32k 32k 32768 "$SESSIONS_32K" 2048 "$ARMS" 8192
 stage 64k 64k 65536 "$SESSIONS_64K" 2048 "$ARMS" 8192
 stage 32k-L32768 limit-32k/pace-L32768 32768 "$SESSIONS_32K" 2048 pace 32768
-stage 32k 32k 32768 "$SESSIONS_32K" 2048,4096 "$ARMS" 8192
 stage 64k-L32768 limit-64k/pace-L32768 65536 "$SESSIONS_64K" 2048 pace 32768
+stage 32k 32k 32768 "$SESSIONS_32K" 2048,4096 "$ARMS" 8192
 stage 64k 64k 65536 "$SESSIONS_64K" 2048 positions_only,snapkv_bounded 8192
 echo "run_bfcl_chain.sh: $(date -u +%FT%TZ) done: $RESULTS/*/table.md"
