@@ -62,7 +62,7 @@ from pathlib import Path
 
 from pace_bench import arms as registry
 from pace_bench.stats import sign_test, wilson
-from pace_bench.suite import check_limit, table_writer
+from pace_bench.suite import check_budget, check_limit, table_writer
 
 CATEGORIES = ("base", "long_context", "miss_func")
 HELD_OUT = ("miss_param", "composite")  # kept to evaluate this suite on material it was not tuned on
@@ -788,8 +788,7 @@ def check_args(ap, args) -> None:
     bad = [c for c in args.categories if c not in CATEGORIES]
     if bad or not args.categories:
         ap.error(f"--categories: unknown {', '.join(bad) or '(none given)'}: choose from {', '.join(CATEGORIES)}")
-    if args.budget < 4 + 128:
-        ap.error(f"--budget {args.budget} cannot hold the 4 sink and 128 recent tokens the arms protect")
+    check_budget(ap, [args.budget])
     check_limit(ap, [a for a in args.arms if a in BOUNDED], args.limit, args.budget, args.chunk)
 
 

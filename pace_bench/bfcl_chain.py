@@ -65,7 +65,7 @@ import torch
 from pace_bench import arms as registry
 from pace_bench import bfcl
 from pace_bench.stats import sign_test
-from pace_bench.suite import check_limit, table_writer
+from pace_bench.suite import check_budget, check_limit, table_writer
 
 CATEGORIES = ("base", "long_context")  # miss_param and composite stay held out; miss_func changes the tools
 NEW_TASK = "New task."
@@ -840,9 +840,7 @@ def check_args(ap, args) -> None:
         ap.error(f"--plan: three shares of B separated by commas, got {args.plan!r}")
     if len(args.plan) != 3 or any(x < 0 for x in args.plan) or sum(args.plan) > 1:
         ap.error(f"--plan: three shares of B (tools, mentions, thread), none negative, at most 1 together; got {args.plan}")
-    small = [b for b in args.budgets if b < 4 + 128]
-    if small:
-        ap.error(f"--budgets {small[0]} cannot hold the 4 sink and 128 recent tokens the arms protect")
+    check_budget(ap, args.budgets, budget_flag="--budgets")
     check_limit(ap, [a for a in args.arms if a in BOUNDED], args.limit, max(args.budgets), args.chunk,
                 budget_flag="the largest of --budgets")
 

@@ -73,7 +73,7 @@ import torch
 
 from pace_bench import arms as registry
 from pace_bench.stats import wilson
-from pace_bench.suite import check_limit
+from pace_bench.suite import check_budget, check_limit
 
 # task -> the generator call of its lm-eval task (lm_eval/tasks/ruler/*_utils.py) and that task's
 # max_gen_toks (its YAML); min_length: the shortest length its generator can fill (template, example
@@ -693,8 +693,7 @@ def check_args(ap, args) -> None:
     if args.needles > MAX_NEEDLES:
         ap.error(f"--needles {args.needles}: a NIAH context carries at most {MAX_NEEDLES} needles (every other needle "
                  "is a distractor of the same form for each question)")
-    if args.budget < 4 + 128:
-        ap.error(f"--budget {args.budget} cannot hold the 4 sink and 128 recent tokens the arms protect")
+    check_budget(ap, [args.budget])
     check_limit(ap, [a for a in args.arms if a in BOUNDED], args.limit, args.budget, args.chunk)
 
 

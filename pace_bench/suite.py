@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from pace_hf.cache import DEFAULT_RECENT, DEFAULT_SINKS
+
 from .progress import clock, on_terminal, time_left
 from .records import process_state, read_jsonl, shard_paths, write_jsonl
 
@@ -137,6 +139,15 @@ def command_line(argv, build_parser: Callable[[], argparse.ArgumentParser],
     check_args(ap, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return args
+
+
+def check_budget(ap: argparse.ArgumentParser, budgets: list[int], budget_flag: str = "--budget") -> None:
+    """Refuses (``ap.error``) a budget under the sink and recent tokens every evicting arm protects (the
+    caches' defaults), before anything loads."""
+    small = [b for b in budgets if b < DEFAULT_SINKS + DEFAULT_RECENT]
+    if small:
+        ap.error(f"{budget_flag} {small[0]} cannot hold the {DEFAULT_SINKS} sink and {DEFAULT_RECENT} recent tokens the "
+                 "arms protect")
 
 
 def check_limit(ap: argparse.ArgumentParser, bounded: list[str], limit: int, budget: int, chunk: int,

@@ -11,7 +11,7 @@ Planning steps (``planning_interval``) are answered in a throwaway session, and 
 become ``SymbolPlanner`` step descriptions for the coming steps of the main session.
 
     model, tokenizer = load_model("smollm2")
-    agent = CodeAgent(tools=[...], model=PACEModel(model, tokenizer, budget=4096, limit=16384))
+    agent = CodeAgent(tools=[...], model=PACEModel(model, tokenizer, budget=4096))
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class PACEModel(Model):
     served from the cache), ``prefilled_tokens``, ``kept_messages``, ``rewound`` / ``rebuilt``.
     """
 
-    def __init__(self, model, tokenizer, *, budget: int = 4096, limit: int | None = 16384, store=None,
+    def __init__(self, model, tokenizer, *, budget: int = 4096, limit: int | str | None = "auto", store=None,
                  session_id: str | None = None, chunk: int | None = None, max_new_tokens: int = 512,
                  model_id: str | None = None, retrieval=True, **cache_kwargs):
         super().__init__(model_id=model_id or getattr(model.config, "_name_or_path", None) or "pace")

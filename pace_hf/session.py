@@ -6,7 +6,7 @@ template (``pace_hf.chat``), turns "this message is read at steps 5 and 9" into 
 prefills only the new tokens at each ``generate``. Every user message is a step. With a store the
 session saves and resumes in another process (``save`` / ``PACESession.resume``).
 
-    session = PACESession(model, tokenizer, budget=2048, limit=8192, store=store, session_id="agent-42")
+    session = PACESession(model, tokenizer, budget=2048, store=store, session_id="agent-42")
     spec = session.add("user", "Step 1: the data model ...")
     session.plan(spec, readers=[5, 9])
     reply = session.generate(max_new_tokens=256)
@@ -45,10 +45,11 @@ class PACESession:
 
     Args:
         model, tokenizer: a causal LM and its tokenizer (with a chat template).
-        budget, limit: the cache's token budget (default 2048) and rotary limit.
+        budget, limit: the cache's token budget (default 2048) and rotary limit (default ``"auto"``: the
+            model's trained positions; see ``PACECache``).
         store, session_id: a ``pace_hf.tiers.TieredStore`` for spills, restores and ``save``.
         cache: a ``PACECache`` built by the caller, instead of one from ``budget``, ``limit``, ``store``,
-            ``session_id`` and ``cache_kwargs`` (giving both is refused).
+            ``session_id`` and ``cache_kwargs`` (giving both is refused); bound to ``model`` if it is not.
         system: the system prompt.
         chunk: ``prefill_chunk_size`` for generate (default: the room ``limit`` leaves above
             ``budget``, at most 4096).
@@ -61,7 +62,7 @@ class PACESession:
         cache_kwargs: passed to ``PACECache`` (sinks, recent, phi, prefetch_steps, ...).
     """
 
-    def __init__(self, model, tokenizer, *, budget: int | None = None, limit: int | None = 8192, store=None,
+    def __init__(self, model, tokenizer, *, budget: int | None = None, limit: int | str | None = "auto", store=None,
                  session_id: str | None = None, system: str = DEFAULT_SYSTEM, chunk: int | None = None,
                  planner=None, rehydrate: bool = False, cache: PACECache | None = None, retrieval=None,
                  **cache_kwargs):
@@ -71,9 +72,10 @@ class PACESession:
             raise TypeError(f"cache must be a PACECache (a session plans spans in its blueprint), "
                             f"got {type(cache).__name__}")
         if cache is not None:  # its settings are its own: another value here would be silently ignored
+            cache.bind(model)  # (a no-op if bound to it): its limit="auto" is read from the model here
             mine = {"budget": cache.budget, "store": cache.store, "session_id": cache.session_id, "limit": cache.limit}
             given = {k: v for k, v in (("budget", budget), ("store", store), ("session_id", session_id)) if v is not None}
-            given.update({"limit": limit} if limit != 8192 else {})  # None (no limit) is a value too
+            given.update({"limit": limit} if limit != "auto" else {})  # None (no limit) is a value too
             differ = [k for k, v in given.items() if v is not mine[k] and v != mine[k]]
             if differ or cache_kwargs:
                 raise TypeError(f"cache= is a built PACECache; {', '.join(differ + sorted(cache_kwargs))} belong to it, "

@@ -1,6 +1,7 @@
 """PACECache and the baselines under plain model.generate (tiny random models, fp32, CPU)."""
 
 import re
+import types
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from pace_hf import (Blueprint, CumulativeAttention, Foresight, ForesightBonus, 
                      Recency, SnapKVCache, Span,
                      StreamingLLMCache)
 from pace_hf.cache import keep_index
-from pace_hf.rope import RotaryParams, rerotate
+from pace_hf.rope import RotaryParams, rerotate, trained_positions
 
 KINDS = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -523,9 +524,41 @@ def test_max_length_reminder_is_dropped_only_for_bounded_caches(caplog):
         return "predefined maximum length" in caplog.text
 
     assert not reminded(PACECache(model, budget=24, limit=48, recent=4))
+    assert not reminded(PACECache(model, budget=24, recent=4))  # limit "auto": the model's 64 positions
     assert reminded(H2OCache(model, budget=24, recent=4))  # unbounded: positions pass 64
     assert reminded(PACECache(model, budget=24, limit=96, recent=4))  # limit above the maximum
     assert reminded(tf.DynamicCache(config=model.config))
+
+
+def test_the_default_limit_is_the_models_trained_positions():
+    """PACECache's ``limit="auto"`` reads the model's ``max_position_embeddings`` when it binds: the positions
+    that reach RoPE stay below them, so every distance is one the model was trained on. Too few of them for
+    the budget is refused by name, and a config that states none leaves positions unbounded."""
+    model = tiny_model("llama")
+    assert PACECache(model, budget=64, recent=8).limit == model.config.max_position_embeddings
+    unbound = PACECache(budget=64, recent=8)
+    assert unbound.limit == "auto" and unbound.bounded
+    with unbound.bound_to(model):
+        assert unbound.limit == model.config.max_position_embeddings
+
+    model.config.max_position_embeddings = 96
+    cache = PACECache(model, budget=24, recent=4)
+    seen = []
+    hook = model.model.rotary_emb.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(int(kwargs.get("position_ids", args[-1]).max())), with_kwargs=True)
+    model.generate(prompt(150), max_new_tokens=8, do_sample=False, cache=cache, prefill_chunk_size=16)
+    hook.remove()
+    assert cache.limit == 96 and cache.renumbers >= 1 and max(seen) < 96
+    cache.unbind()
+
+    model.config.max_position_embeddings = 32
+    with pytest.raises(ValueError, match="limit=32 \\(limit=\"auto\": the model's 32 trained positions\\) leaves no room "
+                                         "above budget=64"):
+        PACECache(model, budget=64, recent=8)
+    assert model.config._attn_implementation != "pace_attention"  # a refused bind leaves the model as it was
+    with pytest.raises(TypeError, match='limit must be an int, None \\(unbounded\\) or "auto", got \'8192\''):
+        PACECache(model, budget=64, recent=8, limit="8192")
+    assert trained_positions(types.SimpleNamespace(hidden_size=64)) is None  # "auto" leaves it unbounded
 
 
 def test_public_readings():

@@ -57,13 +57,15 @@ def test_rerotation_below_the_switch_is_the_models_own(rope):
     assert (rerotate(own_key(model, 0, 0), torch.tensor(0), torch.tensor(3 * SWITCH), params) - far).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("limit", [SWITCH, "auto"])
 @pytest.mark.parametrize("rope", MODELS)
-def test_bounded_cache_at_the_switch_holds_the_models_own_keys(rope):
+def test_bounded_cache_at_the_switch_holds_the_models_own_keys(rope, limit):
     """PACE with limit at the switch, several renumbers: positions reaching RoPE stay below it, and layer 0's
     resident keys (they depend on the token and its position alone) equal a plain forward's keys of the same
-    tokens at their new positions."""
+    tokens at their new positions. PACECache's default limit ("auto") is the switch."""
     model = MODELS[rope]()
-    cache = PACECache(model, budget=24, limit=SWITCH, recent=8)
+    cache = PACECache(model, budget=24, limit=limit, recent=8)
+    assert cache.limit == SWITCH
     seen = []
     hook = model.model.rotary_emb.register_forward_pre_hook(
         lambda m, args, kwargs: seen.append(int(kwargs.get("position_ids", args[-1]).max())), with_kwargs=True)

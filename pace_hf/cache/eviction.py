@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache
 from .. import attention
 from ..binding import Binding, check_not_compiled
 from ..blueprint import Blueprint, Span, as_index
-from ..rope import RotaryParams
+from ..rope import RotaryParams, trained_positions
 from ..scoring import CumulativeAttention, ScoringPolicy, rebuild
 from .batch import CacheRows, FixedRows
 from .latent import latent_layer
@@ -29,6 +29,24 @@ from .layout import LayerSpec, describe, layer_specs
 from .probe import read_layers
 from .quotas import DEFAULT_RECENT, DEFAULT_SINKS, Quotas
 from .window import RecurrentLayer, WindowLayer
+
+
+AUTO_LIMIT = "auto"  # ``limit="auto"``: the model's trained positions, read at bind
+
+
+def _checked_limit(limit, budget: int, origin: str = "") -> int:
+    """``limit`` as an int that leaves room above ``budget`` for a forward's chunk, else a clear error;
+    ``origin`` says where a limit the caller did not write came from."""
+    if isinstance(limit, str):
+        raise TypeError(f'limit must be an int, None (unbounded) or "auto", got {limit!r}')
+    limit = as_index(limit, "limit")
+    if limit <= budget:
+        raise ValueError(
+            f"limit={limit}{origin} leaves no room above budget={budget}: positions run 0..limit-1, and a forward of "
+            f"C new tokens on {budget} resident ones needs limit >= {budget} + C (C: prefill_chunk_size when "
+            "generate prefills in chunks, else the whole prompt; 1 for each decoded token); e.g. "
+            f"limit={budget + 4096} for prefill_chunk_size=4096, or budget <= {limit} - C")
+    return limit
 
 
 class EvictionCache(FixedRows, DynamicCache):
@@ -45,6 +63,9 @@ class EvictionCache(FixedRows, DynamicCache):
         limit: keep every rotary position below ``limit`` by renumbering residents (None: unbounded).
             It must be at least ``budget`` plus the largest chunk a forward brings (positions run
             ``0..limit-1``); on a hybrid model, the most tokens any layer holds (a sliding window) plus it.
+            ``"auto"``: the model's trained positions (``pace_hf.rope.trained_positions``: its
+            ``max_position_embeddings``, capped by a switching RoPE's switch length), read when the cache
+            binds; unbounded where the config states none.
         store / session_id: a ``pace_hf.tiers.TieredStore``: every evicted token is spilled to it, and
             planned spans that are not resident are restored when their reader step comes (fetched
             ``prefetch_steps`` steps ahead, in the background). ``save()`` / ``resume()`` persist the
@@ -70,7 +91,7 @@ class EvictionCache(FixedRows, DynamicCache):
         sinks: int = DEFAULT_SINKS,
         recent: int = DEFAULT_RECENT,
         scoring: ScoringPolicy | None = None,
-        limit: int | None = None,
+        limit: int | str | None = None,
         store=None,
         session_id: str | None = None,
         prefetch_steps: int = 1,
@@ -83,14 +104,8 @@ class EvictionCache(FixedRows, DynamicCache):
         scoring = scoring if scoring is not None else CumulativeAttention()
         if not isinstance(scoring, ScoringPolicy):
             raise TypeError(f"scoring must be a pace_hf.scoring.ScoringPolicy, got {type(scoring).__name__}")
-        if limit is not None:
-            limit = as_index(limit, "limit")
-            if limit <= budget:
-                raise ValueError(
-                    f"limit={limit} leaves no room above budget={budget}: positions run 0..limit-1, and a forward of "
-                    f"C new tokens on {budget} resident ones needs limit >= {budget} + C (C: prefill_chunk_size when "
-                    "generate prefills in chunks, else the whole prompt; 1 for each decoded token); e.g. "
-                    f"limit={budget + 4096} for prefill_chunk_size=4096, or budget <= {limit} - C")
+        if limit is not None and not (isinstance(limit, str) and limit == AUTO_LIMIT):
+            limit = _checked_limit(limit, budget)
         if memory is not None:  # the session's own (PACESession builds it): the store and its knobs are its
             given = [name for name, value, default in (("store", store, None), ("session_id", session_id, None),
                                                        ("prefetch_steps", prefetch_steps, 1),
@@ -195,12 +210,13 @@ class EvictionCache(FixedRows, DynamicCache):
         specs = layer_specs(config)
         check_not_compiled(model)
         self._check_attention(model)
+        limit = self._bound_limit(config)
         binding = Binding.acquire(model)  # the probe scores through pace_attention
         try:
-            specs, rotary = read_layers(model, specs, self.bounded, self.limit)
+            specs, rotary = read_layers(model, specs, limit is not None, limit)
         except ValueError as e:  # only a RoPE that bounded positions cannot re-rotate exactly
             binding.release()
-            raise ValueError(f"{e}. Bounded positions (limit={self.limit}) re-rotate rotary keys exactly; with "
+            raise ValueError(f"{e}. Bounded positions (limit={limit}) re-rotate rotary keys exactly; with "
                              "limit=None the cache keeps positions unbounded and takes this model") from None
         except BaseException:
             binding.release()
@@ -208,6 +224,7 @@ class EvictionCache(FixedRows, DynamicCache):
         if self.layers and describe(specs) != self.layout:
             binding.release()
             raise ValueError(f"this cache holds the layers {_short(self.layout)}; the model has {_short(describe(specs))}")
+        self.limit = limit
         self.rotary = rotary if self.bounded else []
         if not self.layers:
             self.layers = self._new_layers(specs)
@@ -216,6 +233,16 @@ class EvictionCache(FixedRows, DynamicCache):
         self._release = weakref.finalize(self, self.binding.release)
         self._filled_by = weakref.ref(model)
         return self
+
+    def _bound_limit(self, config) -> int | None:
+        """``limit`` for the model of ``config``: ``"auto"`` becomes its trained positions (checked against
+        the budget as a given limit is); any other value is already checked."""
+        if not (isinstance(self.limit, str) and self.limit == AUTO_LIMIT):
+            return self.limit
+        trained = trained_positions(config)
+        if trained is None:
+            return None
+        return _checked_limit(trained, self.budget, f' (limit="auto": the model\'s {trained} trained positions)')
 
     def _new_layers(self, specs: list[LayerSpec]) -> list:
         """One empty layer per decoder layer, of the layer's kind (``pace_hf.cache.layout``):

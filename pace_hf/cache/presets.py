@@ -31,7 +31,10 @@ class PACECache(EvictionCache):
         blueprint: the planned spans and the steps that read them (``Blueprint()``: none yet); for a batch,
             one shared by every row, or a list of one per row.
         budget: resident tokens kept per full-attention layer and KV head after each forward.
-        limit: every rotary position stays below it (at least ``budget`` plus the largest chunk);
+        limit: every rotary position stays below it (at least ``budget`` plus the largest chunk). The
+            default, ``"auto"``, is the model's trained positions (its ``max_position_embeddings``, capped
+            by a switching RoPE's switch length), read at bind: inside them a bounded distance costs
+            the model context it could read, past them it keeps every distance one the model has seen.
             ``limit=None`` is the retention-only arm.
         phi: the foresight bonus's scale (``ForesightBonus(phi)``); ``bonus`` replaces it whole.
         scorer: the policy under the bonus (default H2O; ``ObservationWindow()`` for SnapKV with foresight).
@@ -50,7 +53,7 @@ class PACECache(EvictionCache):
         model=None,
         blueprint: Blueprint | None = None,
         budget: int = 2048,
-        limit: int | None = 8192,
+        limit: int | str | None = "auto",
         phi: float = 1e5,
         bonus=None,
         scorer: ScoringPolicy | None = None,

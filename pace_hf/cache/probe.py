@@ -45,7 +45,7 @@ from transformers import DynamicCache
 
 from .. import attention
 from ..binding import cache_from_kwargs, decoder_of
-from ..rope import RotaryParams, rerotate_reference, switch_length
+from ..rope import RotaryParams, rerotate_reference, trained_positions
 from .layout import LayerSpec
 
 PROBE_TOKENS = 8
@@ -100,8 +100,7 @@ class _Reading:
 def _shift(config, limit: int | None = None) -> int:
     """Where the second probe starts: its last position stays below the model's positions, its RoPE's switch
     length and ``limit`` (where each leaves room for one shifted probe)."""
-    caps = [getattr(config, "max_position_embeddings", None), switch_length(config), limit]
-    caps = [int(c) for c in caps if c]
+    caps = [int(c) for c in (trained_positions(config), limit) if c]
     return SHIFT if not caps else max(1, min(SHIFT, min(caps) - PROBE_TOKENS))
 
 

@@ -110,9 +110,9 @@ def switch_length(config: Any) -> int | None:
     length over its layer types, None where no layer type switches with the length."""
     config = getattr(config, "config", config)
     config = getattr(config, "get_text_config", lambda: config)()
-    if not hasattr(config, "standardize_rope_params"):
-        config = _LegacyConfig(config)
     try:
+        if not hasattr(config, "standardize_rope_params"):
+            config = _LegacyConfig(config)
         rope = _rope_parameters(config)
     except ValueError:  # no RoPE at all
         return None
@@ -122,6 +122,16 @@ def switch_length(config: Any) -> int | None:
         if rope_type in SWITCHING_ROPE_TYPES:
             lengths.append(_switch(config, params, rope_type)[0])
     return min(lengths) if lengths else None
+
+
+def trained_positions(config: Any) -> int | None:
+    """The most positions the model reads as it was trained to: ``max_position_embeddings``, capped by a
+    switching RoPE's switch length (None where the config states neither). It is a bounded cache's
+    ``limit="auto"``: below it, every rotary distance is one the model has seen."""
+    config = getattr(config, "config", config)
+    config = getattr(config, "get_text_config", lambda: config)()
+    caps = [c for c in (getattr(config, "max_position_embeddings", None), switch_length(config)) if c]
+    return min(int(c) for c in caps) if caps else None
 
 
 def _switch(config: Any, params: dict, rope_type: str) -> tuple[int, str]:

@@ -48,6 +48,11 @@ def load(name_or_path: str, dtype: str = "auto", loader=None):
     return model.eval(), tokenizer
 
 
+def _limit(text: str):
+    """``--limit``: ``auto`` or a number of positions (0: unbounded)."""
+    return text if text == "auto" else int(text)
+
+
 def _hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the Hub's host takes a connection (always True behind a proxy, which may be the only way
     out). Without a network, ``from_pretrained`` retries each file for half a minute or more before it
@@ -114,7 +119,8 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     p.add_argument("--store", default="disk:runs/serve", help=f"tiers, fastest first, comma-separated: {SPELLINGS}")
     p.add_argument("--served-name", action="append", help="a name requests may use for the model (default: --model)")
     p.add_argument("--budget", type=int, default=2048, help="resident tokens per session cache")
-    p.add_argument("--limit", type=int, default=8192, help="rotary position limit (0: unbounded)")
+    p.add_argument("--limit", type=_limit, default="auto",
+                   help="rotary position limit (0: unbounded; auto: the model's trained positions)")
     p.add_argument("--chunk", type=int, default=None,
                    help=f"prompt tokens a prefill forward takes (eviction runs at each chunk's end); with chunked "
                         f"prefill, what a batched step carries beside the decoding rows (default: {CHUNK}, or the "
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None, loader=None) -> None:
     model, tokenizer = load(args.model, args.dtype, loader or args.loader)
     names = args.served_name or [args.model]
     try:
-        engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit or None,
+        engine = Engine(model, tokenizer, store, names[0], budget=args.budget, limit=args.limit if args.limit != 0 else None,
                         chunk=args.chunk, max_context=args.max_context, max_tokens=args.max_tokens,
                         max_resident=args.max_resident, idle_ttl_s=args.idle_ttl, queue_size=args.queue_size,
                         spill_cap_bytes=int(args.spill_cap_mb * 2**20), retrieval=args.retrieval,

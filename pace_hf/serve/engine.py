@@ -218,7 +218,7 @@ class LeaseKeeper:
 class Engine:
     """The worker (see the module docstring). ``start()`` it; ``submit(turn)`` from the event loop."""
 
-    def __init__(self, model, tokenizer, store, model_name: str, *, budget: int = 2048, limit: int | None = 8192,
+    def __init__(self, model, tokenizer, store, model_name: str, *, budget: int = 2048, limit: int | str | None = "auto",
                  chunk: int | None = None, max_context: int = 32768, max_tokens: int = 512, max_resident: int = 8,
                  idle_ttl_s: float = 600.0, queue_size: int = 16, spill_cap_bytes: int | None = 512 << 20,
                  retrieval: bool = True, retain_bytes: int | None = None, retain_age_s: float | None = None,
