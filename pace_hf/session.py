@@ -72,7 +72,6 @@ class PACESession:
             raise TypeError(f"cache must be a PACECache (a session plans spans in its blueprint), "
                             f"got {type(cache).__name__}")
         if cache is not None:  # its settings are its own: another value here would be silently ignored
-            cache.bind(model)  # (a no-op if bound to it): its limit="auto" is read from the model here
             mine = {"budget": cache.budget, "store": cache.store, "session_id": cache.session_id, "limit": cache.limit}
             given = {k: v for k, v in (("budget", budget), ("store", store), ("session_id", session_id)) if v is not None}
             given.update({"limit": limit} if limit != "auto" else {})  # None (no limit) is a value too
@@ -93,6 +92,8 @@ class PACESession:
             knobs = {k: cache_kwargs.pop(k) for k in MEMORY_KNOBS if k in cache_kwargs}
             memory = KVMemory(store=store, session_id=session_id, **knobs)
             cache = PACECache(model, budget=budget, limit=limit, memory=memory, **cache_kwargs)
+        else:
+            cache.bind(model)  # (a no-op if bound to it): an unbound cache reads its limit="auto" here
         self.cache = cache
         self.memory = cache.memory
         room = (self.cache.limit - self.cache.budget) if self.cache.limit is not None else 4096

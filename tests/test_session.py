@@ -69,6 +69,9 @@ def test_bad_session_arguments_are_refused_before_anything_changes(tiny_session_
             PACESession(model, tokenizer, cache=built, **wrong)  # was silently ignored
     assert PACESession(model, tokenizer, cache=built, budget=48, limit=160).cache is built  # the same values: fine
     built.unbind()
+    unbound = PACECache(budget=48, recent=8)  # generate needs it bound: the session binds it to its model
+    assert PACESession(model, tokenizer, cache=unbound).cache.limit == model.config.max_position_embeddings
+    unbound.unbind()
     with pytest.raises(TypeError, match="retrieval is True, False or a pace_hf.memory.retrieval.PageRetriever"):
         make(retrieval="yes")
     session = make(chunk=32)
