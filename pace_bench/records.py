@@ -26,7 +26,8 @@ def pair_key(arm: str, r: dict) -> tuple:
 
 def read_jsonl(paths) -> list[dict]:
     """The records of the JSONL files ``paths`` (one path or several; missing files hold none), in
-    order, each (arm, session, probe) once: a record repeated in a later file is dropped."""
+    order, each (arm, session, budget, probe) once: a record repeated in a later file is dropped (a run of
+    several budgets plays each arm and session once per budget)."""
     paths = [paths] if isinstance(paths, (str, Path)) else paths
     records, seen = [], set()
     for path in map(Path, paths):
@@ -35,7 +36,7 @@ def read_jsonl(paths) -> list[dict]:
         for line in path.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                key = (*pair_key(r["arm"], r), r["probe"])
+                key = (*pair_key(r["arm"], r), r.get("budget"), r["probe"])
                 if key not in seen:
                     seen.add(key)
                     records.append(r)

@@ -246,14 +246,17 @@ def test_resume_plays_again_what_another_plan_or_layout_played():
     assert bfcl_chain.stale(records, ["h2o", "full"], plan) == []  # an arm not played keeps its records
 
 
+def rec(arm, budget, nlls, rights):
+    """A session's record of 8 entries, one call each: ``nlls`` its calls' summed NLL, ``rights`` its probes."""
+    return {"session_id": "chain0-0", "arm": arm, "budget": budget, "trajectory": "t", "tokens": 1000, "probe": 0,
+            "entries": [f"multi_turn_{'long_context' if e >= 6 else 'base'}_{e}" for e in range(8)],
+            "calls": [[e, 0, 0, 10, nll, 5, 1.0] for e, nll in enumerate(nlls)],
+            "probes": [[e, 0, {"name": True, "args": bool(ok), "exec": bool(ok), "text": ""}] for e, ok in enumerate(rights)],
+            "peak_cache_bytes": 1 << 20, "full_cache_bytes": 2 << 20, "prefill_seconds": 1, "probe_seconds": 1, "cpu_seconds": 2}
+
+
 def test_the_table_pairs_entries_and_tests_them():
     """NLL ratio to the full cache over paired entries with its bootstrap interval; sign tests by entry."""
-    def rec(arm, budget, nlls, rights):
-        return {"session_id": "chain0-0", "arm": arm, "budget": budget, "trajectory": "t", "tokens": 1000,
-                "entries": [f"multi_turn_{'long_context' if e >= 6 else 'base'}_{e}" for e in range(8)],
-                "calls": [[e, 0, 0, 10, nll, 5, 1.0] for e, nll in enumerate(nlls)],
-                "probes": [[e, 0, {"name": True, "args": bool(ok), "exec": bool(ok), "text": ""}] for e, ok in enumerate(rights)],
-                "peak_cache_bytes": 1 << 20, "full_cache_bytes": 2 << 20, "prefill_seconds": 1, "probe_seconds": 1, "cpu_seconds": 2}
     records = [rec("full", None, [10.0] * 8, [1] * 8), rec("h2o", 2048, [20.0] * 8, [0] * 8),
                rec("pace", 2048, [11.0] * 7 + [30.0], [1] * 7 + [0])]
     ratio, lo, hi = bfcl_chain.bootstrap_ratio([11.0] * 7 + [30.0], [10.0] * 8)
@@ -275,3 +278,21 @@ def test_bad_settings_are_refused_before_anything_loads(nothing_loads, capsys):
         with pytest.raises(SystemExit):
             main(["--suite", "bfcl-chain", *argv])
         assert said in capsys.readouterr().err
+
+
+def test_a_run_of_two_budgets_keeps_both_budgets_records(tmp_path):
+    """Records were told apart by arm, session and probe: the merge of a ``--budgets 2048,4096`` run's shards
+    (and its resume, and ``--report``) kept each arm's B = 2,048 record of a session and dropped its B = 4,096
+    one. The budget is part of what a record is."""
+    from pace_bench.records import read_jsonl
+    from pace_bench.suite import played
+
+    records = [rec("full", None, [10.0] * 8, [1] * 8), rec("h2o", 2048, [20.0] * 8, [0] * 8),
+               rec("h2o", 4096, [12.0] * 8, [1] * 8)]
+    (tmp_path / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    (tmp_path / "probes.rank1.jsonl").write_text(json.dumps(records[2]) + "\n" + json.dumps(records[1]) + "\n")
+    (tmp_path / "run.json").write_text("{}")
+    kept, _ = played(tmp_path, "bfcl-chain", "records")
+    assert kept == records and read_jsonl(tmp_path / "probes.rank1.jsonl") == [records[2], records[1]]
+    text = bfcl_chain.table(kept)
+    assert "**B = 2,048**" in text and "**B = 4,096**" in text and "| h2o | 1 | 8 | 80 | 1.200 | 1.200 [" in text
