@@ -11,7 +11,9 @@
 #      python bench/bfcl_chain_plans.py RESULTS/limit-32k --ref RESULTS/32k;
 #   4. PACE alone at L = 32,768 on the 64K sessions (RESULTS/limit-64k), as in 3;
 #   5. the 32K sessions again at B = 4,096 (the full cache is not played again);
-#   6. the ablation, on the 64K sessions: H2O and SnapKV with PACE's bounded positions (positions_only,
+#   6. PACE alone at L = 32,768 on them at B = 4,096 (RESULTS/limit-32k/table-b4096.md): at L = 8,192, 4,096
+#      residents leave little room for eviction's gaps, and the first sessions put PACE behind H2O there;
+#   7. the ablation, on the 64K sessions: H2O and SnapKV with PACE's bounded positions (positions_only,
 #      snapkv_bounded, at L = 8,192), into RESULTS/64k beside the arms. Past the training context H2O and
 #      SnapKV read far positions (bench/bfcl_chain_by_position.py): this says what bounding them is worth,
 #      and what PACE's plan adds to its limit.
@@ -58,6 +60,9 @@ bank() {  # every run into RESULTS; the limit's runs beside the arms they are co
         if [ -s "$RESULTS/limit-$length/pace-L32768/probes.jsonl" ]; then
             "$PY" bench/bfcl_chain_plans.py "$RESULTS/limit-$length" --ref "$RESULTS/$length" > /dev/null
         fi
+        if grep -qs '"budget": 4096' "$RESULTS/limit-$length/pace-L32768/probes.jsonl"; then
+            "$PY" bench/bfcl_chain_plans.py "$RESULTS/limit-$length" --ref "$RESULTS/$length" --budget 4096 > /dev/null
+        fi
     done
     # the calls past the training context (64K; its entries paired with the same ones in 32K sessions), and
     # the same split inside it as the control (32K)
@@ -102,5 +107,6 @@ stage 64k 64k 65536 "$SESSIONS_64K" 2048 "$ARMS" 8192
 stage 32k-L32768 limit-32k/pace-L32768 32768 "$SESSIONS_32K" 2048 pace 32768
 stage 64k-L32768 limit-64k/pace-L32768 65536 "$SESSIONS_64K" 2048 pace 32768
 stage 32k 32k 32768 "$SESSIONS_32K" 2048,4096 "$ARMS" 8192
+stage 32k-L32768 limit-32k/pace-L32768 32768 "$SESSIONS_32K" 2048,4096 pace 32768
 stage 64k 64k 65536 "$SESSIONS_64K" 2048 positions_only,snapkv_bounded 8192
 echo "run_bfcl_chain.sh: $(date -u +%FT%TZ) done: $RESULTS/*/table.md"

@@ -50,6 +50,11 @@ def test_a_variant_is_set_beside_a_reference_held_elsewhere(plans, tmp_path):
     assert got["h2o"][2] == "-" and got["snapkv"][3] == "-"  # no column against StreamingLLM: not played
     assert set(got) == {"arm", "h2o", "snapkv", bounded, unbounded}
 
+    assert plans.main([str(tmp_path / "limits"), "--ref", str(ref), "--budget", "4096"]) == 0  # that H2O alone
+    other = rows((tmp_path / "limits" / "table-b4096.md").read_text())
+    assert set(other) == {"arm", "h2o"} and float(other["h2o"][0].split()[0]) == pytest.approx(
+        10 * float(got["h2o"][0].split()[0]), rel=1e-3)
+
     (ref / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if r["arm"] != "full"))
     with pytest.raises(SystemExit, match="holds no full-cache records"):
         plans.main([str(tmp_path / "limits"), "--ref", str(ref)])
