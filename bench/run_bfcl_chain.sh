@@ -11,8 +11,8 @@
 #      python bench/bfcl_chain_plans.py RESULTS/limit-32k --ref RESULTS/32k;
 #   4. PACE alone at L = 32,768 on the 64K sessions (RESULTS/limit-64k), as in 3;
 #   5. the 32K sessions again at B = 4,096 (the full cache is not played again);
-#   6. PACE alone at L = 32,768 on them at B = 4,096 (RESULTS/limit-32k/table-b4096.md): at L = 8,192, 4,096
-#      residents leave little room for eviction's gaps, and the first sessions put PACE behind H2O there;
+#   6. PACE alone at L = 32,768 on them at B = 4,096 (RESULTS/limit-32k/table-b4096.md): the first sessions
+#      put PACE at L = 8,192 behind H2O there, and this tests whether the limit is why, as it was at B = 2,048;
 #   7. the ablation, on the 64K sessions: H2O and SnapKV with PACE's bounded positions (positions_only,
 #      snapkv_bounded, at L = 8,192), into RESULTS/64k beside the arms. Past the training context H2O and
 #      SnapKV read far positions (bench/bfcl_chain_by_position.py): this says what bounding them is worth,
